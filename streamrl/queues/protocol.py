@@ -1,0 +1,56 @@
+"""Messages of the rollout stream (rollout workers -> buffer), msgpack on ZeroMQ.
+
+    sender                                   receiver
+      Hello(sender_id, session, want)  ──►    registers the session
+                                       ◄──    Credit(n, version)   n more groups may start
+      Group(...)                       ──►    de-duplicated by group_id, handed to the buffer
+                                       ◄──    Ack(group_ids)       sender forgets them
+      Report(kind, payload)            ──►    evaluation results, rollout counters
+                                       ◄──    Stop()               no more groups are wanted
+
+A credit is permission to *start* one group (admission control, AReaL's
+staleness rule) and reserves the buffer slot it will occupy, so a sender never
+has a finished group it may not send. Unacked groups are resent after a
+reconnect; the receiver acks duplicates without storing them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from streamrl.types import Group
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    sender_id: str
+    """Stable name of the rollout worker."""
+    session: str
+    """Random per process start; a new session revokes the old one's credits."""
+    want: int = 0
+    """Groups the sender can have in flight; 0 means as many as admission allows."""
+
+
+class Credit(msgspec.Struct, tag="credit"):
+    num_groups: int
+    version: int
+    """Weight version the engines serve (the one admission used)."""
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    group_ids: list[str]
+
+
+class Report(msgspec.Struct, tag="report"):
+    kind: str
+    """`eval` (an evaluation result) or `rollout` (counters of the rollout worker)."""
+    payload: dict[str, Any]
+
+
+class Stop(msgspec.Struct, tag="stop"):
+    reason: str = ""
+
+
+ToReceiver = Hello | Group | Report
+ToSender = Credit | Ack | Stop

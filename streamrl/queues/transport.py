@@ -1,0 +1,343 @@
+"""The rollout stream on ZeroMQ: lossless, credit-based, de-duplicated.
+
+`StreamReceiver` (buffer side) binds a ROUTER socket; each `StreamSender`
+(rollout side) connects a DEALER whose identity is its sender id. The
+protocol and its guarantees are in `streamrl.queues.protocol`:
+
+- lossless: a sender keeps every group until the receiver acks it and resends
+  unacked groups when it reconnects or hears nothing for `resend_after_s`;
+- bounded: a sender starts a group only with a credit the receiver granted;
+- exactly once: the receiver remembers every group id it accepted and acks,
+  but does not store, a duplicate;
+- robust: an undecodable frame is logged and counted; the receiver goes on.
+
+Both ends run inside an anyio task group on the asyncio backend (pyzmq's
+asyncio sockets); `run()` reports readiness through `task_status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from streamrl.queues.protocol import Ack, Credit, Hello, Report, Stop, ToReceiver, ToSender
+from streamrl.types import Group, make_decoder, make_encoder
+
+log = logging.getLogger(__name__)
+
+
+class CreditSource(Protocol):
+    """Decides how many new groups may start (see `streamrl.queues.admission.Admission`)."""
+
+    version: int
+
+    def available(self) -> int: ...
+    def granted(self, num_groups: int) -> None: ...
+    def returned(self) -> None: ...
+    def revoked(self, num_groups: int) -> None: ...
+
+
+class UnlimitedCredits:
+    """A CreditSource bounded only by a window of groups in flight (transport tests, benches)."""
+
+    def __init__(self, window: int = 1024) -> None:
+        self.window = window
+        self.version = 0
+        self.in_flight = 0
+
+    def available(self) -> int:
+        return self.window - self.in_flight
+
+    def granted(self, num_groups: int) -> None:
+        self.in_flight += num_groups
+
+    def returned(self) -> None:
+        self.in_flight -= 1
+
+    def revoked(self, num_groups: int) -> None:
+        self.in_flight -= num_groups
+
+
+@dataclass
+class _Session:
+    identity: bytes
+    session: str
+    want: int
+    outstanding: int = 0
+
+    def room(self) -> int | None:
+        return None if self.want == 0 else max(0, self.want - self.outstanding)
+
+
+@dataclass
+class ReceiverStats:
+    num_groups: int = 0
+    num_duplicates: int = 0
+    num_bad_frames: int = 0
+    num_reports: int = 0
+    num_sessions: int = 0
+
+
+class StreamReceiver:
+    """Buffer side of the stream. `on_group` is called once per new group id."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        credits: CreditSource,
+        on_group: Callable[[Group], None],
+        on_report: Callable[[Report], None] | None = None,
+    ) -> None:
+        self.address = address
+        self.credits = credits
+        self.on_group = on_group
+        self.on_report = on_report
+        self.stats = ReceiverStats()
+        self.bound_address = ""
+        self._sessions: dict[bytes, _Session] = {}
+        self._seen: set[str] = set()
+        self._encoder = make_encoder()
+        self._decoder = make_decoder(ToReceiver)
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._stopped = False
+
+    def bind(self) -> str:
+        """Bind now (port 0 picks a free one); returns the address senders connect to."""
+        if not self.bound_address:
+            if self.address.endswith(":0"):
+                port = self._socket.bind_to_random_port(self.address.rsplit(":", 1)[0])
+                self.bound_address = f"{self.address.rsplit(':', 1)[0]}:{port}"
+            else:
+                self._socket.bind(self.address)
+                self.bound_address = self.address
+        return self.bound_address
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        self.bind()
+        task_status.started(self.bound_address)
+        try:
+            while True:
+                frames = await self._socket.recv_multipart(copy=False)
+                await self._handle(frames)
+        finally:
+            self._socket.close(0)
+            self._context.term()
+
+    def has_seen(self, group_id: str) -> bool:
+        return group_id in self._seen
+
+    async def grant(self) -> None:
+        """Hand out whatever the credit source allows, fairly across sessions."""
+        if self._stopped:
+            return
+        available = self.credits.available()
+        sessions = sorted(self._sessions.values(), key=lambda s: s.outstanding)
+        while available > 0 and sessions:
+            progressed = False
+            for session in sessions:
+                room = session.room()
+                if available <= 0:
+                    break
+                if room == 0:
+                    continue
+                # Spread credits: at most an even share per pass for unlimited senders.
+                share = max(1, available // len(sessions))
+                num = min(available, share if room is None else min(room, share))
+                session.outstanding += num
+                available -= num
+                self.credits.granted(num)
+                await self._send(session.identity, Credit(num, self.credits.version))
+                progressed = True
+            if not progressed:
+                break
+
+    async def stop(self, reason: str = "") -> None:
+        """Tell every sender to stop starting groups; groups already sent are still received."""
+        self._stopped = True
+        for session in self._sessions.values():
+            await self._send(session.identity, Stop(reason))
+
+    async def _handle(self, frames: list) -> None:
+        if len(frames) != 2:
+            self._bad_frame(f"{len(frames)} frames")
+            return
+        identity, payload = frames[0].bytes, frames[1].buffer
+        try:
+            message = self._decoder.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            self._bad_frame(str(exc))
+            return
+        if isinstance(message, Group):
+            await self._on_group(identity, message)
+        elif isinstance(message, Hello):
+            await self._on_hello(identity, message)
+        elif isinstance(message, Report):
+            self.stats.num_reports += 1
+            if self.on_report is not None:
+                self.on_report(message)
+
+    async def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        old = self._sessions.get(identity)
+        if old is not None and old.session == hello.session:
+            return
+        if old is not None and old.outstanding:
+            log.warning(
+                "sender %s restarted: revoking %d credits", hello.sender_id, old.outstanding
+            )
+            self.credits.revoked(old.outstanding)
+        self.stats.num_sessions += 1
+        self._sessions[identity] = _Session(identity, hello.session, hello.want)
+        if self._stopped:
+            await self._send(identity, Stop("receiver stopped"))
+        else:
+            await self.grant()
+
+    async def _on_group(self, identity: bytes, group: Group) -> None:
+        if group.group_id in self._seen:
+            self.stats.num_duplicates += 1
+        else:
+            self._seen.add(group.group_id)
+            self.stats.num_groups += 1
+            session = self._sessions.get(identity)
+            if session is not None and session.outstanding > 0:
+                session.outstanding -= 1
+                self.credits.returned()
+            self.on_group(group)
+        await self._send(identity, Ack([group.group_id]))
+        await self.grant()
+
+    def _bad_frame(self, why: str) -> None:
+        self.stats.num_bad_frames += 1
+        log.warning("rollout stream: dropped an undecodable frame (%s)", why[:200])
+
+    async def _send(self, identity: bytes, message: ToSender) -> None:
+        await self._socket.send_multipart([identity, self._encoder.encode(message)])
+
+
+class StreamSender:
+    """Rollout side of the stream: `await acquire()` before starting a group, `send()` it when done."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        sender_id: str,
+        want: int = 0,
+        resend_after_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.sender_id = sender_id
+        self.want = want
+        self.resend_after_s = resend_after_s
+        self.session = uuid.uuid4().hex
+        self.version = 0
+        self.is_stopped = False
+        self._credits = 0
+        self._unacked: dict[str, tuple[float, bytes]] = {}
+        self._changed = anyio.Event()
+        self._encoder = make_encoder()
+        self._decoder = make_decoder(ToSender)
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, sender_id.encode())
+        self._socket.setsockopt(zmq.LINGER, 0)
+
+    @property
+    def num_unacked(self) -> int:
+        return len(self._unacked)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        self._socket.connect(self.address)
+        await self._hello()
+        task_status.started()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._resend_loop)
+                while True:
+                    payload = await self._socket.recv(copy=False)
+                    try:
+                        message = self._decoder.decode(payload.buffer)
+                    except (msgspec.DecodeError, ValueError) as exc:
+                        log.warning("rollout stream: undecodable reply (%s)", exc)
+                        continue
+                    self._on_message(message)
+        finally:
+            self._socket.close(0)
+            self._context.term()
+
+    async def acquire(self) -> bool:
+        """Wait for a credit to start one group. False once the receiver said stop."""
+        while self._credits <= 0 and not self.is_stopped:
+            changed = self._changed
+            await changed.wait()
+        if self.is_stopped:
+            return False
+        self._credits -= 1
+        return True
+
+    def release(self) -> None:
+        """Give back an unused credit (the group was never started)."""
+        self._credits += 1
+
+    async def send(self, group: Group) -> None:
+        payload = self._encoder.encode(group)
+        self._unacked[group.group_id] = (time.monotonic(), payload)
+        await self._socket.send(payload, copy=False)
+
+    async def send_report(self, kind: str, payload: dict) -> None:
+        await self._socket.send(self._encoder.encode(Report(kind, payload)))
+
+    async def flush(self) -> None:
+        """Wait until every sent group is acknowledged."""
+        while self._unacked:
+            changed = self._changed
+            await changed.wait()
+
+    async def wait_version(self, version: int) -> None:
+        """Wait until the receiver reports engines at `version` or later (or stops)."""
+        while self.version < version and not self.is_stopped:
+            changed = self._changed
+            await changed.wait()
+
+    async def _hello(self) -> None:
+        await self._socket.send(self._encoder.encode(Hello(self.sender_id, self.session, self.want)))
+
+    def _on_message(self, message: ToSender) -> None:
+        if isinstance(message, Credit):
+            self._credits += message.num_groups
+            self.version = max(self.version, message.version)
+        elif isinstance(message, Ack):
+            for group_id in message.group_ids:
+                self._unacked.pop(group_id, None)
+        elif isinstance(message, Stop):
+            self.is_stopped = True
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _resend_loop(self) -> None:
+        """Resend groups unacked for `resend_after_s` (the receiver restarted or a frame was lost)."""
+        while True:
+            await anyio.sleep(self.resend_after_s / 2)
+            now = time.monotonic()
+            stale = [gid for gid, (sent, _) in self._unacked.items() if now - sent > self.resend_after_s]
+            if stale:
+                log.info("rollout stream: resending %d unacked groups", len(stale))
+                await self._hello()
+            for group_id in stale:
+                if group_id in self._unacked:
+                    _, payload = self._unacked[group_id]
+                    self._unacked[group_id] = (now, payload)
+                    await self._socket.send(payload, copy=False)
