@@ -1,0 +1,38 @@
+"""Shared fixtures: free ports, a tiny random model on disk, the anyio backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.launch.process import free_port as _free_port
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def free_port():
+    """A function returning a fresh free TCP port on 127.0.0.1 each call."""
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random Qwen3-shaped model (a few MB) saved as a Hugging Face directory."""
+    from streamrl.engine.models import save_random_model
+
+    path = tmp_path_factory.mktemp("models") / "qwen3-tiny"
+    save_random_model("qwen3-tiny", path, seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A random Llama-shaped model saved as a Hugging Face directory."""
+    from streamrl.engine.models import save_random_model
+
+    path = tmp_path_factory.mktemp("models") / "llama-tiny"
+    save_random_model("llama-tiny", path, seed=0)
+    return str(path)
