@@ -1,0 +1,125 @@
+"""The weight-update process group that trainers and engines share.
+
+SGLang engines join a separately named process group to receive weights, and
+a trainer must build its side the same way or the two never meet:
+
+    store  = tcp://master_address:master_port rendezvous (rank 0 hosts the TCPStore)
+    store  = PrefixStore(group_name, store)
+    group  = torch.distributed's private `_new_process_group_helper(...)`
+    ranks  = {i: i for i in range(world_size)} registered for the group
+
+The group is not torch's default group: a trainer may keep its own default
+group (data parallel, Megatron) next to it, and an engine needs none. Rank 0
+is the trainer; engines are ranks 1.. (`rank_offset` of
+`/init_weights_update_group`). One `broadcast(src=0)` per tensor, in order.
+
+All private torch.distributed API use in streamrl lives in this module; the
+helper's keyword names changed across torch releases, so they are read from
+its signature at run time (checked on torch 2.11 and 2.13).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def init_weight_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """Join (rank >= 1) or host (rank 0) the named weight-update group.
+
+    Blocks until all `world_size` ranks have joined or `timeout_s` passes."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+
+    helper = c10d._new_process_group_helper
+    parameters = inspect.signature(helper).parameters
+    kwargs: dict = {"group_name": group_name, "timeout": timeout}
+    # torch < 2.6 spelled `backend_options` as `pg_options`; both default to None.
+    options_key = "backend_options" if "backend_options" in parameters else "pg_options"
+    if options_key in parameters:
+        kwargs[options_key] = None
+    # An empty rank list makes the helper skip the membership check that
+    # would consult the default group (which an engine does not have).
+    result = helper(world_size, rank, [], backend, store, **kwargs)
+    group = result[0] if isinstance(result, tuple) else result
+    # Without this mapping `broadcast(src=0, group=group)` cannot translate the
+    # source rank when no default group exists (or the default is another one).
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    logger.info(
+        "joined weight-update group %r as rank %d of %d (%s, %s)",
+        group_name,
+        rank,
+        world_size,
+        backend,
+        url,
+    )
+    return group
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
+    """Shut the group down and forget it, so its name can be reused."""
+    dist.destroy_process_group(group)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` -> `torch.bfloat16` (the names SGLang clients send)."""
+    short = name.removeprefix("torch.")
+    dtype = getattr(torch, short, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> None:
+    """Rank 0: send each tensor, in order, one broadcast each (contiguous copies if needed)."""
+    for tensor in tensors:
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
+
+
+def receive_tensors(
+    group: dist.ProcessGroup,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> list[tuple[str, torch.Tensor]]:
+    """Ranks >= 1: receive one broadcast per name, in order, into fresh tensors on `device`."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
+    received = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+        dist.broadcast(tensor, src=0, group=group)
+        received.append((name, tensor))
+    return received
