@@ -1,0 +1,334 @@
+"""Advantage estimators and policy losses: pure functions on torch tensors.
+
+Layout (see `streamrl.learners.base`): per-token tensors are `[B, T]` and
+aligned with `input_ids`, position t holding data about token t; `loss_mask`
+is 1 on trained (model-produced) tokens; the samples of one group are
+consecutive rows. The training loop composes these functions: advantages once
+per step (`token_advantages`), then per micro-batch `policy_loss` (plus
+`kl_penalty` and entropy) reduced with `aggregate` against the mini-batch
+totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Estimators that give one scalar advantage per sample."""
+ADVANTAGE_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
+CORRECTIONS = ("decoupled_ppo", "tis", "none")
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Logit elements (B * positions * V) converted to fp32 at once by the logits helpers (64 MiB)."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over the positions where `mask` is nonzero (0 where there are none, never NaN)."""
+    is_on = mask > 0
+    values = torch.where(is_on, x, 0.0)
+    if dim is None:
+        return values.sum() / is_on.sum().clamp_min(1)
+    return values.sum(dim) / is_on.sum(dim).clamp_min(1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """(x - mean) / (std + eps) over the masked positions, 0 off the mask.
+
+    The std is the population one (divide by the count), so the masked result
+    has mean 0 and std 1 exactly up to eps."""
+    is_on = mask > 0
+    centered = torch.where(is_on, x - masked_mean(x, mask), 0.0)
+    std = masked_mean(centered.square(), mask).sqrt()
+    return centered / (std + eps)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, estimator: str, *, eps: float = 1e-6
+) -> Tensor:
+    """One scalar advantage per sample, from the rewards of its group. [N] -> [N] float32.
+
+    - `grpo`: (r - group mean) / (group std + eps) (DeepSeekMath, arXiv 2402.03300,
+      section 4.1.2). The std is the unbiased one (divide by n - 1), as torch.std
+      computes it in slime, verl and TRL, so advantages and tuned learning rates
+      carry over from them; a group of one sample has std 0 and advantage 0.
+    - `dr_grpo`: r - group mean (Dr. GRPO, arXiv 2503.20783: no std division).
+    - `rloo`: r_i - mean of the other n - 1 rewards of the group (RLOO,
+      arXiv 2402.14740); 0 when the group has one sample.
+    - `reinforce_plus_plus_baseline`: r - group mean; `token_advantages` then
+      whitens it over the batch (REINFORCE++, arXiv 2501.03262).
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        token_level = estimator in ADVANTAGE_ESTIMATORS
+        hint = " (it is token-level: use token_advantages)" if token_level else ""
+        raise ValueError(
+            f"unknown group advantage estimator {estimator!r}{hint}; "
+            f"expected one of {', '.join(GROUP_ESTIMATORS)}"
+        )
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards cannot be split into groups of group_size = {group_size}"
+        )
+    grouped = rewards.float().view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        std = (centered.square().sum(dim=1, keepdim=True) / max(group_size - 1, 1)).sqrt()
+        advantages = centered / (std + eps)
+    elif estimator == "rloo":
+        if group_size == 1:
+            advantages = torch.zeros_like(grouped)
+        else:
+            others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+            advantages = grouped - others_mean
+    else:
+        advantages = centered
+    return advantages.view(-1)
+
+
+def token_advantages(
+    estimator: str,
+    rewards: Tensor,
+    group_size: int,
+    loss_mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-token advantages [N, T] float32, 0 off `loss_mask`.
+
+    Group estimators broadcast `group_advantages` over each row's masked tokens;
+    `reinforce_plus_plus_baseline` then whitens them over every masked token of
+    the batch. `reinforce_plus_plus` (arXiv 2501.03262) gives each masked token
+    the reward -kl_coef * kl[t], adds the sample's reward on its last masked
+    token, takes discounted returns G_t = sum_{k >= t} gamma^(j(k) - j(t)) r_k
+    over masked k, where j counts masked tokens (so unmasked holes such as tool
+    output neither earn a discount step nor break the chain), and whitens them
+    over the batch. `kl`/`kl_coef`/`gamma` are used by `reinforce_plus_plus` only.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; "
+            f"expected one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
+    if loss_mask.dim() != 2 or loss_mask.shape[0] != rewards.numel():
+        raise ValueError(
+            f"loss_mask must be [N, T] with N = {rewards.numel()} rewards, "
+            f"got shape {tuple(loss_mask.shape)}"
+        )
+    mask = (loss_mask > 0).float()
+    if estimator == "reinforce_plus_plus":
+        if kl_coef and kl is None:
+            raise ValueError("reinforce_plus_plus with kl_coef > 0 needs the per-token kl")
+        token_rewards = torch.zeros_like(mask)
+        if kl is not None:
+            token_rewards = torch.where(mask > 0, -kl_coef * kl.float(), 0.0)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        last = torch.where(mask > 0, positions, -1).amax(dim=1)  # -1: no trained token
+        rows = (last >= 0).nonzero().squeeze(1)
+        token_rewards[rows, last[rows]] += rewards.float().to(mask.device)[rows]
+        return masked_whiten(_discounted_returns(token_rewards, mask, gamma), mask, eps)
+    advantages = group_advantages(rewards, group_size, estimator, eps=eps).to(mask.device)
+    advantages = advantages[:, None] * mask
+    if estimator == "reinforce_plus_plus_baseline":
+        return masked_whiten(advantages, mask, eps)
+    return advantages
+
+
+def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_(next masked token), on masked tokens; 0 elsewhere."""
+    if gamma == 1.0:  # a reverse cumulative sum; holes add 0 and cost no discount
+        return torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [1]), 1), [1]) * mask
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        is_on = mask[:, t] > 0
+        running = torch.where(is_on, token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(is_on, running, 0.0)
+    return returns
+
+
+# ---------------------------------------------------------------- losses
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token logprobs.
+
+    Estimators from Schulman, "Approximating KL Divergence" (2020), with
+    x = log pi_ref - log pi: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - x - 1.
+    `low_var_kl` is k3 clamped to [-10, 10] (verl's name); x is first clamped
+    to [-20, 20], which changes no value (k3 is past 10 there) but keeps
+    exp from overflowing into NaN gradients.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        x = -log_ratio
+        if kind == "low_var_kl":
+            x = x.clamp(-20.0, 20.0)
+        kl = torch.exp(x) - x - 1.0
+        return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+    raise ValueError(f"unknown kl kind {kind!r}; expected one of {', '.join(KL_KINDS)}")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor | None,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float = 0.0,
+    dual_clip_c: float = 0.0,
+    correction: str = "decoupled_ppo",
+    tis_clip: float = 2.0,
+    behaviour_weight_cap: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token clipped policy-gradient loss [B, T] to minimise (0 off the mask), and metrics.
+
+    u = pi_theta / pi_prox and obj = min(u A, clip(u, 1 - eps_clip, 1 + high) A)
+    (PPO, arXiv 1707.06347), with high = eps_clip_high or eps_clip (DAPO's
+    clip-higher, arXiv 2503.14476). With dual_clip_c = c > 1, obj >= c A for
+    A < 0 (dual-clip PPO, arXiv 1912.09729). The loss is -w * obj where w
+    corrects for the behaviour policy that sampled the tokens:
+    `decoupled_ppo` w = pi_prox / pi_behav (AReaL, arXiv 2505.24298, Eq. 5),
+    capped at `behaviour_weight_cap` when that is > 0; `tis` w =
+    min(pi_prox / pi_behav, tis_clip) (truncated importance sampling, Ionides
+    2008; as slime's --tis-clip); `none` w = 1. Only `logprobs` carries a
+    gradient; `proximal_logprobs=None` means pi_prox = pi_theta detached (u = 1).
+
+    Metrics, each [B, T] and 0 off the mask: `clipped` 1 where a clip binds
+    (the token gives no gradient), `ratio` u, `behaviour_weight` w.
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(
+            f"unknown off-policy correction {correction!r}; expected one of {', '.join(CORRECTIONS)}"
+        )
+    if dual_clip_c != 0.0 and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
+    is_trained = loss_mask > 0
+    proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
+    advantages = advantages.detach()
+    # Off the mask the exponents are forced to 0 so padding can never overflow into NaN.
+    ratio = torch.exp(torch.where(is_trained, logprobs - proximal, 0.0))
+    high = eps_clip_high or eps_clip
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
+    objective = torch.minimum(unclipped, clipped)
+    is_clipped = clipped < unclipped
+    if dual_clip_c > 1.0:
+        floor = dual_clip_c * advantages
+        is_dual = (advantages < 0) & (objective < floor)
+        objective = torch.where(is_dual, floor, objective)
+        is_clipped = is_clipped | is_dual
+    if correction == "none":
+        weight = torch.ones_like(proximal)
+    else:
+        weight = torch.exp(torch.where(is_trained, proximal - behaviour_logprobs.detach(), 0.0))
+        if correction == "tis":
+            weight = weight.clamp(max=tis_clip)
+        elif behaviour_weight_cap > 0:
+            weight = weight.clamp(max=behaviour_weight_cap)
+    loss = torch.where(is_trained, -weight * objective, 0.0)
+    metrics = {
+        "clipped": (is_clipped & is_trained).float(),
+        "ratio": torch.where(is_trained, ratio.detach(), 0.0),
+        "behaviour_weight": torch.where(is_trained, weight, 0.0),
+    }
+    return loss, metrics
+
+
+def aggregate(
+    per_token: Tensor, loss_mask: Tensor, mode: str, *, num_tokens: float, num_sequences: int
+) -> Tensor:
+    """Reduce a per-token quantity of one micro-batch to a scalar share of the mini-batch mean.
+
+    `token_mean`: sum of masked values / num_tokens. `seq_mean`: sum over rows of
+    the row's masked mean (0 for a row without trained tokens) / num_sequences.
+    The totals are the whole mini-batch's, so the sum over its micro-batches is
+    the mini-batch mean. Totals below 1 count as 1 (an empty batch gives 0, not NaN).
+    """
+    masked = torch.where(loss_mask > 0, per_token, 0.0)
+    if mode == "token_mean":
+        return masked.sum() / max(num_tokens, 1.0)
+    if mode == "seq_mean":
+        return masked_mean(per_token, loss_mask, dim=1).sum() / max(num_sequences, 1)
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}"
+    )
+
+
+# ---------------------------------------------------------------- logits
+
+
+def logprobs_from_logits(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits[:, t-1] / temperature)[input_ids[:, t]] at position t; [B, T] float32.
+
+    Position 0 (no predictor) is 0. Temperature 0 is treated as 1: greedy
+    decoding has no tempered distribution, and engines report its logprobs on
+    the raw one. Works in fp32 on chunks of positions (logsumexp + gather), so
+    no fp32 log-softmax copy of the whole [B, T, V] is made; under autograd the
+    fp32 chunks kept for backward add up to one fp32 copy of the logits.
+    """
+    _check_logits(logits, input_ids)
+    pieces = [logits.new_zeros(logits.shape[0], min(logits.shape[1], 1), dtype=torch.float32)]
+    for start, end, scaled in _fp32_chunks(logits, temperature):
+        targets = input_ids[:, start + 1 : end + 1].unsqueeze(-1)
+        picked = scaled.gather(-1, targets).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(scaled, dim=-1))
+    return torch.cat(pieces, dim=1)
+
+
+def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits[:, t-1] / temperature) at position t; [B, T] float32.
+
+    Position 0 is 0; temperature 0 is treated as 1 (as in `logprobs_from_logits`);
+    computed in fp32 chunks as H = -sum_v p_v log p_v with log p = z - logsumexp(z)
+    (not logsumexp(z) - sum p z, which cancels badly for peaked distributions).
+    """
+    _check_logits(logits, None)
+    pieces = [logits.new_zeros(logits.shape[0], min(logits.shape[1], 1), dtype=torch.float32)]
+    for _, _, scaled in _fp32_chunks(logits, temperature):
+        log_probs = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+        pieces.append(-(torch.exp(log_probs) * log_probs).sum(-1))
+    return torch.cat(pieces, dim=1)
+
+
+def _check_logits(logits: Tensor, input_ids: Tensor | None) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if input_ids is not None and tuple(input_ids.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"input_ids shape {tuple(input_ids.shape)} does not match logits [B, T] = "
+            f"{tuple(logits.shape[:2])}"
+        )
+
+
+def _fp32_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[int, int, Tensor]]:
+    """Yield (start, end, logits[:, start:end] / temperature in fp32) over predictor positions 0..T-2."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    scale = temperature or 1.0  # 0 = greedy: logprobs of the raw distribution
+    batch, length, vocab = logits.shape
+    step = max(1, _CHUNK_ELEMENTS // max(1, batch * vocab))
+    for start in range(0, length - 1, step):
+        end = min(start + step, length - 1)
+        scaled = logits[:, start:end].float()
+        yield start, end, scaled if scale == 1.0 else scaled / scale

@@ -1,0 +1,428 @@
+"""Advantage estimators, policy losses and logits helpers against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamrl import algorithms
+from streamrl.algorithms import (
+    aggregate,
+    entropy_from_logits,
+    group_advantages,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    token_advantages,
+)
+
+
+def t(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(actual.detach().float(), expected, atol=atol, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- group advantages
+
+
+def test_grpo_divides_by_the_unbiased_group_std():
+    # Group [1, 0, 1, 0]: mean 0.5, deviations +-0.5, unbiased var 4 * 0.25 / 3 = 1/3,
+    # std 0.577350, advantage +-0.5 / 0.577350 = +-0.866025 (population std would give +-1).
+    # Group [2, 2, 2, 2]: all deviations 0, so 0 / (0 + eps) = 0.
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    advantages = group_advantages(rewards, 4, "grpo")
+    close(advantages, [0.866025, -0.866025, 0.866025, -0.866025, 0, 0, 0, 0], atol=1e-5)
+
+
+def test_grpo_gives_zero_for_groups_of_one_sample():
+    close(group_advantages(torch.tensor([3.0, -1.0]), 1, "grpo"), [0.0, 0.0])
+
+
+def test_dr_grpo_subtracts_the_group_mean_without_dividing():
+    # [1, 0, 0]: mean 1/3 -> 2/3, -1/3, -1/3.  [3, 1, 2]: mean 2 -> 1, -1, 0.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
+    close(group_advantages(rewards, 3, "dr_grpo"), [2 / 3, -1 / 3, -1 / 3, 1.0, -1.0, 0.0])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    # [1, 0, 0]: 1 - (0+0)/2 = 1;  0 - (1+0)/2 = -0.5 (twice).
+    # [3, 1, 2]: 3 - (1+2)/2 = 1.5;  1 - (3+2)/2 = -1.5;  2 - (3+1)/2 = 0.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
+    close(group_advantages(rewards, 3, "rloo"), [1.0, -0.5, -0.5, 1.5, -1.5, 0.0])
+
+
+def test_rloo_gives_zero_for_groups_of_one_sample():
+    close(group_advantages(torch.tensor([5.0, 1.0]), 1, "rloo"), [0.0, 0.0])
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_group_mean():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    close(group_advantages(rewards, 2, "reinforce_plus_plus_baseline"), [0.5, -0.5, 0.0, 0.0])
+
+
+def test_group_advantages_reject_unknown_estimators_and_uneven_groups():
+    with pytest.raises(ValueError, match="unknown group advantage estimator 'ppo'"):
+        group_advantages(torch.zeros(4), 2, "ppo")
+    with pytest.raises(ValueError, match="token-level"):
+        group_advantages(torch.zeros(4), 2, "reinforce_plus_plus")
+    with pytest.raises(ValueError, match="5 rewards cannot be split into groups of group_size = 2"):
+        group_advantages(torch.zeros(5), 2, "grpo")
+
+
+# ---------------------------------------------------------------- token advantages
+
+
+def test_group_estimators_broadcast_the_sample_advantage_over_masked_tokens():
+    rewards = torch.tensor([1.0, 0.0, 0.0])  # rloo, n = 3 -> [1, -0.5, -0.5]
+    mask = t([0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 1, 0])
+    advantages = token_advantages("rloo", rewards, 3, mask)
+    close(advantages, [[0, 1, 1, 0], [0, 0, -0.5, -0.5], [-0.5, 0, -0.5, 0]])
+
+
+def test_reinforce_plus_plus_discounts_over_model_tokens_across_holes_then_whitens():
+    # Row 0: prompt, 2 model tokens, a tool-output hole, 1 model token, padding; reward 1.
+    # Row 1: 3 prompt tokens, 2 model tokens, padding; reward 0.  kl_coef 0.5, gamma 0.5.
+    mask = t([0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0])
+    kl = t([5, 0.2, 0.4, 9, 0.2, 9], [5, 5, 5, 0.0, 0.2, 9])
+    # Token rewards -0.5 * kl on masked tokens, + reward on the last one:
+    #   row 0: t1 -0.1, t2 -0.2, t4 -0.1 + 1 = 0.9;  row 1: t3 0, t4 -0.1.
+    # Returns (the hole costs no discount step):
+    #   row 0: G4 = 0.9, G2 = -0.2 + 0.5 * 0.9 = 0.25, G1 = -0.1 + 0.5 * 0.25 = 0.025
+    #   row 1: G4 = -0.1, G3 = 0 + 0.5 * -0.1 = -0.05
+    # Whitening over the 5 masked returns: mean 1.025 / 5 = 0.205; deviations -0.18, 0.045,
+    # 0.695, -0.255, -0.305; population var 0.6755 / 5 = 0.1351, std 0.3675595.
+    advantages = token_advantages(
+        "reinforce_plus_plus",
+        torch.tensor([1.0, 0.0]),
+        1,
+        mask,
+        kl=kl,
+        kl_coef=0.5,
+        gamma=0.5,
+        eps=0.0,
+    )
+    close(
+        advantages,
+        [[0, -0.489717, 0.122429, 0, 1.890850, 0], [0, 0, 0, -0.693765, -0.829798, 0]],
+        atol=1e-5,
+    )
+
+
+def test_reinforce_plus_plus_with_gamma_one_sums_the_remaining_rewards():
+    # Same rows as above with gamma 1: row 0 returns 0.6, 0.7, 0.9; row 1 -0.1, -0.1.
+    # Mean 2.0 / 5 = 0.4; deviations 0.2, 0.3, 0.5, -0.5, -0.5; var 0.88 / 5 = 0.176,
+    # std 0.4195235.
+    mask = t([0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0])
+    kl = t([5, 0.2, 0.4, 9, 0.2, 9], [5, 5, 5, 0.0, 0.2, 9])
+    advantages = token_advantages(
+        "reinforce_plus_plus", torch.tensor([1.0, 0.0]), 1, mask, kl=kl, kl_coef=0.5, eps=0.0
+    )
+    close(
+        advantages,
+        [[0, 0.476731, 0.715097, 0, 1.191828, 0], [0, 0, 0, -1.191828, -1.191828, 0]],
+        atol=1e-5,
+    )
+
+
+def test_reinforce_plus_plus_ignores_rows_without_trained_tokens():
+    # Row 1 has no model token: its reward 7 goes nowhere. Row 0 returns 1, 1 (gamma 1, no kl)
+    # and row 2 returns 0: mean 2/3, deviations 1/3, 1/3, -2/3, var (1/9+1/9+4/9)/3 = 2/9,
+    # std 0.4714045 -> 0.707107, 0.707107, -1.414214.
+    mask = t([1, 1, 0], [0, 0, 0], [0, 0, 1])
+    advantages = token_advantages("reinforce_plus_plus", t(1, 7, 0), 1, mask, eps=0.0)
+    close(advantages, [[0.707107, 0.707107, 0], [0, 0, 0], [0, 0, -1.414214]], atol=1e-5)
+
+
+def test_reinforce_plus_plus_baseline_whitens_the_broadcast_advantages_over_the_batch():
+    # Group advantages [0.5, -0.5, 0, 0] over 2, 2, 1, 1 tokens: values 0.5, 0.5, -0.5, -0.5,
+    # 0, 0; mean 0, population var 1/6, std 0.4082483 -> +-1.224745 and 0.
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    mask = t([0, 1, 1], [0, 1, 1], [1, 0, 0], [0, 0, 1])
+    advantages = token_advantages("reinforce_plus_plus_baseline", rewards, 2, mask, eps=0.0)
+    close(advantages, [[0, 1.224745, 1.224745], [0, -1.224745, -1.224745], [0, 0, 0], [0, 0, 0]])
+
+
+def test_token_advantages_reject_bad_inputs():
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+        token_advantages("gae", torch.zeros(2), 2, mask)
+    with pytest.raises(ValueError, match="N = 3 rewards"):
+        token_advantages("grpo", torch.zeros(3), 3, mask)
+    with pytest.raises(ValueError, match="needs the per-token kl"):
+        token_advantages("reinforce_plus_plus", torch.zeros(2), 2, mask, kl_coef=0.1)
+
+
+def test_masked_helpers_ignore_values_off_the_mask():
+    x = t(1.0, 3.0, float("inf"))
+    mask = t(1, 1, 0)
+    close(masked_mean(x, mask), 2.0)
+    close(masked_mean(x, torch.zeros(3)), 0.0)
+    close(masked_whiten(x, mask, eps=0.0), [-1.0, 1.0, 0.0])  # mean 2, std 1
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_penalty_kinds_match_their_formulas():
+    # log p - log ref = [0.5, -1]; x = log ref - log p = [-0.5, 1].
+    logp, ref = t(-1.0, -2.0), t(-1.5, -1.0)
+    close(kl_penalty(logp, ref, "k1"), [0.5, -1.0])
+    close(kl_penalty(logp, ref, "k2"), [0.125, 0.5])  # 0.5 * 0.25, 0.5 * 1
+    # exp(-0.5) + 0.5 - 1 = 0.1065307;  e - 1 - 1 = 0.7182818
+    close(kl_penalty(logp, ref, "k3"), [0.1065307, 0.7182818])
+    close(kl_penalty(logp, ref, "low_var_kl"), [0.1065307, 0.7182818])
+
+
+def test_low_var_kl_is_clamped_to_ten_with_finite_gradients():
+    # x = 30: e^30 - 31 ~ 1.07e13;  x = -30: e^-30 + 29 ~ 29;  x = 200 overflows exp in fp32.
+    logp = t(-30.0, 0.0, -200.0).requires_grad_()
+    ref = t(0.0, -30.0, 0.0)
+    assert kl_penalty(logp.detach(), ref, "k3")[0] > 1e13
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    close(kl, [10.0, 10.0, 10.0])
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_kl_penalty_rejects_unknown_kinds():
+    with pytest.raises(ValueError, match="unknown kl kind 'k4'"):
+        kl_penalty(t(0.0), t(0.0), "k4")
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def test_uncorrected_loss_without_proximal_has_gradient_minus_advantage_on_masked_tokens():
+    logprobs = t([-1.0, -2.0, -0.5]).requires_grad_()
+    advantages, mask = t([2.0, -1.0, 0.5]), t([1, 1, 0])
+    loss, _ = policy_loss(
+        logprobs, None, torch.zeros(1, 3), advantages, mask, eps_clip=0.2, correction="none"
+    )
+    close(loss, [[-2.0, 1.0, 0.0]])  # u = 1, loss = -A
+    loss.sum().backward()
+    close(logprobs.grad, [[-2.0, 1.0, 0.0]])
+
+
+def test_clipped_tokens_give_no_gradient():
+    # u = [1.5, 0.5, 1.5, 0.5], A = [1, 1, -1, -1], clip to [0.8, 1.2]:
+    #   min(1.5, 1.2) = 1.2 (clipped);  min(0.5, 0.8) = 0.5;
+    #   min(-1.5, -1.2) = -1.5;  min(-0.5, -0.8) = -0.8 (clipped).
+    # d(-u A)/d log pi = -u A where not clipped: -0.5 and 1.5.
+    logprobs = torch.log(t([1.5, 0.5, 1.5, 0.5])).requires_grad_()
+    zeros = torch.zeros(1, 4)
+    loss, metrics = policy_loss(
+        logprobs, zeros, zeros, t([1.0, 1.0, -1.0, -1.0]), torch.ones(1, 4), eps_clip=0.2
+    )
+    close(loss, [[-1.2, -0.5, 1.5, 0.8]])
+    close(metrics["clipped"], [[1.0, 0.0, 0.0, 1.0]])
+    close(metrics["ratio"], [[1.5, 0.5, 1.5, 0.5]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, -0.5, 1.5, 0.0]])
+
+
+def test_asymmetric_clip_raises_only_the_upper_bound():
+    # eps 0.2, eps_high 0.28 -> [0.8, 1.28]: u 1.25 (A 1) is kept (symmetric would clip to 1.2),
+    # u 1.5 (A 1) -> 1.28, u 0.7 (A -1) -> min(-0.7, -0.8) = -0.8.
+    logprobs = torch.log(t([1.25, 1.5, 0.7]))
+    zeros = torch.zeros(1, 3)
+    advantages, mask = t([1.0, 1.0, -1.0]), torch.ones(1, 3)
+    loss, _ = policy_loss(
+        logprobs, zeros, zeros, advantages, mask, eps_clip=0.2, eps_clip_high=0.28
+    )
+    close(loss, [[-1.25, -1.28, 0.8]])
+    symmetric, _ = policy_loss(logprobs, zeros, zeros, advantages, mask, eps_clip=0.2)
+    close(symmetric, [[-1.2, -1.2, 0.8]])
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_at_c_times_minus_a():
+    # c = 3.  u 5, A -1: min(-5, -1.2) = -5, raised to -3 -> loss 3 (clipped, no gradient).
+    # u 2, A -1: -2 > -3 -> loss 2, gradient -u A = 2.  u 5, A 1: PPO clip -> loss -1.2.
+    logprobs = torch.log(t([5.0, 2.0, 5.0])).requires_grad_()
+    zeros = torch.zeros(1, 3)
+    advantages, mask = t([-1.0, -1.0, 1.0]), torch.ones(1, 3)
+    loss, metrics = policy_loss(
+        logprobs, zeros, zeros, advantages, mask, eps_clip=0.2, dual_clip_c=3.0
+    )
+    close(loss, [[3.0, 2.0, -1.2]])
+    close(metrics["clipped"], [[1.0, 0.0, 1.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, 2.0, 0.0]])
+    plain, _ = policy_loss(logprobs, zeros, zeros, advantages, mask, eps_clip=0.2)
+    close(plain, [[5.0, 2.0, -1.2]])
+
+
+def test_dual_clip_c_must_be_zero_or_above_one():
+    zeros = torch.zeros(1, 1)
+    for bad in (0.5, 1.0):
+        with pytest.raises(ValueError, match="dual_clip_c must be 0"):
+            policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, dual_clip_c=bad)
+
+
+def test_off_policy_corrections_weight_the_loss_by_proximal_over_behaviour():
+    # pi_prox / pi_behav = [0.5/0.25, 0.5/0.5, 0.6/0.2] = [2, 1, 3]; logprobs = prox so u = 1
+    # and obj = A = [1, -2, 0.5].
+    behaviour = torch.log(t([0.25, 0.5, 0.2]))
+    proximal = torch.log(t([0.5, 0.5, 0.6]))
+    advantages, mask = t([1.0, -2.0, 0.5]), torch.ones(1, 3)
+    expected = {
+        ("decoupled_ppo", 0.0): ([2.0, 1.0, 3.0], [-2.0, 2.0, -1.5]),
+        ("decoupled_ppo", 2.5): ([2.0, 1.0, 2.5], [-2.0, 2.0, -1.25]),
+        ("tis", 0.0): ([2.0, 1.0, 2.0], [-2.0, 2.0, -1.0]),  # min(w, 2)
+        ("none", 0.0): ([1.0, 1.0, 1.0], [-1.0, 2.0, -0.5]),
+    }
+    for (correction, cap), (weights, losses) in expected.items():
+        loss, metrics = policy_loss(
+            proximal.clone(),
+            proximal,
+            behaviour,
+            advantages,
+            mask,
+            eps_clip=0.2,
+            correction=correction,
+            tis_clip=2.0,
+            behaviour_weight_cap=cap,
+        )
+        close(metrics["behaviour_weight"], [weights])
+        close(loss, [losses])
+
+
+def test_proximal_and_behaviour_logprobs_receive_no_gradient():
+    logprobs = t([-1.0, -2.0]).requires_grad_()
+    proximal = t([-1.2, -1.5]).requires_grad_()
+    behaviour = t([-1.1, -1.9]).requires_grad_()
+    loss, _ = policy_loss(
+        logprobs, proximal, behaviour, t([1.0, -1.0]), torch.ones(1, 2), eps_clip=0.2
+    )
+    loss.sum().backward()
+    assert logprobs.grad is not None
+    assert proximal.grad is None and behaviour.grad is None
+
+
+def test_padding_with_extreme_logprobs_gives_zero_loss_metrics_and_finite_gradients():
+    logprobs = t([-1.0, 0.0]).requires_grad_()
+    proximal, behaviour = t([-1.0, 0.0]), t([-1.0, -1000.0])  # exp(1000) would overflow
+    loss, metrics = policy_loss(
+        logprobs, proximal, behaviour, t([1.0, 1.0]), t([1, 0]), eps_clip=0.2
+    )
+    close(loss, [[-1.0, 0.0]])
+    for name in ("clipped", "ratio", "behaviour_weight"):
+        assert metrics[name][0, 1] == 0
+    loss.sum().backward()
+    close(logprobs.grad, [[-1.0, 0.0]])
+
+
+def test_policy_loss_rejects_unknown_corrections():
+    zeros = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="unknown off-policy correction 'is'"):
+        policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, correction="is")
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+PER_TOKEN = t([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [10.0, 11.0, 12.0])
+MASK = t([1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0])
+
+
+def test_token_mean_divides_the_masked_sum_by_the_mini_batch_tokens():
+    # (1 + 2 + 4 + 7 + 8 + 9) / 6 = 31 / 6
+    close(aggregate(PER_TOKEN, MASK, "token_mean", num_tokens=6, num_sequences=4), 31 / 6)
+
+
+def test_seq_mean_averages_row_means_and_counts_empty_rows_as_zero():
+    # Row means 1.5, 4, 8, and 0 for the empty row: 13.5 / 4.
+    close(aggregate(PER_TOKEN, MASK, "seq_mean", num_tokens=6, num_sequences=4), 13.5 / 4)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean"])
+def test_aggregates_of_micro_batches_sum_to_the_mini_batch_mean(mode):
+    totals = {"num_tokens": 6.0, "num_sequences": 4}
+    whole = aggregate(PER_TOKEN, MASK, mode, **totals)
+    parts = aggregate(PER_TOKEN[:1], MASK[:1], mode, **totals) + aggregate(
+        PER_TOKEN[1:], MASK[1:], mode, **totals
+    )
+    close(parts, whole.item())
+
+
+def test_aggregate_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
+        aggregate(PER_TOKEN, MASK, "sum", num_tokens=1, num_sequences=1)
+
+
+# ---------------------------------------------------------------- logits
+
+
+def test_logprobs_of_uniform_logits_are_minus_log_vocab_after_position_zero():
+    logprobs = logprobs_from_logits(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 3]]))
+    close(logprobs, [[0.0, -math.log(4), -math.log(4)]])  # -1.3862944
+
+
+def test_logprobs_divide_by_temperature_and_treat_zero_as_one():
+    # Predictor logits [2, 0], target token 0.  T = 2: z = [1, 0], 1 - log(1 + e) = -0.3132617.
+    # T = 0 (greedy) and T = 1: 2 - log(1 + e^2) = -0.1269280.
+    logits, ids = torch.tensor([[[2.0, 0.0], [0.0, 0.0]]]), torch.tensor([[1, 0]])
+    close(logprobs_from_logits(logits, ids, temperature=2.0), [[0.0, -0.3132617]])
+    close(logprobs_from_logits(logits, ids, temperature=0.0), [[0.0, -0.1269280]])
+    close(logprobs_from_logits(logits, ids, temperature=1.0), [[0.0, -0.1269280]])
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 2 * 11])  # one chunk; one position each
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_log_softmax_and_gather_with_the_same_gradient(
+    monkeypatch, chunk_elements, temperature
+):
+    monkeypatch.setattr(algorithms, "_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=generator).requires_grad_()
+    ids = torch.randint(0, 11, (2, 6), generator=generator)
+    actual = logprobs_from_logits(logits, ids, temperature=temperature)
+    reference = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    reference = reference.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    reference = torch.cat([torch.zeros(2, 1), reference], dim=1)
+    torch.testing.assert_close(actual, reference, rtol=1e-6, atol=1e-6)
+    weights = torch.randn(2, 6, generator=generator)
+    (actual_grad,) = torch.autograd.grad((actual * weights).sum(), logits)
+    (reference_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    torch.testing.assert_close(actual_grad, reference_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_logprobs_of_bfloat16_logits_are_computed_in_float32():
+    logits = torch.randn(1, 4, 9, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    actual = logprobs_from_logits(logits, ids)
+    assert actual.dtype == torch.float32
+    reference = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])
+    torch.testing.assert_close(actual[:, 1:], reference.squeeze(-1), rtol=1e-6, atol=1e-6)
+
+
+def test_logprobs_reject_mismatched_shapes():
+    with pytest.raises(ValueError, match="does not match logits"):
+        logprobs_from_logits(torch.zeros(1, 3, 4), torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_entropy_of_known_distributions():
+    # Uniform over 4: log 4 = 1.3862944.  Logits [2, 0] at T = 2: p = [e, 1] / (1 + e),
+    # H = log(1 + e) - p0 * 1 = 1.3132617 - 0.7310586 = 0.5822031.
+    close(entropy_from_logits(torch.zeros(1, 2, 4)), [[0.0, 1.3862944]])
+    logits = torch.tensor([[[2.0, 0.0], [5.0, 5.0]]])
+    close(entropy_from_logits(logits, temperature=2.0), [[0.0, 0.5822031]])
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 3 * 13])
+def test_entropy_matches_the_direct_formula(monkeypatch, chunk_elements):
+    monkeypatch.setattr(algorithms, "_CHUNK_ELEMENTS", chunk_elements)
+    logits = 3 * torch.randn(3, 5, 13, generator=torch.Generator().manual_seed(2))
+    z = logits[:, :-1] / 0.8
+    direct = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    expected = torch.cat([torch.zeros(3, 1), direct], dim=1)
+    torch.testing.assert_close(
+        entropy_from_logits(logits, temperature=0.8), expected, rtol=1e-6, atol=1e-6
+    )
