@@ -22,16 +22,18 @@ from streamrl.launch.process import spawn
 _RECEIVER = textwrap.dedent(
     """
     import json, sys
+    import torch
     from streamrl.engine.weight_sync import (
         destroy_weight_update_group, init_weight_update_group, receive_tensors)
-    port, group_name, spec_path, out_path = sys.argv[1:5]
+    port_list, group_name, spec_path, out_path = sys.argv[1:5]
     spec = json.load(open(spec_path))
-    group = init_weight_update_group(master_address="127.0.0.1", master_port=int(port),
-        rank=1, world_size=2, group_name=group_name, backend="gloo", timeout_s=60)
-    received = receive_tensors(group, spec["names"], spec["dtypes"], spec["shapes"], "cpu")
-    destroy_weight_update_group(group)
-    import torch
-    torch.save(dict(received), out_path)
+    rounds = []
+    for port in port_list.split(","):  # one group per round, same name each time
+        group = init_weight_update_group(master_address="127.0.0.1", master_port=int(port),
+            rank=1, world_size=2, group_name=group_name, backend="gloo", timeout_s=60)
+        rounds.append(dict(receive_tensors(group, spec["names"], spec["dtypes"], spec["shapes"], "cpu")))
+        destroy_weight_update_group(group)
+    torch.save(rounds, out_path)
     """
 )
 
@@ -47,7 +49,10 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _send_to_child(tmp_path, free_port, tensors: dict[str, torch.Tensor], group_name: str) -> dict:
+def _send_to_child(
+    tmp_path, free_port, tensors: dict[str, torch.Tensor], group_name: str, rounds: int = 1
+) -> list[dict]:
+    """Broadcast `tensors` to a child process `rounds` times, re-creating the group each time."""
     spec = {
         "names": list(tensors),
         "dtypes": [
@@ -59,32 +64,24 @@ def _send_to_child(tmp_path, free_port, tensors: dict[str, torch.Tensor], group_
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "receiver.py").write_text(_RECEIVER)
-    port = free_port()
+    ports = [free_port() for _ in range(rounds)]
     out_path = tmp_path / "received.pt"
-    child = spawn(
-        "receiver",
-        [
-            sys.executable,
-            str(tmp_path / "receiver.py"),
-            str(port),
-            group_name,
-            str(tmp_path / "spec.json"),
-            str(out_path),
-        ],
-        log_path=tmp_path / "receiver.log",
-    )
+    argv = [sys.executable, str(tmp_path / "receiver.py"), ",".join(map(str, ports)), group_name]
+    argv += [str(tmp_path / "spec.json"), str(out_path)]
+    child = spawn("receiver", argv, log_path=tmp_path / "receiver.log")
     try:
-        group = init_weight_update_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank=0,
-            world_size=2,
-            group_name=group_name,
-            backend="gloo",
-            timeout_s=60,
-        )
-        broadcast_tensors(group, list(tensors.values()))
-        destroy_weight_update_group(group)
+        for port in ports:
+            group = init_weight_update_group(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank=0,
+                world_size=2,
+                group_name=group_name,
+                backend="gloo",
+                timeout_s=60,
+            )
+            broadcast_tensors(group, list(tensors.values()))
+            destroy_weight_update_group(group)
         assert child.popen.wait(60) == 0, child.log_tail()
     finally:
         child.stop()
@@ -93,7 +90,7 @@ def _send_to_child(tmp_path, free_port, tensors: dict[str, torch.Tensor], group_
 
 def test_a_broadcast_over_the_named_group_arrives_intact_in_another_process(tmp_path, free_port):
     tensors = _tensors()
-    received = _send_to_child(tmp_path, free_port, tensors, "weight_update_group")
+    (received,) = _send_to_child(tmp_path, free_port, tensors, "weight_update_group")
     assert list(received) == list(tensors)
     for name, tensor in tensors.items():
         assert received[name].dtype == tensor.dtype
@@ -106,7 +103,7 @@ def test_the_trainers_own_default_group_does_not_interfere(tmp_path, free_port):
     )
     try:
         tensors = _tensors()
-        received = _send_to_child(tmp_path, free_port, tensors, "wg_beside_default")
+        (received,) = _send_to_child(tmp_path, free_port, tensors, "wg_beside_default")
         assert all(torch.equal(received[n], t) for n, t in tensors.items())
         # The default group still works and is still the default.
         value = torch.ones(2)
@@ -117,9 +114,8 @@ def test_the_trainers_own_default_group_does_not_interfere(tmp_path, free_port):
 
 
 def test_a_group_name_can_be_reused_after_destroy(tmp_path, free_port):
-    for _ in range(2):
-        received = _send_to_child(tmp_path, free_port, {"w": torch.arange(4.0)}, "reused")
-        assert torch.equal(received["w"], torch.arange(4.0))
+    rounds = _send_to_child(tmp_path, free_port, {"w": torch.arange(4.0)}, "reused", rounds=2)
+    assert len(rounds) == 2 and all(torch.equal(r["w"], torch.arange(4.0)) for r in rounds)
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "torch.bfloat16", "float32", "torch.float16"])
@@ -130,3 +126,132 @@ def test_dtype_names_in_both_spellings_resolve(name):
 def test_an_unknown_dtype_name_is_an_error():
     with pytest.raises(ValueError, match="unknown dtype"):
         torch_dtype("float33")
+
+
+# ---- acceptance (b): a live engine receives weights over gloo -----------------------------
+
+_ENGINE_PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    from engine_helpers import running_engines
+
+    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine-logs")) as engines:
+        yield engines[0]
+
+
+def _random_weights(seed: int) -> dict[str, torch.Tensor]:
+    """Parameters (HF names, tied ones once) of another random qwen3-tiny."""
+    from streamrl.engine.models import build_random_model
+
+    return {
+        name: p.detach().clone()
+        for name, p in build_random_model("qwen3-tiny", seed=seed).named_parameters()
+    }
+
+
+async def _push(engines, group, weights: dict[str, torch.Tensor], version: int) -> None:
+    """What a weight publisher does: the update call in flight while rank 0 broadcasts."""
+    import anyio
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(
+            lambda: engines.update_weights_from_distributed(
+                list(weights),
+                [t.dtype for t in weights.values()],
+                [t.shape for t in weights.values()],
+                weight_version=version,
+                group_name="wg_test",
+            )
+        )
+        await anyio.to_thread.run_sync(broadcast_tensors, group, list(weights.values()))
+
+
+@pytest.mark.anyio
+async def test_b_after_a_gloo_broadcast_the_engine_generates_from_the_new_weights(
+    engine, free_port
+):
+    import anyio
+    from engine_helpers import engine_load, teacher_forced_logprobs, wait_until
+
+    from streamrl.engine.client import EngineSet
+
+    port = free_port()
+    async with EngineSet([engine.url], timeout_s=120) as engines:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(
+                lambda: engines.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    group_name="wg_test",
+                    backend="gloo",
+                )
+            )
+            group = await anyio.to_thread.run_sync(
+                lambda: init_weight_update_group(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank=0,
+                    world_size=2,
+                    group_name="wg_test",
+                    backend="gloo",
+                    timeout_s=60,
+                )
+            )
+        try:
+            client = engines.engines[0]
+            new_weights = _random_weights(seed=1)
+            await _push(engines, group, new_weights, version=1)
+            params = {
+                "max_new_tokens": 16,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "sampling_seed": 0,
+            }
+            after = await client.generate(_ENGINE_PROMPT, params)
+            assert after.meta["weight_version"] == "1" and after.versions == [1] * 16
+            expected = teacher_forced_logprobs(
+                engine.model_dir, _ENGINE_PROMPT, after.output_ids, new_weights
+            )
+            assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
+            assert await client.weight_version() == 1
+
+            # A request in flight across the next update: pause in place, update, continue.
+            long_params = {"max_new_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+            results = []
+
+            async def generate() -> None:
+                results.append(await client.generate(_ENGINE_PROMPT, long_params))
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(generate)
+                await anyio.to_thread.run_sync(
+                    lambda: wait_until(
+                        lambda: engine_load(engine.url)["num_running_reqs"] == 1, what="running"
+                    )
+                )
+                await engines.pause("in_place")
+                await _push(engines, group, _random_weights(seed=2), version=2)
+                await engines.continue_generation()
+            (straddler,) = results
+            spans = straddler.meta["weight_versions"]
+            assert [span["version"] for span in spans] == ["1", "2"], spans
+            split = spans[0]["end"]
+            assert spans == [
+                {"version": "1", "start": 0, "end": split},
+                {"version": "2", "start": split, "end": 1500},
+            ]
+            assert 0 < split < 1500 and straddler.meta["weight_version"] == "2"
+            assert straddler.versions == [1] * split + [2] * (1500 - split)
+            # Tokens before the update came from the version-1 weights.
+            head = teacher_forced_logprobs(
+                engine.model_dir, _ENGINE_PROMPT, straddler.output_ids[:split], new_weights
+            )
+            assert (
+                max(abs(a - b) for a, b in zip(straddler.logprobs[:split], head, strict=True))
+                <= 1e-4
+            )
+        finally:
+            await engines.destroy_weights_update_group("wg_test")
+            destroy_weight_update_group(group)

@@ -150,6 +150,7 @@ class EngineServer:
         self._weight_lock = asyncio.Lock()
         self._groups: dict[str, tuple[Any, str]] = {}  # group_name -> (group, backend)
         self._warned_keys: set[str] = set()
+        self.num_finished_reqs = 0  # samples answered by /generate since start
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------
@@ -266,6 +267,7 @@ class EngineServer:
             "num_running_reqs": self.core.num_running,
             "num_waiting_reqs": self.core.num_waiting,
             "num_paused_reqs": num_gated,
+            "num_finished_reqs": self.num_finished_reqs,
             "is_paused": self.core.is_paused,
             "weight_version": self.core.weight_version,
         }
@@ -428,7 +430,10 @@ class EngineServer:
                     sample["seed"] += j
                 call.prompts.append(prompt)
                 call.rids.append(base_rid if num_samples == 1 else f"{base_rid}-{j}")
-                call.params.append(SamplingParams(**sample))
+                try:
+                    call.params.append(SamplingParams(**sample))
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
         duplicates = [r for r in call.rids if r in self._flights]
         if duplicates or len(set(call.rids)) != len(call.rids):
             raise BadRequest(f"duplicate request id(s) in flight: {duplicates or call.rids}")
@@ -464,6 +469,7 @@ class EngineServer:
             by_rid.get(rid) or _aborted_before_start(rid, len(prompt))
             for rid, prompt in zip(call.rids, call.prompts, strict=True)
         ]
+        self.num_finished_reqs += len(outputs)
         latency_s = time.perf_counter() - start
         results = [self._result(call, output, latency_s) for output in outputs]
         return _json_response(results[0] if call.is_single else results)

@@ -1,0 +1,241 @@
+"""The embedded engine over real HTTP: one `streamrl engine serve` process for the module."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+from engine_helpers import engine_load, running_engines, teacher_forced_logprobs, wait_until
+
+from streamrl.engine.client import EngineClient, EngineError, parse_result
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
+LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 3}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine-logs")) as engines:
+        yield engines[0]
+
+
+@pytest.fixture
+async def client(engine):
+    async with EngineClient(engine.url, timeout_s=120) as client:
+        yield client
+        # Leave the engine as the next test expects it.
+        await client.continue_generation()
+
+
+async def test_c_logprobs_returned_over_http_equal_a_teacher_forced_forward_pass(engine, client):
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+    result = await client.generate(PROMPT, params, rid="teacher-forced")
+    assert result.rid == "teacher-forced"
+    assert len(result.output_ids) == 24 and len(result.logprobs) == 24
+    assert result.finish_reason.type == "length" and result.finish_reason.length == 24
+    assert result.prompt_tokens == len(PROMPT)
+    expected = teacher_forced_logprobs(engine.model_dir, PROMPT, result.output_ids)
+    assert max(abs(a - b) for a, b in zip(result.logprobs, expected, strict=True)) <= 1e-4
+    spans = result.meta["weight_versions"]
+    assert spans == [{"version": "default", "start": 0, "end": 24}]
+    assert result.versions == [0] * 24 and result.versions_exact
+    assert [entry[1] for entry in result.meta["output_token_logprobs"]] == result.output_ids
+
+
+async def test_text_batches_and_n_samples_come_back_prompt_major(client):
+    response = httpx.post(
+        f"{client.url}/generate",
+        json={
+            "text": ["Hello there", "The sky is"],
+            "rid": ["a", "b"],
+            "sampling_params": {"max_new_tokens": 3, "n": 2, "sampling_seed": 1},
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    results = [parse_result(item) for item in response.json()]
+    assert [r.rid for r in results] == ["a-0", "a-1", "b-0", "b-1"]
+    assert all(len(r.output_ids) == 3 and r.logprobs == [] for r in results)
+    assert results[0].prompt_tokens == results[1].prompt_tokens
+    many = await client.generate_many([PROMPT, PROMPT[:3]], {"max_new_tokens": 2})
+    assert [r.prompt_tokens for r in many] == [len(PROMPT), 3]
+
+
+async def test_stop_token_ids_and_stop_strings_end_generation_and_trim_the_text(client):
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    free = await client.generate(PROMPT, greedy)
+    stop_id = free.output_ids[5]
+    first = free.output_ids.index(stop_id)
+    stopped = await client.generate(PROMPT, {**greedy, "stop_token_ids": [stop_id]})
+    assert stopped.output_ids == free.output_ids[: first + 1]
+    assert stopped.finish_reason.type == "stop" and stopped.finish_reason.matched == stop_id
+
+    stop_text = free.text[len(free.text) // 2 :][:4]
+    assert stop_text.strip(), free.text
+    by_string = await client.generate(PROMPT, {**greedy, "stop": [stop_text]})
+    assert by_string.finish_reason.type == "stop" and by_string.finish_reason.matched == stop_text
+    assert stop_text not in by_string.text
+    untrimmed = await client.generate(PROMPT, {**greedy, "stop": stop_text, "no_stop_trim": True})
+    assert untrimmed.text.endswith(stop_text) or stop_text in untrimmed.text
+
+
+async def test_d_an_unknown_sampling_param_is_a_400_and_unknown_top_level_keys_are_ignored(client):
+    with pytest.raises(EngineError) as error:
+        await client.generate(PROMPT, {"max_new_tokens": 2, "bogus_param": 1})
+    assert error.value.status == 400 and "bogus_param" in error.value.body
+    assert "message" in httpx.Response(400, content=error.value.body).json()["error"]
+    # What sglang-router adds on its way through, plus nulls meaning "default".
+    response = httpx.post(
+        f"{client.url}/generate",
+        json={
+            "input_ids": PROMPT,
+            "model": None,
+            "return_bytes": False,
+            "log_metrics": True,
+            "stream": False,
+            "return_text_in_logprobs": False,
+            "sampling_params": {"max_new_tokens": 2, "top_k": None, "frequency_penalty": 0.0},
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["completion_tokens"] == 2
+
+
+async def test_bad_requests_are_400_with_an_error_message(client):
+    for body in (
+        b"not json",
+        b"{}",
+        b'{"input_ids": []}',
+        b'{"input_ids": [1, 2], "sampling_params": {"temperature": -1}}',
+        b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}',
+        b'{"input_ids": [[1], [2]], "rid": "one"}',
+    ):
+        response = httpx.post(f"{client.url}/generate", content=body, timeout=30)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["message"]
+
+
+async def test_d_a_paused_generate_waits_rather_than_fails(engine, client):
+    assert (await client.pause("in_place"))["status"] == "ok"
+    results = []
+
+    async def generate() -> None:
+        results.append(await client.generate(PROMPT, {"max_new_tokens": 4}))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(generate)
+        await anyio.to_thread.run_sync(
+            lambda: wait_until(
+                lambda: engine_load(engine.url)["num_paused_reqs"] == 1, what="request held"
+            )
+        )
+        assert results == []
+        await client.continue_generation()
+    assert results[0].finish_reason.type == "length" and len(results[0].output_ids) == 4
+
+
+async def test_d_abort_returns_200_with_finish_reason_abort_and_partial_output(engine, client):
+    results = []
+
+    async def generate() -> None:
+        results.append(await client.generate(PROMPT, LONG, rid="to-abort"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(generate)
+        await anyio.to_thread.run_sync(
+            lambda: wait_until(
+                lambda: engine_load(engine.url)["num_running_reqs"] == 1, what="request running"
+            )
+        )
+        # A step boundary after the request started: it holds at least its first token.
+        await client.pause("in_place")
+        await client.abort("to-abort")
+        await client.continue_generation()
+    (result,) = results
+    assert result.is_aborted and result.rid == "to-abort"
+    assert 0 < len(result.output_ids) < LONG["max_new_tokens"]
+    assert len(result.logprobs) == len(result.output_ids) == len(result.versions)
+    expected = teacher_forced_logprobs(engine.model_dir, PROMPT, result.output_ids)
+    assert max(abs(a - b) for a, b in zip(result.logprobs, expected, strict=True)) <= 1e-4
+
+
+async def test_abort_all_ends_requests_waiting_behind_a_pause(client):
+    await client.pause("abort")
+    results = []
+
+    async def generate(rid: str) -> None:
+        results.append(await client.generate(PROMPT, {"max_new_tokens": 4}, rid=rid))
+
+    async with anyio.create_task_group() as group:
+        for rid in ("w1", "w2"):
+            group.start_soon(generate, rid)
+        await anyio.to_thread.run_sync(
+            lambda: wait_until(
+                lambda: engine_load(client.url)["num_paused_reqs"] == 2, what="requests held"
+            )
+        )
+        await client.abort(abort_all=True)
+    assert sorted(r.rid for r in results) == ["w1", "w2"]
+    assert all(r.is_aborted and r.output_ids == [] for r in results)
+
+
+async def test_a_client_that_disconnects_aborts_its_request(client):
+    async with EngineClient(client.url, timeout_s=120) as impatient:
+        with anyio.move_on_after(60) as scope:
+            async with anyio.create_task_group() as group:
+                group.start_soon(impatient.generate, PROMPT, LONG)
+                await anyio.to_thread.run_sync(
+                    lambda: wait_until(
+                        lambda: engine_load(client.url)["num_running_reqs"] == 1, what="running"
+                    )
+                )
+                group.cancel_scope.cancel()
+        assert not scope.cancelled_caught
+    # The handler is cancelled with the connection and the core drops the request.
+    await anyio.to_thread.run_sync(
+        lambda: wait_until(
+            lambda: engine_load(client.url)["num_reqs"] == 0, what="request dropped", timeout_s=20
+        )
+    )
+
+
+async def test_health_info_and_cache_endpoints_answer_like_sglang(engine, client):
+    await client.health()
+    await client.health_generate()
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(f"{engine.url}{path}", timeout=10).json()
+        assert info["model_path"] == engine.model_dir and info["is_generation"] is True
+        assert info["weight_version"] == "default" and "architectures" in info
+    server_info = await client.server_info()
+    assert server_info["port"] == int(engine.url.rsplit(":", 1)[1]) and server_info["tp_size"] == 1
+    assert "version" in server_info
+    assert httpx.get(f"{engine.url}/get_server_info", timeout=10).status_code == 200
+    assert await client.flush_cache() is True
+    with pytest.raises(EngineError) as error:
+        await client.pause("sideways")
+    assert error.value.status == 400
+
+
+async def test_update_weights_from_disk_switches_weights_and_version(engine, client, tmp_path):
+    from safetensors.torch import load_file
+
+    from streamrl.engine.models import save_random_model
+
+    other = save_random_model("qwen3-tiny", tmp_path / "other", seed=1)
+    result = await client.update_weights_from_disk(str(other), weight_version=5)
+    assert result["success"] is True
+    params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    after = await client.generate(PROMPT, params)
+    assert after.weight_version == 5 and after.versions == [5] * 8
+    state = load_file(str(other / "model.safetensors"))
+    expected = teacher_forced_logprobs(engine.model_dir, PROMPT, after.output_ids, state)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
+    assert (await client.model_info())["weight_version"] == "5"
+    # Put the original weights back for the other tests.
+    await client.update_weights_from_disk(engine.model_dir, weight_version="default")
+    with pytest.raises(EngineError) as error:
+        await client.update_weights_from_disk(str(tmp_path / "missing"))
+    assert error.value.status == 400 and '"success":false' in error.value.body.replace(" ", "")
