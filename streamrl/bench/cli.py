@@ -15,3 +15,9 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     transport.add_argument("--response-tokens", type=int, default=1024)
     transport.add_argument("--prompt-tokens", type=int, default=256)
     transport.set_defaults(entry="streamrl.bench.transport:transport_command")
+
+    sender = commands.add_parser("transport-sender", help="(internal) the sending side of `transport`")
+    from streamrl.bench.transport_args import add_sender_arguments
+
+    add_sender_arguments(sender)
+    sender.set_defaults(entry="streamrl.bench.transport:sender_command")

@@ -225,7 +225,7 @@ def _smollm2_tokenizer_dir() -> Path:
     return _publish_dir(build, _smollm2_cache_dir() / "tokenizer")
 
 
-def _smollm2_model_dir() -> Path:
+def smollm2_model_dir() -> Path:
     """The dequantised SmolLM2 as a float32 Hugging Face directory (built once)."""
 
     def build(out: Path) -> None:
@@ -308,7 +308,7 @@ def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
     if path.startswith(RANDOM_PREFIX):
         model = build_random_model(path.removeprefix(RANDOM_PREFIX), seed=seed)
     else:
-        source = str(_smollm2_model_dir()) if path == SMOLLM2_NAME else path
+        source = str(smollm2_model_dir()) if path == SMOLLM2_NAME else path
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()

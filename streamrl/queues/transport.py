@@ -44,6 +44,7 @@ class CreditSource(Protocol):
     def granted(self, num_groups: int) -> None: ...
     def returned(self) -> None: ...
     def revoked(self, num_groups: int) -> None: ...
+    def discarded(self, num_groups: int = 1) -> None: ...
 
 
 class UnlimitedCredits:
@@ -66,6 +67,9 @@ class UnlimitedCredits:
     def revoked(self, num_groups: int) -> None:
         self.in_flight -= num_groups
 
+    def discarded(self, num_groups: int = 1) -> None:
+        pass
+
 
 @dataclass
 class _Session:
@@ -73,6 +77,7 @@ class _Session:
     session: str
     want: int
     outstanding: int = 0
+    announced_version: int = -1
 
     def room(self) -> int | None:
         return None if self.want == 0 else max(0, self.want - self.outstanding)
@@ -159,10 +164,17 @@ class StreamReceiver:
                 session.outstanding += num
                 available -= num
                 self.credits.granted(num)
-                await self._send(session.identity, Credit(num, self.credits.version))
+                await self._send_credit(session, num)
                 progressed = True
             if not progressed:
                 break
+        for session in self._sessions.values():
+            if session.announced_version < self.credits.version:
+                await self._send_credit(session, 0)
+
+    async def _send_credit(self, session: _Session, num_groups: int) -> None:
+        session.announced_version = self.credits.version
+        await self._send(session.identity, Credit(num_groups, self.credits.version))
 
     async def stop(self, reason: str = "") -> None:
         """Tell every sender to stop starting groups; groups already sent are still received."""
@@ -206,15 +218,19 @@ class StreamReceiver:
             await self.grant()
 
     async def _on_group(self, identity: bytes, group: Group) -> None:
+        session = self._sessions.get(identity)
+        used_credit = session is not None and session.outstanding > 0
+        if used_credit:
+            session.outstanding -= 1
+            self.credits.returned()
         if group.group_id in self._seen:
+            # A resend after a restart: the credit it used comes back, the group does not count.
             self.stats.num_duplicates += 1
+            if used_credit:
+                self.credits.discarded()
         else:
             self._seen.add(group.group_id)
             self.stats.num_groups += 1
-            session = self._sessions.get(identity)
-            if session is not None and session.outstanding > 0:
-                session.outstanding -= 1
-                self.credits.returned()
             self.on_group(group)
         await self._send(identity, Ack([group.group_id]))
         await self.grant()

@@ -472,6 +472,7 @@ class MegatronBackend:
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         for opt, opt_state in zip(self._optimizers(), state["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
+            _unshare_step_counters(opt)
         if "parameter_states" in state:
             for opt, param_state in zip(self._optimizers(), state["parameter_states"], strict=True):
                 _mark_unpadded(param_state)
@@ -487,3 +488,15 @@ def _mark_unpadded(param_state: dict[Any, Any]) -> None:
             for bucket in buckets:
                 for entry in bucket:
                     entry.setdefault("padding", False)
+
+
+def _unshare_step_counters(optimizer: Any) -> None:
+    """Give every parameter its own Adam `step` tensor again.
+
+    megatron-core 0.16.1's DistributedOptimizer.load_state_dict puts one shared
+    `step` tensor into every parameter's state; torch's AdamW then increments
+    it once per parameter per step, corrupting bias correction after a resume."""
+    inner = getattr(optimizer, "optimizer", None)
+    for param_state in getattr(inner, "state", {}).values():
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"] = param_state["step"].clone()

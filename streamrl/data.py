@@ -1,0 +1,397 @@
+"""Prompt data: JSONL/Parquet/builtin rows, chat rendering, and a resumable stream.
+
+A `PromptSource` hands out an endless stream of prompts. Stream position
+`seq` (0, 1, 2, ...) maps to a row as
+
+    epoch = seq // num_rows
+    row   = order(epoch)[seq % num_rows]
+
+where `order(epoch)` is a permutation seeded by `seed + epoch` when shuffling
+is on and the identity otherwise. So a prompt is named by its `seq` alone and
+a resume needs only a `DataPosition`: the low-water mark `next_seq` (every
+seq below it is done) plus the few done seqs above it (`skip`), which arise
+because async rollouts finish out of order. `position_after` builds one from
+the seqs a checkpoint has trained, so a resume repeats no trained prompt and
+loses no untrained one.
+
+Every row is parsed and validated when the source is built (errors carry
+`path:line:`); rendering and tokenizing happen lazily, one prompt at a time.
+
+BOS handling: a chat template writes every special token the model expects
+(SmolLM2's starts with `<|im_start|>`, Llama 3's with `<|begin_of_text|>`),
+so a rendered chat prompt is tokenized with `add_special_tokens=False`, which
+never doubles a BOS. A raw prompt (`apply_chat_template = false`) is tokenized
+with `add_special_tokens=True`, so the tokenizer adds its BOS if it has one,
+as in pretraining.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qs
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Unusable prompt data; the message starts with `path:line:` where a line is at fault."""
+
+
+class Prompt(msgspec.Struct, kw_only=True):
+    """One rendered prompt, named by its position `seq` in the run's prompt stream."""
+
+    seq: int
+    """Position in the stream; the key of resume bookkeeping."""
+    index: int
+    """Row index in the data file (0-based)."""
+    epoch: int
+    text: str
+    """The prompt as rendered (chat template applied when configured)."""
+    input_ids: list[int]
+    label: Any = None
+    metadata: dict[str, Any] = {}
+
+
+class DataPosition(msgspec.Struct, kw_only=True):
+    """Resume state: hand out `next_seq`, `next_seq + 1`, ... except the seqs in `skip`."""
+
+    next_seq: int = 0
+    """Low-water mark: every seq below it is done."""
+    skip: list[int] = []
+    """Done seqs at or above `next_seq` (sorted); they are not handed out again."""
+
+
+def position_after(
+    trained_seqs: Iterable[int], *, since: DataPosition | None = None
+) -> DataPosition:
+    """The position that resumes after `trained_seqs` (and everything `since` had done).
+
+    "Trained" means done for good: trained, or deliberately dropped (e.g. a
+    group filtered for zero reward variance). Seqs neither trained nor covered
+    by `since` come back on resume, even if they were handed out before.
+    """
+    since = since or DataPosition()
+    done = {s for s in trained_seqs if s >= since.next_seq}
+    done.update(since.skip)
+    low = since.next_seq
+    while low in done:
+        done.discard(low)
+        low += 1
+    return DataPosition(next_seq=low, skip=sorted(s for s in done if s > low))
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render_prompt(
+    tokenizer: Any, value: str | list[dict[str, str]], *, apply_chat_template: bool, system_prompt: str
+) -> str:
+    """Prompt text as the model sees it.
+
+    With the template, a string becomes [system (if `system_prompt`), user] and
+    a message list is used as given; the generation prompt is appended.
+    Without it, a string is used verbatim and a message list is an error.
+    """
+    if not apply_chat_template:
+        if not isinstance(value, str):
+            raise DataError("a chat-message prompt needs data.apply_chat_template = true")
+        return value
+    if isinstance(value, str):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": value})
+    else:
+        messages = value
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_prompt(tokenizer: Any, text: str, *, apply_chat_template: bool) -> list[int]:
+    """Token ids of rendered text; special tokens added only when no template wrote them."""
+    encoded = tokenizer(text, add_special_tokens=not apply_chat_template)
+    return list(encoded["input_ids"])
+
+
+# ---------------------------------------------------------------- rows
+
+
+class _Row(msgspec.Struct, frozen=True, gc=False):
+    value: str | list[dict[str, str]]
+    label: Any
+    metadata: dict[str, Any]
+
+
+def _check_row(
+    obj: Any, *, input_key: str, label_key: str, metadata_key: str, allow_messages: bool
+) -> _Row:
+    """Validate one decoded row; raises DataError with a message (no location)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"expected a JSON object, got {type(obj).__name__}")
+    if input_key not in obj:
+        raise DataError(f"missing input key {input_key!r} (keys: {sorted(obj)})")
+    value = obj[input_key]
+    if isinstance(value, list):
+        if not allow_messages:
+            raise DataError(
+                f"{input_key!r} is a list of chat messages but data.apply_chat_template = false"
+            )
+        if not value:
+            raise DataError(f"{input_key!r} is an empty message list")
+        for i, message in enumerate(value):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise DataError(
+                    f"{input_key}[{i}] must be an object with string 'role' and 'content', "
+                    f"got {message!r:.80}"
+                )
+    elif not isinstance(value, str):
+        raise DataError(
+            f"{input_key!r} must be a string or a list of chat messages, "
+            f"got {type(value).__name__}"
+        )
+    metadata = obj.get(metadata_key)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise DataError(f"{metadata_key!r} must be an object, got {type(metadata).__name__}")
+    return _Row(value=value, label=obj.get(label_key), metadata=metadata)
+
+
+def _records(path: str, default_seed: int = 0) -> Iterable[tuple[int, Any | Exception]]:
+    """(line number, decoded object or the decode error) for every non-blank record."""
+    if path.startswith("builtin:"):
+        from streamrl import tasks
+
+        name, _, query = path.removeprefix("builtin:").partition("?")
+        try:
+            params = {k: v[-1] for k, v in parse_qs(query, strict_parsing=bool(query)).items()}
+            unknown = set(params) - {"n", "seed"}
+            if unknown:
+                raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: n, seed")
+            task = tasks.get_task(name)
+            num_rows = int(params.get("n", task.default_num_rows))
+            seed = int(params.get("seed", default_seed))
+        except (KeyError, ValueError) as exc:
+            raise DataError(f"{path}: {exc.args[0] if exc.args else exc}") from None
+        return enumerate(task.rows(seed, num_rows), start=1)
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"{path}: no such file")
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(file).to_pylist()
+        except Exception as exc:
+            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
+        return enumerate(rows, start=1)
+    return _jsonl_records(file)
+
+
+def _jsonl_records(file: Path) -> Iterable[tuple[int, Any | Exception]]:
+    decoder = msgspec.json.Decoder()
+    with file.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, decoder.decode(line)
+            except msgspec.DecodeError as exc:
+                yield number, DataError(f"malformed JSON: {exc}")
+
+
+# ---------------------------------------------------------------- the source
+
+
+class PromptSource:
+    """An endless, resumable stream of rendered prompts over one data set."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        tokenizer: Any,
+        input_key: str = "prompt",
+        label_key: str = "label",
+        metadata_key: str = "metadata",
+        apply_chat_template: bool = True,
+        system_prompt: str = "",
+        shuffle: bool = True,
+        seed: int = 0,
+        on_bad_line: Literal["error", "skip"] = "error",
+        max_prompt_tokens: int = 0,
+        position: DataPosition | None = None,
+    ) -> None:
+        if on_bad_line not in ("error", "skip"):
+            raise ValueError(f"on_bad_line must be 'error' or 'skip', got {on_bad_line!r}")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"{path}: the tokenizer has no chat template; set data.apply_chat_template = false"
+            )
+        self.path = path
+        self.tokenizer = tokenizer
+        self.apply_chat_template = apply_chat_template
+        self.system_prompt = system_prompt
+        self.shuffle = shuffle
+        self.seed = seed
+        self.max_prompt_tokens = max_prompt_tokens
+        self.num_skipped = 0
+        """Bad rows skipped at load (on_bad_line = "skip")."""
+        self.num_too_long = 0
+        """Prompts skipped by next() for exceeding max_prompt_tokens."""
+        self.too_long_seqs: set[int] = set()
+        """Seqs skipped for length; done for good (see `resume_position`)."""
+        if path.startswith("builtin:"):  # generated rows always use the task's own keys
+            input_key, label_key, metadata_key = "prompt", "label", "metadata"
+        self._rows = self._load(path, input_key, label_key, metadata_key, on_bad_line)
+        self._orders: dict[int, list[int]] = {}
+        self._start = position or DataPosition()
+        self._next_seq = self._start.next_seq
+        self._skip = set(self._start.skip)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, tokenizer: Any, *, seed: int, position: DataPosition | None = None
+    ) -> PromptSource:
+        """Build from a `DataConfig` (`seed` is `train.seed`)."""
+        return cls(
+            cfg.path,
+            tokenizer=tokenizer,
+            input_key=cfg.input_key,
+            label_key=cfg.label_key,
+            metadata_key=cfg.metadata_key,
+            apply_chat_template=cfg.apply_chat_template,
+            system_prompt=cfg.system_prompt,
+            shuffle=cfg.shuffle,
+            seed=seed,
+            on_bad_line=cfg.on_bad_line,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+            position=position,
+        )
+
+    @classmethod
+    def for_eval(cls, dataset: Any, data: Any, tokenizer: Any) -> PromptSource:
+        """An unshuffled source for an `EvalDataset`, rendered like the training `DataConfig`."""
+        return cls(
+            dataset.path,
+            tokenizer=tokenizer,
+            input_key=dataset.input_key,
+            label_key=dataset.label_key,
+            metadata_key=data.metadata_key,
+            apply_chat_template=data.apply_chat_template,
+            system_prompt=data.system_prompt,
+            shuffle=False,
+            on_bad_line=data.on_bad_line,
+            max_prompt_tokens=data.max_prompt_tokens,
+        )
+
+    def _load(self, path, input_key, label_key, metadata_key, on_bad_line) -> list[_Row]:
+        rows: list[_Row] = []
+        for number, record in _records(path):
+            try:
+                if isinstance(record, Exception):
+                    raise record
+                rows.append(
+                    _check_row(
+                        record,
+                        input_key=input_key,
+                        label_key=label_key,
+                        metadata_key=metadata_key,
+                        allow_messages=self.apply_chat_template,
+                    )
+                )
+            except DataError as exc:
+                message = f"{path}:{number}: {exc}"
+                if on_bad_line == "error":
+                    raise DataError(message) from None
+                self.num_skipped += 1
+                log.warning("skipping bad row (%d so far): %s", self.num_skipped, message)
+        if not rows:
+            reason = f"all {self.num_skipped} rows were bad" if self.num_skipped else "no rows"
+            raise DataError(f"{path}: {reason}")
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self._rows)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            if len(self._orders) >= 2:  # next() moves forward; keep this epoch and the last
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = order
+        return order
+
+    def locate(self, seq: int) -> tuple[int, int]:
+        """(epoch, row index) of stream position `seq`."""
+        if seq < 0:
+            raise ValueError(f"seq must be >= 0, got {seq}")
+        epoch, offset = divmod(seq, len(self._rows))
+        return epoch, self._order(epoch)[offset]
+
+    def get(self, seq: int) -> Prompt:
+        """The prompt at stream position `seq`, rendered and tokenized."""
+        epoch, index = self.locate(seq)
+        row = self._rows[index]
+        text = render_prompt(
+            self.tokenizer,
+            row.value,
+            apply_chat_template=self.apply_chat_template,
+            system_prompt=self.system_prompt,
+        )
+        input_ids = tokenize_prompt(self.tokenizer, text, apply_chat_template=self.apply_chat_template)
+        return Prompt(
+            seq=seq,
+            index=index,
+            epoch=epoch,
+            text=text,
+            input_ids=input_ids,
+            label=row.label,
+            metadata=dict(row.metadata),
+        )
+
+    def next(self) -> Prompt:
+        """The next prompt of the stream (endless: epochs follow one another)."""
+        while True:
+            seq = self._next_seq
+            self._next_seq += 1
+            if seq in self._skip:
+                self._skip.discard(seq)
+                continue
+            prompt = self.get(seq)
+            if self.max_prompt_tokens and len(prompt.input_ids) > self.max_prompt_tokens:
+                self.num_too_long += 1
+                self.too_long_seqs.add(seq)
+                log.warning(
+                    "%s: row %d (seq %d) has %d prompt tokens > data.max_prompt_tokens = %d; "
+                    "skipped (%d so far)",
+                    self.path,
+                    prompt.index,
+                    seq,
+                    len(prompt.input_ids),
+                    self.max_prompt_tokens,
+                    self.num_too_long,
+                )
+                continue
+            return prompt
+
+    @property
+    def position(self) -> DataPosition:
+        """Where the stream stands: the next seq to hand out and the skips still pending."""
+        next_seq = self._next_seq
+        return DataPosition(next_seq=next_seq, skip=sorted(s for s in self._skip if s >= next_seq))
+
+    def resume_position(self, trained_seqs: Iterable[int]) -> DataPosition:
+        """Checkpoint position: `position_after` over `trained_seqs` (handed out by this
+        source since it was built), the position it started from, and its length skips."""
+        return position_after(set(trained_seqs) | self.too_long_seqs, since=self._start)

@@ -1,0 +1,329 @@
+"""The embedded engine's generation core: one thread owns the model, callers await.
+
+Threads: `EngineCore.start` launches one scheduler thread that owns the
+runner (model + KV cache) and the `Scheduler`. Every other thread talks to
+it only through a command queue: a command is a closure run on the engine
+thread between decode steps (with no step in flight), so pause, abort and
+weight updates act at step boundaries. Results come back to asyncio callers
+through ``loop.call_soon_threadsafe``. The thread blocks on the queue when it
+has nothing to run (no polling).
+
+RL semantics kept here (see runner/sampling.py for the logprob convention):
+each output token carries the weight version current when its step was
+launched; `update_weights` copies in place and changes the version only after
+every copy finished; a retracted request keeps its tokens and their versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from streamrl.engine import models
+from streamrl.engine.runner import build_runner
+from streamrl.engine.runner.scheduler import PAUSE_MODES, Scheduler
+from streamrl.engine.runner.sequence import Sequence, StopStringChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: whole vocabulary
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None  # None: drawn from the engine's seeded generator
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError(f"invalid sampling params {self}")
+        if self.max_new_tokens < 0 or self.min_new_tokens < 0:
+            raise ValueError(f"negative token counts in {self}")
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Output:
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[str]  # per output token: the weight version its step was launched under
+    finish_reason: dict  # {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class EngineCore:
+    """Generation over one model; see the module docstring for the threading contract."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tokenizer_path: str = "",
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        runner: str = "auto",
+        cuda_graphs: bool = True,
+        seed: int = 0,
+        weight_version: str = "default",
+        num_threads: int = 0,
+        max_prefill_tokens: int = 0,
+        compile_elementwise: bool = False,
+    ):
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.device = models.resolve_device(device)
+        self.dtype = models.resolve_dtype(dtype, self.device)
+        self.tokenizer = models.load_tokenizer(tokenizer_path or model_path)
+        if max_prefill_tokens <= 0:
+            max_prefill_tokens = 32768 if self.device.type == "cuda" else 4096
+        self.runner, config = build_runner(
+            model_path,
+            runner=runner,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=max_prefill_tokens,
+            cuda_graphs=cuda_graphs,
+            compile_elementwise=compile_elementwise,
+            seed=seed,
+        )
+        self.max_seq_len = max_seq_len
+        self.scheduler = Scheduler(
+            self.runner,
+            eos_token_ids=_eos_token_ids(self.tokenizer, config),
+            max_seq_len=max_seq_len,
+            weight_version=weight_version,
+            seed=seed,
+        )
+        self.model_info: dict[str, Any] = {
+            "model_path": model_path,
+            "tokenizer_path": tokenizer_path or model_path,
+            "model_type": getattr(config, "model_type", ""),
+            "architectures": list(getattr(config, "architectures", None) or []),
+            "is_generation": True,
+            "max_seq_len": max_seq_len,
+            "max_batch_size": max_batch_size,
+            "vocab_size": config.vocab_size,
+            "eos_token_ids": sorted(self.scheduler.eos_token_ids),
+            "runner": self.runner.name,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.is_paused = False
+
+    # -- state read by other threads (plain attribute reads) -------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def stats(self) -> dict:
+        return dict(self.scheduler.stats)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="streamrl-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort everything still queued or running, then stop the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put(lambda: self.scheduler.abort(None, "engine shut down"))
+        self._commands.put(None)
+        self._thread.join(timeout=60)
+        self._thread = None
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            try:
+                command = self._commands.get(block=not scheduler.has_work())
+            except queue.Empty:
+                command = _NO_COMMAND
+            try:
+                if command is None:
+                    scheduler.drain()
+                    return
+                if command is not _NO_COMMAND:
+                    scheduler.drain()
+                    command()
+                    continue
+                scheduler.step()
+            except Exception as error:
+                logger.exception("engine step failed; aborting every request")
+                scheduler.fail_all(f"engine error: {type(error).__name__}: {error}")
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine is not running: call start() first")
+        self._commands.put(command)
+
+    async def _call(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` on the engine thread at a step boundary; await its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = action()
+            except BaseException as error:
+                _resolve_threadsafe(loop, future, error=error)
+            else:
+                _resolve_threadsafe(loop, future, result=result)
+
+        self._submit(command)
+        return await future
+
+    # -- generation -------------------------------------------------------------
+
+    async def generate(self, requests: list[Request]) -> list[Output]:
+        """Run ``requests`` together (identical prompts share one prefill); await all outputs.
+
+        Raises ValueError (before anything runs) for an empty prompt or one that leaves
+        no room under ``max_seq_len``. Cancelling the awaiting task aborts the requests."""
+        for request in requests:
+            if not request.input_ids:
+                raise ValueError(f"request {request.rid!r} has an empty prompt")
+            if len(request.input_ids) >= self.max_seq_len:
+                raise ValueError(
+                    f"request {request.rid!r}: prompt of {len(request.input_ids)} tokens leaves no room "
+                    f"under max_seq_len {self.max_seq_len}"
+                )
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in requests]
+        seqs = [self._sequence(request, loop, future) for request, future in zip(requests, futures, strict=True)]
+        self._submit(lambda: self.scheduler.add(seqs))
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            for request in requests:
+                self.abort(request.rid)
+            raise
+
+    def _sequence(self, request: Request, loop, future) -> Sequence:
+        params = request.params
+
+        def on_finish(seq: Sequence) -> None:
+            output = Output(
+                rid=seq.rid,
+                output_ids=list(seq.output_ids),
+                logprobs=list(seq.logprobs),
+                versions=list(seq.versions),
+                finish_reason=dict(seq.finish_reason or {}),
+                prompt_tokens=len(seq.prompt_ids),
+                cached_tokens=seq.cached_tokens,
+            )
+            _resolve_threadsafe(loop, future, result=output)
+
+        checker = None
+        if params.stop:
+            checker = StopStringChecker(params.stop, self._decode)
+        return Sequence(
+            rid=request.rid,
+            prompt_ids=list(request.input_ids),
+            params=params,
+            seed=-1 if params.seed is None else params.seed & ((1 << 63) - 1),
+            on_finish=on_finish,
+            stop_checker=checker,
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request (or all with None); they finish with their partial outputs."""
+        self._submit(lambda: self.scheduler.abort(rid, "aborted by request"))
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop stepping (see `Scheduler.pause` for the modes); returns at a step boundary."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        await self._call(lambda: self.scheduler.pause(mode))
+        self.is_paused = True
+
+    def resume(self) -> None:
+        self.is_paused = False
+        self._submit(self.scheduler.resume)
+
+    async def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """Copy HF-named full tensors into the live weights at a step boundary, then set ``version``.
+
+        Every name and shape is checked first: ValueError and nothing copied if one is wrong."""
+        plan = self.runner.plan_weights(list(tensors))
+
+        def load() -> None:
+            self.runner.load_weights(plan)
+            self.scheduler.weight_version = version
+
+        await self._call(load)
+
+    def flush_cache(self) -> bool:
+        """True when idle (there is no prefix cache to drop); False while requests run."""
+        return self.num_running == 0 and self.num_waiting == 0
+
+
+_NO_COMMAND = object()
+
+
+def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | None = None) -> None:
+    def resolve() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def _eos_token_ids(tokenizer, config) -> set[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

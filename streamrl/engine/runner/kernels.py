@@ -1,0 +1,67 @@
+"""The small elementwise pieces of the decoder, eager or fused by torch.compile.
+
+Eager, each is several kernel launches (RMSNorm alone is ~6); fused, one. In
+a CUDA-graph decode step of a 0.5B model at batch 256 fusing them took the
+step from ~4.3 ms to ~2.8 ms (reference/fast-engine.md); on CPU and in tests
+the eager versions serve. Numerics equal transformers' Llama/Qwen modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from streamrl.engine.runner.rope import apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` with the statistics in float32, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(rms_norm(x + residual), x + residual)``; the add in the model dtype."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the fused [.., 2 * intermediate] projection: ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    return apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    add_rms_norm: Callable
+    silu_mul: Callable
+    rope: Callable
+    is_compiled: bool = False
+
+
+EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_qk)
+
+
+def compiled_ops() -> Ops:
+    """The same functions through ``torch.compile`` (dynamic shapes: one kernel per op for every batch)."""
+
+    def compile_one(fn):
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+
+    return Ops(
+        compile_one(rms_norm),
+        compile_one(add_rms_norm),
+        compile_one(silu_mul),
+        compile_one(rope_qk),
+        is_compiled=True,
+    )

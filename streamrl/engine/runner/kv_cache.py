@@ -1,0 +1,58 @@
+"""The preallocated per-slot KV cache.
+
+Shape per tensor: ``[layers, slots + 1, max_seq_len, kv_heads, head_dim]``.
+Slot ``s`` row ``p`` holds the key/value of position ``p`` of the sequence in
+slot ``s``. The extra last slot is scratch: padded decode lanes write there, so
+a padded lane never touches a real sequence. Rows past a sequence's length
+hold stale but finite values (the cache starts zeroed), which masked
+attention ignores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        shape = (num_layers, num_slots + 1, max_seq_len, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.scratch_slot = num_slots
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @property
+    def scratch_row(self) -> int:
+        """Flat row index (slot * max_seq_len + position) where padded lanes write."""
+        return self.scratch_slot * self.max_seq_len
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of one layer: [slots + 1, max_seq_len, kv_heads, head_dim]."""
+        return self.keys[index], self.values[index]
+
+    @staticmethod
+    def write(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """Store ``new`` [tokens, kv_heads, head_dim] at flat ``rows`` (slot * max_seq_len + position)."""
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, rows, new)
+
+    def copy_slot(self, source: int, target: int, num_rows: int) -> None:
+        """Copy the first ``num_rows`` positions of ``source`` into ``target`` (all layers)."""
+        if source == target or num_rows <= 0:
+            return
+        self.keys[:, target, :num_rows].copy_(self.keys[:, source, :num_rows])
+        self.values[:, target, :num_rows].copy_(self.values[:, source, :num_rows])

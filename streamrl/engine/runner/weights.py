@@ -1,0 +1,85 @@
+"""Hugging Face parameter names onto the compact model's (fused) parameters.
+
+One loader serves the initial load and every `update_weights`: each HF name
+maps to a row range of one compact parameter (q/k/v into ``qkv``, gate/up
+into ``gate_up``), and tensors are copied in place into that storage, so
+captured CUDA graphs keep pointing at valid weights and a tied head (the same
+Parameter as the embedding) follows the embedding. A batch is validated
+entirely (names and shapes) before the first copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from streamrl.engine.runner.compact import CompactModel
+
+# Buffers some checkpoints carry that the compact model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_weight_targets(model: CompactModel) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """``{hf_name: (parameter, first_row, end_row)}`` for every HF tensor the model holds."""
+    dims = model.dims
+    q, kv, inter = dims.q_size, dims.kv_size, dims.intermediate
+    targets: dict[str, tuple[torch.Tensor, int, int]] = {
+        "model.embed_tokens.weight": (model.embed, 0, dims.vocab_size),
+        "model.norm.weight": (model.final_norm, 0, dims.hidden),
+        # Tied models map the head onto the embedding: same storage, same values.
+        "lm_head.weight": (model.lm_head, 0, dims.vocab_size),
+    }
+    for index, layer in enumerate(model.layers):
+        prefix = f"model.layers.{index}."
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        for name, (start, end) in rows.items():
+            targets[f"{prefix}self_attn.{name}.weight"] = (layer.qkv, start, end)
+            if layer.qkv_bias is not None:
+                targets[f"{prefix}self_attn.{name}.bias"] = (layer.qkv_bias, start, end)
+        targets[f"{prefix}self_attn.o_proj.weight"] = (layer.o_proj, 0, dims.hidden)
+        if layer.q_norm is not None:
+            targets[f"{prefix}self_attn.q_norm.weight"] = (layer.q_norm, 0, dims.head_dim)
+            targets[f"{prefix}self_attn.k_norm.weight"] = (layer.k_norm, 0, dims.head_dim)
+        targets[f"{prefix}mlp.gate_proj.weight"] = (layer.gate_up, 0, inter)
+        targets[f"{prefix}mlp.up_proj.weight"] = (layer.gate_up, inter, 2 * inter)
+        targets[f"{prefix}mlp.down_proj.weight"] = (layer.down, 0, dims.hidden)
+        targets[f"{prefix}input_layernorm.weight"] = (layer.input_norm, 0, dims.hidden)
+        targets[f"{prefix}post_attention_layernorm.weight"] = (layer.post_norm, 0, dims.hidden)
+    return targets
+
+
+def plan_copies(targets: dict, tensors: Iterable[tuple[str, torch.Tensor]]):
+    """Validate every (name, tensor); return ``[(destination view, source)]``.
+
+    Raises ValueError naming the first unknown name or wrong shape; nothing is
+    copied by this function.
+    """
+    plan = []
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name not in targets:
+            raise ValueError(f"unknown weight name {name!r}")
+        parameter, start, end = targets[name]
+        destination = parameter.data[start:end]
+        if tuple(tensor.shape) != tuple(destination.shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
+        plan.append((destination, tensor))
+    return plan
+
+
+@torch.no_grad()
+def copy_planned(plan) -> None:
+    """Copy each source into its destination view (dtype/device converted, in place)."""
+    for destination, source in plan:
+        destination.copy_(source, non_blocking=True)
+
+
+def missing_names(targets: dict, names: Iterable[str], *, tied: bool) -> list[str]:
+    """HF names the model needs that ``names`` lacks (a tied head needs no lm_head)."""
+    present = set(names)
+    optional = {"lm_head.weight"} if tied else set()
+    return sorted(set(targets) - present - optional)

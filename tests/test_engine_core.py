@@ -1,0 +1,384 @@
+"""The embedded engine's generation core on CPU, with tiny random models.
+
+The acceptance property of the project: every logprob the engine returns equals
+a teacher-forced transformers forward of the same weights over prompt + output
+(fp32 CPU, max abs diff <= 1e-4), through batching, retraction and updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamrl.engine import models  # noqa: E402
+from streamrl.engine.core import EngineCore, Output, Request, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+TOLERANCE = 1e-4
+
+
+@contextlib.contextmanager
+def running_engine(model_path: str, **kwargs):
+    kwargs.setdefault("max_batch_size", 4)
+    kwargs.setdefault("max_seq_len", 256)
+    engine = EngineCore(model_path, **kwargs)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def prompts(count: int, *, base: int = 100) -> list[list[int]]:
+    """Distinct prompts of varying lengths (3..12 tokens)."""
+    return [[base + 7 * i + j for j in range(3 + (i * 5) % 10)] for i in range(count)]
+
+
+def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0):
+    """Teacher-forced logprobs of ``output`` after ``prompt`` under ``model`` (fp32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    scale = temperature if temperature > 0 else 1.0
+    log_probs = torch.log_softmax(logits / scale, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return log_probs[positions, torch.tensor(output)]
+
+
+def max_logprob_error(model, requests: list[Request], outputs: list[Output], temperature=1.0) -> float:
+    worst = 0.0
+    for request, output in zip(requests, outputs, strict=True):
+        assert len(output.logprobs) == len(output.output_ids) == len(output.versions)
+        expected = reference_logprobs(model, request.input_ids, output.output_ids, temperature)
+        worst = max(worst, (expected - torch.tensor(output.logprobs)).abs().max().item())
+    return worst
+
+
+def requests_for(token_lists, **params) -> list[Request]:
+    return [Request(f"r{i}", ids, SamplingParams(**params)) for i, ids in enumerate(token_lists)]
+
+
+@pytest.fixture(params=["qwen3", "llama", "qwen2"])
+def compact_model_path(request, tiny_model_dir, tiny_llama_dir) -> str:
+    return {"qwen3": tiny_model_dir, "llama": tiny_llama_dir, "qwen2": "random:qwen2-tiny"}[request.param]
+
+
+# -- logprobs and greedy outputs --------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_compact_logprobs_equal_a_teacher_forced_transformers_forward(compact_model_path, temperature):
+    requests = requests_for(prompts(7), max_new_tokens=12, temperature=temperature, ignore_eos=True)
+    with running_engine(compact_model_path) as engine:
+        assert engine.model_info["runner"] == "compact"
+        outputs = await engine.generate(requests)
+    reference, _ = models.load_model(compact_model_path)
+    assert max_logprob_error(reference, requests, outputs, temperature) <= TOLERANCE
+    assert all(o.finish_reason == {"type": "length", "length": 12} for o in outputs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_hf_runner_logprobs_equal_a_teacher_forced_forward(tiny_model_dir, temperature):
+    requests = requests_for(prompts(6), max_new_tokens=8, temperature=temperature, ignore_eos=True)
+    with running_engine(tiny_model_dir, runner="hf") as engine:
+        assert engine.model_info["runner"] == "hf"
+        outputs = await engine.generate(requests)
+    reference, _ = models.load_model(tiny_model_dir)
+    assert max_logprob_error(reference, requests, outputs, temperature) <= TOLERANCE
+
+
+async def test_compact_greedy_output_equals_transformers_generate(compact_model_path):
+    token_lists = prompts(5)
+    requests = requests_for(token_lists, max_new_tokens=16, temperature=0.0)
+    with running_engine(compact_model_path) as engine:
+        outputs = await engine.generate(requests)
+    reference, _ = models.load_model(compact_model_path)
+    for ids, output in zip(token_lists, outputs, strict=True):
+        expected = reference.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
+        assert output.output_ids == expected
+    assert max_logprob_error(reference, requests, outputs, temperature=0.0) <= TOLERANCE
+
+
+async def test_top_k_one_and_tiny_top_p_sample_the_greedy_token(tiny_model_dir):
+    token_lists = prompts(3)
+    with running_engine(tiny_model_dir) as engine:
+        greedy = await engine.generate(requests_for(token_lists, max_new_tokens=6, temperature=0.0))
+        top_k = await engine.generate(requests_for(token_lists, max_new_tokens=6, top_k=1))
+        top_p = await engine.generate(requests_for(token_lists, max_new_tokens=6, top_p=1e-6))
+        min_p = await engine.generate(requests_for(token_lists, max_new_tokens=6, min_p=1.0))
+    for a, b, c, d in zip(greedy, top_k, top_p, min_p, strict=True):
+        assert a.output_ids == b.output_ids == c.output_ids == d.output_ids
+
+
+async def test_an_explicit_seed_reproduces_a_sample_and_unseeded_samples_differ(tiny_model_dir):
+    prompt = prompts(1)[0]
+    seeded = [Request(f"s{i}", prompt, SamplingParams(max_new_tokens=10, seed=42)) for i in range(2)]
+    unseeded = [Request(f"u{i}", prompt, SamplingParams(max_new_tokens=10)) for i in range(2)]
+    with running_engine(tiny_model_dir) as engine:
+        first, second, third, fourth = await engine.generate(seeded + unseeded)
+    assert first.output_ids == second.output_ids
+    assert third.output_ids != fourth.output_ids
+
+
+# -- batching --------------------------------------------------------------------
+
+
+async def test_more_requests_than_slots_all_finish_and_identical_prompts_share_prefill(tiny_model_dir):
+    shared = prompts(1, base=500)[0]
+    token_lists = [shared] * 5 + prompts(6)
+    requests = requests_for(token_lists, max_new_tokens=9, ignore_eos=True)
+    with running_engine(tiny_model_dir, max_batch_size=3) as engine:
+        outputs = await engine.generate(requests)
+        stats = engine.stats
+    assert [o.rid for o in outputs] == [r.rid for r in requests]
+    assert all(len(o.output_ids) == 9 for o in outputs)
+    assert stats["shared_prefill_tokens"] > 0
+    assert sum(o.cached_tokens for o in outputs[:5]) >= 2 * len(shared)
+    assert len({tuple(o.output_ids) for o in outputs[:5]}) > 1  # n samples, not n copies
+    reference, _ = models.load_model(tiny_model_dir)
+    assert max_logprob_error(reference, requests, outputs) <= TOLERANCE
+
+
+async def test_concurrent_generate_calls_interleave_in_continuous_batching(tiny_llama_dir):
+    with running_engine(tiny_llama_dir, max_batch_size=4) as engine:
+        batches = [requests_for(prompts(3, base=100 * b), max_new_tokens=5 + b) for b in range(4)]
+        results = await asyncio.gather(*(engine.generate(batch) for batch in batches))
+    for batch_index, outputs in enumerate(results):
+        assert all(o.finish_reason["type"] in ("length", "stop") for o in outputs)
+        assert all(len(o.output_ids) <= 5 + batch_index for o in outputs)
+
+
+# -- stopping --------------------------------------------------------------------
+
+
+async def test_stop_token_ids_and_min_new_tokens(tiny_model_dir):
+    prompt = prompts(1)[0]
+    greedy = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    with running_engine(tiny_model_dir) as engine:
+        (free,) = await engine.generate([Request("free", prompt, greedy)])
+        stop_id = free.output_ids[4]
+        first = free.output_ids.index(stop_id)
+        params = SamplingParams(
+            max_new_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,)
+        )
+        (stopped,) = await engine.generate([Request("stop", prompt, params)])
+        late = SamplingParams(**{**params.__dict__, "min_new_tokens": first + 2})
+        (delayed,) = await engine.generate([Request("late", prompt, late)])
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_id}
+    assert stopped.output_ids == free.output_ids[: first + 1]
+    assert len(delayed.output_ids) >= first + 2
+    assert delayed.output_ids == free.output_ids[: len(delayed.output_ids)]
+
+
+async def test_eos_stops_unless_ignored(tiny_model_dir):
+    prompt = prompts(1)[0]
+    with running_engine(tiny_model_dir) as engine:
+        (free,) = await engine.generate([Request("a", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))])
+        eos_like = free.output_ids[3]
+        engine.scheduler.eos_token_ids = frozenset({eos_like})  # pretend it is EOS
+        (stopped,) = await engine.generate([Request("b", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))])
+        ignored = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        (kept,) = await engine.generate([Request("c", prompt, ignored)])
+    assert stopped.finish_reason == {"type": "stop", "matched": eos_like}
+    assert stopped.output_ids[-1] == eos_like
+    assert kept.output_ids == free.output_ids
+
+
+async def test_stop_strings_finish_on_the_decoded_text(tiny_model_dir):
+    prompt = prompts(1)[0]
+    greedy = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    with running_engine(tiny_model_dir) as engine:
+        (free,) = await engine.generate([Request("free", prompt, greedy)])
+        tokenizer = engine.tokenizer
+        piece = tokenizer.decode(free.output_ids[5:7])
+        stop = piece.strip()[:3] or piece
+        params = SamplingParams(
+            max_new_tokens=20, temperature=0.0, ignore_eos=True, stop=("never-there", stop)
+        )
+        (stopped,) = await engine.generate([Request("stop", prompt, params)])
+    assert stopped.finish_reason == {"type": "stop", "matched": stop}
+    text = tokenizer.decode(stopped.output_ids)
+    assert stop in text and stop not in tokenizer.decode(stopped.output_ids[:-1])
+    assert stopped.output_ids == free.output_ids[: len(stopped.output_ids)]
+
+
+async def test_length_limits_and_prompt_checks(tiny_model_dir):
+    with running_engine(tiny_model_dir, max_seq_len=24) as engine:
+        long_prompt = list(range(100, 120))
+        outputs = await engine.generate(
+            [
+                Request("short", [5, 6, 7], SamplingParams(max_new_tokens=5, ignore_eos=True)),
+                Request("capped", long_prompt, SamplingParams(max_new_tokens=50, ignore_eos=True)),
+                Request("zero", [5, 6, 7], SamplingParams(max_new_tokens=0)),
+            ]
+        )
+        with pytest.raises(ValueError, match="max_seq_len"):
+            await engine.generate([Request("huge", list(range(100, 130)), SamplingParams())])
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate([Request("empty", [], SamplingParams())])
+    assert outputs[0].finish_reason == {"type": "length", "length": 5}
+    assert len(outputs[1].output_ids) == 24 - 20
+    assert outputs[1].finish_reason == {"type": "length", "length": 4}
+    assert outputs[2].output_ids == [] and outputs[2].finish_reason["type"] == "length"
+
+
+# -- abort, pause, weight updates -------------------------------------------------
+
+
+async def wait_for_tokens(engine: EngineCore, count: int) -> None:
+    """Until the engine has generated ``count`` tokens in total (test helper)."""
+    for _ in range(20000):
+        if engine.stats["generated_tokens"] >= count:
+            return
+        await asyncio.sleep(0.001)
+    raise TimeoutError("the engine generated too few tokens")
+
+
+async def test_abort_returns_partial_outputs_and_cancellation_aborts(tiny_model_dir):
+    long = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+    with running_engine(tiny_model_dir, max_seq_len=2048) as engine:
+        task = asyncio.ensure_future(engine.generate([Request("a", [1, 2, 3], long), Request("b", [4, 5], long)]))
+        await wait_for_tokens(engine, 10)
+        engine.abort("a")
+        await wait_for_tokens(engine, engine.stats["generated_tokens"] + 5)
+        engine.abort()
+        first, second = await task
+        cancelled = asyncio.ensure_future(engine.generate([Request("c", [1, 2], long)]))
+        await wait_for_tokens(engine, engine.stats["generated_tokens"] + 5)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await engine.pause("in_place")  # a boundary: the abort has been applied
+        assert engine.num_running == 0 and engine.num_waiting == 0 and engine.flush_cache()
+        engine.resume()
+    for output in (first, second):
+        assert output.finish_reason["type"] == "abort"
+        assert 0 < len(output.output_ids) < 2000
+        assert len(output.logprobs) == len(output.versions) == len(output.output_ids)
+    assert len(first.output_ids) < len(second.output_ids)
+
+
+async def test_pause_abort_aborts_everything_and_new_requests_wait_for_resume(tiny_model_dir):
+    long = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+    with running_engine(tiny_model_dir, max_seq_len=2048) as engine:
+        task = asyncio.ensure_future(engine.generate(requests_for(prompts(6), max_new_tokens=10_000, ignore_eos=True)))
+        await wait_for_tokens(engine, 8)
+        await engine.pause("abort")
+        aborted = await task
+        assert engine.is_paused
+        queued = asyncio.ensure_future(engine.generate([Request("q", [1, 2], SamplingParams(max_new_tokens=4))]))
+        await asyncio.sleep(0.05)
+        assert not queued.done() and engine.num_waiting == 1
+        engine.resume()
+        (later,) = await queued
+        del long
+    assert all(o.finish_reason["type"] == "abort" for o in aborted)
+    assert sum(len(o.output_ids) for o in aborted) >= 8
+    assert len(later.output_ids) == 4
+
+
+async def test_pause_retract_resumes_the_same_seeded_sample(tiny_model_dir):
+    requests = [
+        Request(f"r{i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True, seed=i))
+        for i, ids in enumerate(prompts(5))
+    ]
+    with running_engine(tiny_model_dir) as engine:
+        uninterrupted = await engine.generate(requests)
+        task = asyncio.ensure_future(engine.generate(requests))
+        await wait_for_tokens(engine, engine.stats["generated_tokens"] + 30)
+        await engine.pause("retract")
+        assert engine.num_running == 0 and engine.num_waiting == len(requests)
+        engine.resume()
+        retracted = await task
+    for a, b in zip(uninterrupted, retracted, strict=True):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOLERANCE
+    assert engine.stats["prefill_tokens"] > 2 * sum(len(r.input_ids) for r in requests)
+
+
+def new_weights(shape: str, seed: int) -> dict[str, torch.Tensor]:
+    model, _ = models.load_model(f"random:{shape}", seed=seed)
+    return dict(model.state_dict())
+
+
+async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_new_weights(tiny_model_dir):
+    updated = new_weights("qwen3-tiny", seed=1)
+    old_model, _ = models.load_model(tiny_model_dir)
+    new_model, _ = models.load_model("random:qwen3-tiny", seed=1)
+    requests = requests_for(prompts(3), max_new_tokens=60, ignore_eos=True)
+    with running_engine(tiny_model_dir, weight_version="v0") as engine:
+        task = asyncio.ensure_future(engine.generate(requests))
+        await wait_for_tokens(engine, 20)
+        await engine.pause("retract")
+        await engine.update_weights(updated.items(), "v1")
+        assert engine.weight_version == "v1"
+        engine.resume()
+        outputs = await task
+        # in_place keeps the KV computed by the old weights: versions still split exactly.
+        in_place_task = asyncio.ensure_future(engine.generate(requests))
+        await wait_for_tokens(engine, engine.stats["generated_tokens"] + 20)
+        await engine.pause("in_place")
+        await engine.update_weights(new_weights("qwen3-tiny", seed=0).items(), "v2")
+        engine.resume()
+        in_place = await in_place_task
+    for request, output in zip(requests, outputs, strict=True):
+        split = output.versions.index("v1")
+        assert split > 0 and set(output.versions[:split]) == {"v0"} and set(output.versions[split:]) == {"v1"}
+        old = reference_logprobs(old_model, request.input_ids, output.output_ids)[:split]
+        new = reference_logprobs(new_model, request.input_ids, output.output_ids)[split:]
+        assert (old - torch.tensor(output.logprobs[:split])).abs().max() <= TOLERANCE
+        assert (new - torch.tensor(output.logprobs[split:])).abs().max() <= TOLERANCE
+    for output in in_place:
+        split = output.versions.index("v2")
+        assert split > 0 and set(output.versions[split:]) == {"v2"}
+
+
+async def test_after_an_update_new_requests_match_the_new_weights_with_tied_embeddings(tiny_llama_dir):
+    updated = {k: v for k, v in new_weights("llama-tiny", seed=7).items() if k != "lm_head.weight"}
+    reference, _ = models.load_model("random:llama-tiny", seed=7)
+    requests = requests_for(prompts(4), max_new_tokens=10, temperature=0.0)
+    with running_engine(tiny_llama_dir) as engine:
+        await engine.update_weights(updated.items(), "7")
+        outputs = await engine.generate(requests)
+    assert all(o.versions == ["7"] * len(o.output_ids) for o in outputs)
+    assert max_logprob_error(reference, requests, outputs) <= TOLERANCE
+
+
+@pytest.mark.parametrize("runner", ["compact", "hf"])
+async def test_a_bad_update_raises_and_changes_nothing(tiny_model_dir, runner):
+    good = new_weights("qwen3-tiny", seed=3)
+    requests = requests_for(prompts(2), max_new_tokens=8, temperature=0.0)
+    with running_engine(tiny_model_dir, runner=runner) as engine:
+        before = await engine.generate(requests)
+        with pytest.raises(ValueError, match="unknown weight name"):
+            await engine.update_weights([*good.items(), ("model.layers.9.nope.weight", torch.zeros(1))], "x")
+        wrong = [*good.items(), ("model.norm.weight", torch.zeros(3))]
+        with pytest.raises(ValueError, match="shape"):
+            await engine.update_weights(wrong, "y")
+        after = await engine.generate(requests)
+        assert engine.weight_version == "default"
+    assert [o.output_ids for o in before] == [o.output_ids for o in after]
+    assert [o.logprobs for o in before] == [o.logprobs for o in after]
+
+
+async def test_hf_runner_serves_waves_with_updates(tiny_model_dir):
+    reference, _ = models.load_model("random:qwen3-tiny", seed=2)
+    requests = requests_for(prompts(7), max_new_tokens=6, ignore_eos=True)
+    with running_engine(tiny_model_dir, runner="hf", max_batch_size=3) as engine:
+        await engine.update_weights(new_weights("qwen3-tiny", seed=2).items(), "2")
+        outputs = await engine.generate(requests)
+    assert all(len(o.output_ids) == 6 and set(o.versions) == {"2"} for o in outputs)
+    assert max_logprob_error(reference, requests, outputs) <= TOLERANCE
+
+
+async def test_model_info_describes_the_model(tiny_model_dir):
+    with running_engine(tiny_model_dir) as engine:
+        info = engine.model_info
+    assert info["is_generation"] and info["model_type"] == "qwen3"
+    assert info["architectures"] == ["Qwen3ForCausalLM"] and info["vocab_size"] == 49152
+    assert info["max_seq_len"] == 256 and 2 in info["eos_token_ids"]

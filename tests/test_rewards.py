@@ -1,0 +1,184 @@
+"""Answer extraction, equivalence, and a scorer that turns every failure into an outcome."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import anyio
+import pytest
+
+from streamrl.rewards import RewardInput, RewardOutcome, load_reward_fn, score
+from streamrl.rewards.math import (
+    exact_match,
+    extract_answer,
+    is_equivalent,
+    math_reward,
+    normalize_answer,
+)
+from streamrl.utils import import_object
+
+
+def sample(response: str, label=None) -> RewardInput:
+    return RewardInput(prompt="q", response=response, label=label, metadata={})
+
+
+# ---------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{3} and then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{{a}+{b}}", "{a}+{b}"),
+        ("The answer is 42. Because 6 * 7.", "42"),
+        ("First 3, then... Answer: 3.5", "3.5"),
+        ("the answer is **17**.", "17"),
+        ("I think 12, no wait, 13", "13"),
+        ("It costs 1,234 dollars", "1,234"),
+        ("about -0.5 or so", "-0.5"),
+        ("no numbers here", None),
+        ("unbalanced \\boxed{7 and 8", "8"),
+    ],
+)
+def test_extract_answer_prefers_boxed_then_answer_phrase_then_last_number(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "label"),
+    [
+        ("42", 42),
+        ("42.0", "42"),
+        ("1/2", "0.5"),
+        ("\\frac{1}{2}", "1/2"),
+        ("\\dfrac{3}{4}", 0.75),
+        ("-\\frac{1}{2}", "-0.5"),
+        ("1,234", 1234),
+        ("$5", "5"),
+        ("50%", "50"),
+        ("7.", "7"),
+        ("\\text{Paris}", "paris"),
+        (" x + 1 ", "x+1"),
+    ],
+)
+def test_equivalent_answers(pred, label):
+    assert is_equivalent(pred, label)
+
+
+@pytest.mark.parametrize(
+    ("pred", "label"),
+    [("41", 42), ("1/3", "0.33"), ("12,34", "1234"), (None, "1"), ("1", None), ("paris", "rome")],
+)
+def test_different_answers(pred, label):
+    assert not is_equivalent(pred, label)
+
+
+def test_normalize_answer_strips_latex_wrappers_and_trailing_period():
+    assert normalize_answer(" $\\left( 1, 2 \\right)$. ") == "(1,2)"
+
+
+def test_math_reward_and_exact_match():
+    assert math_reward(sample("Adding them gives \\boxed{12}.", label=12)) == 1.0
+    assert math_reward(sample("The answer is 13.", label="12")) == 0.0
+    assert math_reward(sample("7 + 5 = 12", label="12")) == 1.0
+    assert exact_match(sample("  Paris \n", label="Paris")) == 1.0
+    assert exact_match(sample("Paris.", label="Paris")) == 0.0
+    assert exact_match(sample("None", label=None)) == 0.0
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_load_reward_fn_resolves_specs_and_names_the_config_key_on_failure():
+    assert load_reward_fn("streamrl.rewards.math:math_reward") is math_reward
+    assert import_object("streamrl.rewards:RewardInput.__name__", "x") == "RewardInput"
+    with pytest.raises(ValueError, match=r"rollout\.reward_fn: 'nope\.mod:f': module not found"):
+        load_reward_fn("nope.mod:f")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        load_reward_fn("streamrl.rewards.math:missing")
+    with pytest.raises(ValueError, match="not of the form"):
+        load_reward_fn("streamrl.rewards.math")
+    with pytest.raises(ValueError, match="not callable"):
+        load_reward_fn("streamrl.tasks:CAPITALS")
+
+
+# ---------------------------------------------------------------- score
+
+
+def run_score(fn, timeout_s: float = 5.0) -> RewardOutcome:
+    return anyio.run(lambda: score(fn, sample("r", label=1), timeout_s=timeout_s))
+
+
+def test_a_raising_function_scores_zero_with_the_exception_as_error():
+    def broken(inp):
+        raise KeyError("label")
+
+    outcome = run_score(broken)
+    assert outcome == RewardOutcome(reward=0.0, metrics={}, error="KeyError: 'label'")
+
+
+def test_a_hanging_sync_function_times_out_without_blocking_the_event_loop():
+    release = threading.Event()
+    ticks = []
+
+    def hangs(inp):
+        release.wait(10)
+        return 1.0
+
+    async def main():
+        async def ticker():
+            for _ in range(5):
+                ticks.append(time.monotonic())
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            start = time.monotonic()
+            outcome = await score(hangs, sample("r"), timeout_s=0.3)
+            return outcome, time.monotonic() - start
+
+    try:
+        outcome, elapsed_s = anyio.run(main)
+    finally:
+        release.set()  # let the abandoned worker thread finish
+    assert outcome.reward == 0.0 and outcome.error == "timeout after 0.3 s"
+    assert elapsed_s < 1.5
+    assert len(ticks) == 5  # the loop kept running while the function hung
+
+
+def test_a_hanging_async_function_times_out():
+    async def hangs(inp):
+        await anyio.sleep(10)
+
+    assert run_score(hangs, timeout_s=0.1).error == "timeout after 0.1 s"
+
+
+def test_async_functions_and_dict_returns_are_supported():
+    async def graded(inp):
+        await anyio.sleep(0)
+        return {"reward": 0.5, "format": 1, "correct": 0.0}
+
+    outcome = run_score(graded)
+    assert outcome == RewardOutcome(reward=0.5, metrics={"format": 1.0, "correct": 0.0})
+    assert run_score(lambda inp: True).reward == 1.0
+    assert run_score(lambda inp: 2).reward == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (math.nan, "non-finite"),
+        (math.inf, "non-finite"),
+        ("1.0", "non-numeric"),
+        (None, "non-numeric"),
+        ({"score": 1.0}, "without a 'reward' key"),
+        ({"reward": 1.0, "format": "yes"}, "metric 'format'"),
+        ({"reward": math.nan}, "non-finite"),
+    ],
+)
+def test_bad_return_values_are_errors_with_zero_reward(value, fragment):
+    outcome = run_score(lambda inp: value)
+    assert outcome.reward == 0.0
+    assert outcome.error is not None and fragment in outcome.error
