@@ -90,7 +90,11 @@ def position_after(
 
 
 def render_prompt(
-    tokenizer: Any, value: str | list[dict[str, str]], *, apply_chat_template: bool, system_prompt: str
+    tokenizer: Any,
+    value: str | list[dict[str, str]],
+    *,
+    apply_chat_template: bool,
+    system_prompt: str,
 ) -> str:
     """Prompt text as the model sees it.
 
@@ -153,8 +157,7 @@ def _check_row(
                 )
     elif not isinstance(value, str):
         raise DataError(
-            f"{input_key!r} must be a string or a list of chat messages, "
-            f"got {type(value).__name__}"
+            f"{input_key!r} must be a string or a list of chat messages, got {type(value).__name__}"
         )
     metadata = obj.get(metadata_key)
     if metadata is None:
@@ -349,7 +352,9 @@ class PromptSource:
             apply_chat_template=self.apply_chat_template,
             system_prompt=self.system_prompt,
         )
-        input_ids = tokenize_prompt(self.tokenizer, text, apply_chat_template=self.apply_chat_template)
+        input_ids = tokenize_prompt(
+            self.tokenizer, text, apply_chat_template=self.apply_chat_template
+        )
         return Prompt(
             seq=seq,
             index=index,

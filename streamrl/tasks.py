@@ -98,7 +98,9 @@ def _fold(text: str) -> str:
     return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
 
 
-_CAPITAL_PATTERNS = {city: re.compile(rf"\b{re.escape(_fold(city))}\b") for city in CAPITALS.values()}
+_CAPITAL_PATTERNS = {
+    city: re.compile(rf"\b{re.escape(_fold(city))}\b") for city in CAPITALS.values()
+}
 
 
 def names_city(text: str, city: str) -> bool:

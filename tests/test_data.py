@@ -58,7 +58,9 @@ def numbered_rows(n: int) -> list[dict]:
 
 
 def test_a_malformed_line_names_the_file_and_its_line_number(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, "", '{"prompt": "b"', {"prompt": "c"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "a"}, "", '{"prompt": "b"', {"prompt": "c"}]
+    )
     with pytest.raises(DataError, match=r"p\.jsonl:3: malformed JSON"):
         PromptSource(path, tokenizer=tokenizer)
 
@@ -66,7 +68,14 @@ def test_a_malformed_line_names_the_file_and_its_line_number(tmp_path, tokenizer
 def test_skip_mode_counts_and_logs_bad_lines_instead_of_dropping_them_silently(
     tmp_path, tokenizer, caplog
 ):
-    rows = [{"prompt": "a"}, "{not json", "[1, 2]", {"question": "x"}, {"prompt": 5}, {"prompt": "b"}]
+    rows = [
+        {"prompt": "a"},
+        "{not json",
+        "[1, 2]",
+        {"question": "x"},
+        {"prompt": 5},
+        {"prompt": "b"},
+    ]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="streamrl.data"):
         source = PromptSource(path, tokenizer=tokenizer, on_bad_line="skip")
@@ -99,7 +108,7 @@ def test_wrong_types_are_errors(tmp_path, tokenizer):
 def test_an_empty_file_is_an_error(tmp_path, tokenizer):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
-    with pytest.raises(DataError, match="empty.jsonl: no rows"):
+    with pytest.raises(DataError, match=r"empty\.jsonl: no rows"):
         PromptSource(str(path), tokenizer=tokenizer)
     with pytest.raises(DataError, match="no such file"):
         PromptSource(str(tmp_path / "missing.jsonl"), tokenizer=tokenizer)
@@ -136,7 +145,12 @@ def test_raw_prompts_are_verbatim_and_get_the_tokenizers_bos(tmp_path, tokenizer
     assert prompt.input_ids[0] == tokenizer.bos_token_id
     assert len(prompt.input_ids) == 1 + len("2 + 2 =")
     with pytest.raises(DataError, match="apply_chat_template"):
-        render_prompt(tokenizer, [{"role": "user", "content": "x"}], apply_chat_template=False, system_prompt="")
+        render_prompt(
+            tokenizer,
+            [{"role": "user", "content": "x"}],
+            apply_chat_template=False,
+            system_prompt="",
+        )
 
 
 def test_message_lists_without_the_template_fail_at_load(tmp_path, tokenizer):

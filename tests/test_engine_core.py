@@ -21,6 +21,15 @@ pytestmark = pytest.mark.anyio
 TOLERANCE = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest single-threaded (OpenMP spin-waits hurt on a busy 2-core box)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @contextlib.contextmanager
 def running_engine(model_path: str, **kwargs):
     kwargs.setdefault("max_batch_size", 4)

@@ -164,14 +164,13 @@ class EngineServer:
         self.is_ready = True
 
     async def close(self) -> None:
-        """Refuse new work, end what is in flight (as aborts), stop the core."""
+        """Refuse new work; calls held by a pause and requests in the core end as aborts."""
         self.is_closing = True
         for flight in self._flights.values():
             flight.aborted.set()
+        self._gate.set()
         if self.core is not None:
-            self.core.abort(None)
-            self.core.resume()
-            self._gate.set()
+            # Aborts everything queued or running (partial outputs), then stops the thread.
             await asyncio.to_thread(self.core.shutdown)
 
     def _build_app(self) -> web.Application:

@@ -18,10 +18,18 @@ groups buffered never exceed it, so a finished group always has a slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class Admission:
     def __init__(
-        self, *, batch_size: int, max_staleness: int, capacity: int, start_version: int = 0
+        self,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        capacity: int,
+        start_version: int = 0,
+        num_buffered: Callable[[], int] = lambda: 0,
     ) -> None:
         if capacity < batch_size:
             raise ValueError(f"capacity {capacity} < batch size {batch_size}")
@@ -34,6 +42,7 @@ class Admission:
         self.num_returned = 0
         self.num_revoked = 0
         self.num_discarded = 0
+        self._num_buffered = num_buffered
 
     @property
     def num_in_flight(self) -> int:
@@ -50,6 +59,10 @@ class Admission:
         by_staleness = (self.version + self.max_staleness + 1) * self.batch_size - self.num_live
         by_capacity = self.capacity - num_buffered - self.num_in_flight
         return max(0, min(by_staleness, by_capacity))
+
+    def available(self) -> int:
+        """New groups that may start now (the stream receiver's CreditSource)."""
+        return self.num_startable(self._num_buffered())
 
     def granted(self, num_groups: int) -> None:
         self.num_granted += num_groups

@@ -11,8 +11,8 @@ custom ones are named in the config as `module:function`.
 from __future__ import annotations
 
 import inspect
-from math import isfinite
 from collections.abc import Awaitable, Callable
+from math import isfinite
 from numbers import Real
 from typing import Any
 

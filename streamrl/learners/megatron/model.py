@@ -223,7 +223,10 @@ def build_transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=on_cpu,
-        perform_initialization=False,  # weights always come from an HF checkpoint
+        # Weights are overwritten from the HF checkpoint, but Megatron only marks
+        # tensor-parallel weights (`tensor_model_parallel`, which grad-norm and
+        # checkpointing read) inside its initialisers: keep them on.
+        perform_initialization=True,
         # Micro-batches differ in length: pipeline stages exchange shapes first.
         variable_seq_lengths=pp_size > 1,
         moe_token_dispatcher_type="alltoall",  # the default one refuses variable lengths

@@ -1,0 +1,102 @@
+"""Config loading: strict validation with file and dotted key, overrides, shipped configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import ConfigError, RunConfig, dump_toml, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text('[data]\npath = "builtin:arithmetic"\n' + text)
+    return path
+
+
+def streamrl_check(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl", "check", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_rejects_an_unknown_key_naming_the_file_and_dotted_key(tmp_path):
+    path = write(tmp_path, "[rollout.sampling]\ntemprature = 0.7\n")
+    result = streamrl_check(path)
+    assert result.returncode != 0
+    assert str(path) in result.stderr
+    assert "rollout.sampling.temprature" in result.stderr
+    assert "unknown key" in result.stderr
+
+
+def test_check_rejects_a_string_where_a_number_belongs(tmp_path):
+    path = write(tmp_path, '[rollout]\nbatch_size = "eight"\n')
+    result = streamrl_check(path)
+    assert result.returncode != 0
+    assert str(path) in result.stderr and "rollout.batch_size" in result.stderr
+    assert "Expected `int`" in result.stderr
+
+
+def test_check_rejects_out_of_range_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.sampling\.top_p"):
+        load_config(write(tmp_path, "[rollout.sampling]\ntop_p = 1.5\n"))
+
+
+def test_check_prints_the_resolved_config_which_loads_back_identically(tmp_path):
+    path = write(tmp_path, "[rollout]\nbatch_size = 16\n")
+    result = streamrl_check(path, "--set", "buffer.max_staleness=3")
+    assert result.returncode == 0, result.stderr
+    again = tmp_path / "resolved.toml"
+    again.write_text(result.stdout)
+    assert load_config(again) == load_config(path, ["buffer.max_staleness=3"])
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    path = write(tmp_path, "")
+    assert load_config(path, ["rollout.batch_size=3"]).rollout.batch_size == 3
+    assert load_config(path, ["model.path=random:qwen3-tiny"]).model.path == "random:qwen3-tiny"
+    with pytest.raises(ConfigError, match=r"rollout\.batch_sise: unknown key"):
+        load_config(path, ["rollout.batch_sise=3"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(path, ["rollout.batch_size"])
+
+
+def test_async_with_staleness_and_no_correction_is_refused_naming_the_options(tmp_path):
+    path = write(tmp_path, '[algorithm]\noff_policy_correction = "none"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    for option in ("algorithm.off_policy_correction", "buffer.max_staleness", "train.mode",
+                   "algorithm.allow_uncorrected_async"):
+        assert option in message
+    # Each way out named by the message is accepted.
+    load_config(path, ["buffer.max_staleness=0"])
+    load_config(path, ["train.mode='sync'"])
+    load_config(path, ["algorithm.allow_uncorrected_async=true"])
+
+
+def test_derived_values_follow_their_formulas(tmp_path):
+    cfg = load_config(write(tmp_path, "[rollout]\nbatch_size = 4\nn_samples_per_prompt = 8\n"
+                            "[buffer]\nmax_staleness = 2\n[learner]\nglobal_batch_size = 16\n"))
+    assert cfg.buffer_capacity == (2 + 2) * 4
+    assert cfg.samples_per_step == 32
+    assert cfg.optimizer_steps_per_step == 2
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        load_config(write(tmp_path, "[learner]\nglobal_batch_size = 7\n"))
+
+
+@pytest.mark.parametrize(
+    "path", sorted([*ROOT.glob("configs/*.toml"), *ROOT.glob("examples/**/*.toml")]), ids=str
+)
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert dump_toml(cfg)
