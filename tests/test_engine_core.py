@@ -57,7 +57,9 @@ def reference_logprobs(model, prompt: list[int], output: list[int], temperature:
     return log_probs[positions, torch.tensor(output)]
 
 
-def max_logprob_error(model, requests: list[Request], outputs: list[Output], temperature=1.0) -> float:
+def max_logprob_error(
+    model, requests: list[Request], outputs: list[Output], temperature=1.0
+) -> float:
     worst = 0.0
     for request, output in zip(requests, outputs, strict=True):
         assert len(output.logprobs) == len(output.output_ids) == len(output.versions)
@@ -72,14 +74,18 @@ def requests_for(token_lists, **params) -> list[Request]:
 
 @pytest.fixture(params=["qwen3", "llama", "qwen2"])
 def compact_model_path(request, tiny_model_dir, tiny_llama_dir) -> str:
-    return {"qwen3": tiny_model_dir, "llama": tiny_llama_dir, "qwen2": "random:qwen2-tiny"}[request.param]
+    return {"qwen3": tiny_model_dir, "llama": tiny_llama_dir, "qwen2": "random:qwen2-tiny"}[
+        request.param
+    ]
 
 
 # -- logprobs and greedy outputs --------------------------------------------------
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_compact_logprobs_equal_a_teacher_forced_transformers_forward(compact_model_path, temperature):
+async def test_compact_logprobs_equal_a_teacher_forced_transformers_forward(
+    compact_model_path, temperature
+):
     requests = requests_for(prompts(7), max_new_tokens=12, temperature=temperature, ignore_eos=True)
     with running_engine(compact_model_path) as engine:
         assert engine.model_info["runner"] == "compact"
@@ -126,7 +132,9 @@ async def test_top_k_one_and_tiny_top_p_sample_the_greedy_token(tiny_model_dir):
 
 async def test_an_explicit_seed_reproduces_a_sample_and_unseeded_samples_differ(tiny_model_dir):
     prompt = prompts(1)[0]
-    seeded = [Request(f"s{i}", prompt, SamplingParams(max_new_tokens=10, seed=42)) for i in range(2)]
+    seeded = [
+        Request(f"s{i}", prompt, SamplingParams(max_new_tokens=10, seed=42)) for i in range(2)
+    ]
     unseeded = [Request(f"u{i}", prompt, SamplingParams(max_new_tokens=10)) for i in range(2)]
     with running_engine(tiny_model_dir) as engine:
         first, second, third, fourth = await engine.generate(seeded + unseeded)
@@ -137,7 +145,9 @@ async def test_an_explicit_seed_reproduces_a_sample_and_unseeded_samples_differ(
 # -- batching --------------------------------------------------------------------
 
 
-async def test_more_requests_than_slots_all_finish_and_identical_prompts_share_prefill(tiny_model_dir):
+async def test_more_requests_than_slots_all_finish_and_identical_prompts_share_prefill(
+    tiny_model_dir,
+):
     shared = prompts(1, base=500)[0]
     token_lists = [shared] * 5 + prompts(6)
     requests = requests_for(token_lists, max_new_tokens=9, ignore_eos=True)
@@ -187,10 +197,14 @@ async def test_stop_token_ids_and_min_new_tokens(tiny_model_dir):
 async def test_eos_stops_unless_ignored(tiny_model_dir):
     prompt = prompts(1)[0]
     with running_engine(tiny_model_dir) as engine:
-        (free,) = await engine.generate([Request("a", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))])
+        (free,) = await engine.generate(
+            [Request("a", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))]
+        )
         eos_like = free.output_ids[3]
         engine.scheduler.eos_token_ids = frozenset({eos_like})  # pretend it is EOS
-        (stopped,) = await engine.generate([Request("b", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))])
+        (stopped,) = await engine.generate(
+            [Request("b", prompt, SamplingParams(max_new_tokens=12, temperature=0.0))]
+        )
         ignored = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         (kept,) = await engine.generate([Request("c", prompt, ignored)])
     assert stopped.finish_reason == {"type": "stop", "matched": eos_like}
@@ -251,7 +265,9 @@ async def wait_for_tokens(engine: EngineCore, count: int) -> None:
 async def test_abort_returns_partial_outputs_and_cancellation_aborts(tiny_model_dir):
     long = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
     with running_engine(tiny_model_dir, max_seq_len=2048) as engine:
-        task = asyncio.ensure_future(engine.generate([Request("a", [1, 2, 3], long), Request("b", [4, 5], long)]))
+        task = asyncio.ensure_future(
+            engine.generate([Request("a", [1, 2, 3], long), Request("b", [4, 5], long)])
+        )
         await wait_for_tokens(engine, 10)
         engine.abort("a")
         await wait_for_tokens(engine, engine.stats["generated_tokens"] + 5)
@@ -275,12 +291,16 @@ async def test_abort_returns_partial_outputs_and_cancellation_aborts(tiny_model_
 async def test_pause_abort_aborts_everything_and_new_requests_wait_for_resume(tiny_model_dir):
     long = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
     with running_engine(tiny_model_dir, max_seq_len=2048) as engine:
-        task = asyncio.ensure_future(engine.generate(requests_for(prompts(6), max_new_tokens=10_000, ignore_eos=True)))
+        task = asyncio.ensure_future(
+            engine.generate(requests_for(prompts(6), max_new_tokens=10_000, ignore_eos=True))
+        )
         await wait_for_tokens(engine, 8)
         await engine.pause("abort")
         aborted = await task
         assert engine.is_paused
-        queued = asyncio.ensure_future(engine.generate([Request("q", [1, 2], SamplingParams(max_new_tokens=4))]))
+        queued = asyncio.ensure_future(
+            engine.generate([Request("q", [1, 2], SamplingParams(max_new_tokens=4))])
+        )
         await asyncio.sleep(0.05)
         assert not queued.done() and engine.num_waiting == 1
         engine.resume()
@@ -315,7 +335,9 @@ def new_weights(shape: str, seed: int) -> dict[str, torch.Tensor]:
     return dict(model.state_dict())
 
 
-async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_new_weights(tiny_model_dir):
+async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_new_weights(
+    tiny_model_dir,
+):
     updated = new_weights("qwen3-tiny", seed=1)
     old_model, _ = models.load_model(tiny_model_dir)
     new_model, _ = models.load_model("random:qwen3-tiny", seed=1)
@@ -337,7 +359,11 @@ async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_n
         in_place = await in_place_task
     for request, output in zip(requests, outputs, strict=True):
         split = output.versions.index("v1")
-        assert split > 0 and set(output.versions[:split]) == {"v0"} and set(output.versions[split:]) == {"v1"}
+        assert (
+            split > 0
+            and set(output.versions[:split]) == {"v0"}
+            and set(output.versions[split:]) == {"v1"}
+        )
         old = reference_logprobs(old_model, request.input_ids, output.output_ids)[:split]
         new = reference_logprobs(new_model, request.input_ids, output.output_ids)[split:]
         assert (old - torch.tensor(output.logprobs[:split])).abs().max() <= TOLERANCE
@@ -347,7 +373,9 @@ async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_n
         assert split > 0 and set(output.versions[split:]) == {"v2"}
 
 
-async def test_after_an_update_new_requests_match_the_new_weights_with_tied_embeddings(tiny_llama_dir):
+async def test_after_an_update_new_requests_match_the_new_weights_with_tied_embeddings(
+    tiny_llama_dir,
+):
     updated = {k: v for k, v in new_weights("llama-tiny", seed=7).items() if k != "lm_head.weight"}
     reference, _ = models.load_model("random:llama-tiny", seed=7)
     requests = requests_for(prompts(4), max_new_tokens=10, temperature=0.0)
@@ -365,7 +393,9 @@ async def test_a_bad_update_raises_and_changes_nothing(tiny_model_dir, runner):
     with running_engine(tiny_model_dir, runner=runner) as engine:
         before = await engine.generate(requests)
         with pytest.raises(ValueError, match="unknown weight name"):
-            await engine.update_weights([*good.items(), ("model.layers.9.nope.weight", torch.zeros(1))], "x")
+            await engine.update_weights(
+                [*good.items(), ("model.layers.9.nope.weight", torch.zeros(1))], "x"
+            )
         wrong = [*good.items(), ("model.norm.weight", torch.zeros(3))]
         with pytest.raises(ValueError, match="shape"):
             await engine.update_weights(wrong, "y")

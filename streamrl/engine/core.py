@@ -17,6 +17,7 @@ every copy finished; a retracted request keeps its tokens and their versions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -230,7 +231,10 @@ class EngineCore:
                 )
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
-        seqs = [self._sequence(request, loop, future) for request, future in zip(requests, futures, strict=True)]
+        seqs = [
+            self._sequence(request, loop, future)
+            for request, future in zip(requests, futures, strict=True)
+        ]
         self._submit(lambda: self.scheduler.add(seqs))
         try:
             return list(await asyncio.gather(*futures))
@@ -284,7 +288,9 @@ class EngineCore:
         self.is_paused = False
         self._submit(self.scheduler.resume)
 
-    async def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+    async def update_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: str
+    ) -> None:
         """Copy HF-named full tensors into the live weights at a step boundary, then set ``version``.
 
         Every name and shape is checked first: ValueError and nothing copied if one is wrong."""
@@ -313,10 +319,9 @@ def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | Non
         else:
             future.set_result(result)
 
-    try:
+    # RuntimeError: the caller's loop is closed, so nobody is waiting any more.
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-        pass
 
 
 def _eos_token_ids(tokenizer, config) -> set[int]:

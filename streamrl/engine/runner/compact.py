@@ -55,11 +55,15 @@ class ModelDims:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not silu")
         is_qwen2 = architecture == "Qwen2ForCausalLM"
-        if not is_qwen2 and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+        if not is_qwen2 and (
+            getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+        ):
             raise UnsupportedModel("attention/MLP biases outside Qwen2's q/k/v are not supported")
         if getattr(config, "use_sliding_window", False):
             raise UnsupportedModel("sliding-window attention is not supported")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         return cls(
             architecture=architecture,
             hidden=config.hidden_size,
@@ -107,9 +111,15 @@ class CompactModel(nn.Module):
         self.layers = nn.ModuleList(CompactLayer(dims, like) for _ in range(dims.num_layers))
         self.final_norm = _weight(dims.hidden, like=like)
         # Tied: the very same Parameter, so one in-place copy updates both.
-        self.lm_head = self.embed if dims.tied_embeddings else _weight(dims.vocab_size, dims.hidden, like=like)
+        self.lm_head = (
+            self.embed if dims.tied_embeddings else _weight(dims.vocab_size, dims.hidden, like=like)
+        )
         # Angles in float32, rounded to the model dtype once (as transformers does).
-        self.register_buffer("rope", rope_table(config, dims.head_dim, max_positions, device, dtype), persistent=False)
+        self.register_buffer(
+            "rope",
+            rope_table(config, dims.head_dim, max_positions, device, dtype),
+            persistent=False,
+        )
         self.ops = kernels.EAGER
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
@@ -121,9 +131,15 @@ class CompactModel(nn.Module):
         normed = ops.rms_norm(hidden, self.layers[0].input_norm, dims.rms_norm_eps)
         for index, layer in enumerate(self.layers):
             attended = self._attention(index, layer, normed, cos_sin, batch)
-            normed, residual = ops.add_rms_norm(attended, residual, layer.post_norm, dims.rms_norm_eps)
+            normed, residual = ops.add_rms_norm(
+                attended, residual, layer.post_norm, dims.rms_norm_eps
+            )
             mlp_out = F.linear(ops.silu_mul(F.linear(normed, layer.gate_up)), layer.down)
-            next_norm = self.layers[index + 1].input_norm if index + 1 < dims.num_layers else self.final_norm
+            next_norm = (
+                self.layers[index + 1].input_norm
+                if index + 1 < dims.num_layers
+                else self.final_norm
+            )
             normed, residual = ops.add_rms_norm(mlp_out, residual, next_norm, dims.rms_norm_eps)
         return normed
 

@@ -54,7 +54,9 @@ class CompactRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self.model = CompactModel(config, max_positions=max_seq_len, device=device, dtype=dtype)
         self.targets = weights.hf_weight_targets(self.model)
-        missing = weights.missing_names(self.targets, state_dict, tied=self.model.dims.tied_embeddings)
+        missing = weights.missing_names(
+            self.targets, state_dict, tied=self.model.dims.tied_embeddings
+        )
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
         self.load_weights(self.plan_weights(state_dict.items()))
@@ -156,7 +158,9 @@ class CompactRunner:
         if len(group_of_seq) != len(groups):
             logits = logits[torch.tensor(group_of_seq, device=device)]
         params = [seq.params for seq in seqs]
-        st = make_sampling_tensors(params, [s.seed for s in seqs], [s.num_tokens for s in seqs], device)
+        st = make_sampling_tensors(
+            params, [s.seed for s in seqs], [s.num_tokens for s in seqs], device
+        )
         new_tokens, logprobs = sample(logits, st, use_filters=SamplingTensors.needs_filters(params))
         return new_tokens.tolist(), logprobs.tolist()
 

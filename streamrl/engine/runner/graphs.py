@@ -33,7 +33,9 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 class DecodeGraphs:
     """``body(lanes, use_filters)`` is the step; it must read/write only static buffers."""
 
-    def __init__(self, body: Callable[[int, bool], None], max_batch_size: int, variants=(False, True)):
+    def __init__(
+        self, body: Callable[[int, bool], None], max_batch_size: int, variants=(False, True)
+    ):
         self.body = body
         self.buckets = batch_buckets(max_batch_size)
         self.variants = variants

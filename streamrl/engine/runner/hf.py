@@ -93,9 +93,13 @@ class HFRunner:
         )
         params = [seq.params for seq in seqs]
         counters = [seq.num_tokens for seq in seqs]
-        self.sampling_tensors = make_sampling_tensors(params, [s.seed for s in seqs], counters, self.device)
+        self.sampling_tensors = make_sampling_tensors(
+            params, [s.seed for s in seqs], counters, self.device
+        )
         self.use_filters = SamplingTensors.needs_filters(params)
-        tokens, logprobs = sample(out.logits[:, -1], self.sampling_tensors, use_filters=self.use_filters)
+        tokens, logprobs = sample(
+            out.logits[:, -1], self.sampling_tensors, use_filters=self.use_filters
+        )
         self.rows = seqs
         self.attention_mask = mask
         self.next_positions = positions[:, -1] + 1
@@ -116,7 +120,9 @@ class HFRunner:
             **self.extra_kwargs,
         )
         self.sampling_tensors.counters = self.next_positions + 1
-        tokens, logprobs = sample(out.logits[:, -1], self.sampling_tensors, use_filters=self.use_filters)
+        tokens, logprobs = sample(
+            out.logits[:, -1], self.sampling_tensors, use_filters=self.use_filters
+        )
         self.next_positions = self.next_positions + 1
         self.last_tokens = tokens
         return Pending(seqs=list(self.rows), handle=(tokens, logprobs))

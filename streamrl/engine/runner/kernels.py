@@ -8,8 +8,8 @@ the eager versions serve. Numerics equal transformers' Llama/Qwen modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

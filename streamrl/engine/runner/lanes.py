@@ -34,8 +34,12 @@ class LaneBuffers:
         self.out_tokens = torch.zeros(num_lanes, dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros(num_lanes, dtype=torch.float32, device=device)
         # Two host result sets: one being filled by the step in flight, one being read.
-        self.host_tokens = [torch.zeros(num_lanes, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.host_logprobs = [torch.zeros(num_lanes, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.host_tokens = [
+            torch.zeros(num_lanes, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self.host_logprobs = [
+            torch.zeros(num_lanes, dtype=torch.float32, pin_memory=pin) for _ in range(2)
+        ]
 
     def upload(self, lanes: list[Sequence]) -> None:
         """Write every lane's state (idle lanes: inactive, greedy) and copy it to the device.

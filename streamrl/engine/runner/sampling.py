@@ -73,10 +73,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, *, use_filters: bool):
     threshold = probs.amax(dim=-1, keepdim=True) * st.min_p[:, None]
     probs = torch.where(probs < threshold, 0.0, probs)
     uniform = uniform_from_seed(st.seeds, st.counters)
-    if use_filters:
-        tokens = _sample_sorted(probs, st, uniform)
-    else:
-        tokens = _sample_from_cdf(probs, uniform)
+    tokens = _sample_sorted(probs, st, uniform) if use_filters else _sample_from_cdf(probs, uniform)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
 
@@ -85,7 +82,9 @@ def _sample_from_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
     """Index i with cdf[i-1] <= u * total < cdf[i]: never a zero-probability token."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     index = torch.searchsorted(cdf, target, right=True)
     return index.squeeze(1).clamp_max(probs.shape[-1] - 1)
 

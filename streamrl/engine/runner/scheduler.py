@@ -27,7 +27,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, *, eos_token_ids, max_seq_len: int, weight_version: str, seed: int):
+    def __init__(
+        self, runner: Runner, *, eos_token_ids, max_seq_len: int, weight_version: str, seed: int
+    ):
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -38,7 +40,12 @@ class Scheduler:
         self.to_release: list[Sequence] = []
         self.is_paused = False
         self.seed_source = random.Random(seed)
-        self.stats = {"prefill_tokens": 0, "shared_prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "shared_prefill_tokens": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+        }
 
     # -- queries ------------------------------------------------------------
 
@@ -46,7 +53,9 @@ class Scheduler:
         return not self.is_paused and bool(self.waiting) and self.runner.num_free_slots() > 0
 
     def has_work(self) -> bool:
-        return self.pending is not None or (not self.is_paused and bool(self.running or self.waiting))
+        return self.pending is not None or (
+            not self.is_paused and bool(self.running or self.waiting)
+        )
 
     # -- commands (call `drain` first) ----------------------------------------
 
@@ -146,7 +155,9 @@ class Scheduler:
         cached_before = sum(seq.cached_tokens for seq in seqs)
         tokens, logprobs = self.runner.prefill(ordered)
         self.stats["prefill_tokens"] += used
-        self.stats["shared_prefill_tokens"] += sum(seq.cached_tokens for seq in seqs) - cached_before
+        self.stats["shared_prefill_tokens"] += (
+            sum(seq.cached_tokens for seq in seqs) - cached_before
+        )
         version = self.weight_version
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             self._append(seq, token, logprob, version)
