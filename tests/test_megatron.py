@@ -9,6 +9,7 @@ together in a module fixture and each test waits for the run it reads.
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -19,9 +20,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from streamrl.engine.models import build_random_model, random_config  # noqa: E402
-from streamrl.learners.megatron import convert  # noqa: E402
-from streamrl.learners.megatron.model import shape_from_hf  # noqa: E402
+from streamrl.engine.models import build_random_model, random_config
+from streamrl.learners.megatron import convert
+from streamrl.learners.megatron.model import shape_from_hf
 
 TINY_SHAPES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 MODEL_NAMES = (*TINY_SHAPES, "llama-tiny-llama3-rope")
@@ -209,7 +210,11 @@ def _weights_mismatch(backend, model_dir: str) -> list[str]:
     if not backend.is_publisher:
         return []
     bad = sorted(set(expected) ^ set(published))
-    bad += [name for name in expected if name in published and not torch.equal(expected[name], published[name])]
+    bad += [
+        name
+        for name in expected
+        if name in published and not torch.equal(expected[name], published[name])
+    ]
     return bad
 
 
@@ -375,7 +380,7 @@ def test_a_tiny_qwen3_trains_with_falling_loss_at_tp1(runs):
     steps = runs("single")["steps"]
     losses = [step["nll"] for step in steps]
     assert all(math.isfinite(loss) for loss in losses)
-    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert all(math.isfinite(step["entropy"]) and step["entropy"] > 0 for step in steps)
     assert all(step["grad_norm"] > 0 and step["lr"] == pytest.approx(1e-3) for step in steps)
 
@@ -406,7 +411,7 @@ def test_tp2_training_matches_tp1_and_logprobs_agree(runs):
         assert (tp1 - tp2).abs().max() <= 1e-5
     tp1_losses = [s["nll"] for s in single["steps"]]
     tp2_losses = [s["nll"] for s in two["tp2"]["steps"]]
-    assert all(b < a for a, b in zip(tp2_losses, tp2_losses[1:], strict=False)), tp2_losses
+    assert all(b < a for a, b in itertools.pairwise(tp2_losses)), tp2_losses
     # Step 0 sees identical weights; later steps differ by fp32 reduction order (TP all-reduces).
     assert tp2_losses[0] == pytest.approx(tp1_losses[0], abs=1e-5)
     assert tp2_losses == pytest.approx(tp1_losses, rel=1e-3)
@@ -440,7 +445,9 @@ def test_importing_the_megatron_package_loads_neither_torch_nor_megatron():
         "import sys, streamrl.learners.megatron; "
         "print(any(m == 'torch' or m.startswith('megatron') for m in sys.modules))"
     )
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    output = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert output.stdout.strip() == "False"
 
 

@@ -44,9 +44,18 @@ from streamrl.learners.megatron.cpu_shims import cpu_redirect
 from streamrl.learners.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.learners.megatron.model import build_gpt_model, shape_from_hf
 
-_COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                 "chat_template.jinja", "added_tokens.json")
+_COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 
 
 def resolve_model_dir(model_path: str, *, seed: int) -> Path:
@@ -235,7 +244,9 @@ class MegatronBackend:
             forward_only=forward_only,
         )
 
-    def _local_work(self, micro_batches: list[MicroBatch]) -> tuple[list[MicroBatch], list[int], list[tuple[MicroBatch, float]]]:
+    def _local_work(
+        self, micro_batches: list[MicroBatch]
+    ) -> tuple[list[MicroBatch], list[int], list[tuple[MicroBatch, float]]]:
         """All micro-batches (from rank 0), this DP replica's indices, and its (mb, weight) work."""
         everything = batches.broadcast_micro_batches(
             micro_batches if self.is_data_rank else [], device=self.device
@@ -248,7 +259,14 @@ class MegatronBackend:
             work = [(everything[0], 0.0)]
         return everything, mine, work
 
-    def _logprobs(self, micro_batch: MicroBatch, logits: torch.Tensor, *, temperature: float, need_entropy: bool):
+    def _logprobs(
+        self,
+        micro_batch: MicroBatch,
+        logits: torch.Tensor,
+        *,
+        temperature: float,
+        need_entropy: bool,
+    ):
         return token_logprobs_and_entropy(
             logits,
             micro_batch.input_ids,
@@ -267,22 +285,27 @@ class MegatronBackend:
     ) -> list[torch.Tensor]:
         """[B, T] float32 CPU log-probabilities per micro-batch, on rank 0 (others get [])."""
         if reference and self.reference is None:
-            raise RuntimeError("compute_logprobs(reference=True) but the backend was built without need_reference")
+            raise RuntimeError(
+                "compute_logprobs(reference=True) but the backend was built without need_reference"
+            )
         everything, mine, work = self._local_work(micro_batches)
         if not everything:
             return []
 
         def loss_for(micro_batch, weight, logits):
-            logprobs, _ = self._logprobs(micro_batch, logits, temperature=temperature, need_entropy=False)
+            logprobs, _ = self._logprobs(
+                micro_batch, logits, temperature=temperature, need_entropy=False
+            )
             return logits.new_zeros(()), {"logprobs": logprobs}
 
         model = self.reference if reference else self.ddp
+        was_training = model.training
         model.eval()
         try:
             with self._megatron():
                 store = self._run_schedule(model, work, loss_for, forward_only=True)
         finally:
-            model.train() if not reference else None
+            model.train(was_training)
         local = [item["logprobs"].float() for item in store][: len(mine)]
         return self._collect_on_rank0(everything, mine, local)
 
@@ -305,7 +328,9 @@ class MegatronBackend:
                     results.append(local[mine.index(index)].cpu())
                 else:
                     shape = tuple(micro_batch.input_ids.shape)
-                    results.append(batches.recv_from(shape, torch.float32, owner(index), self.device).cpu())
+                    results.append(
+                        batches.recv_from(shape, torch.float32, owner(index), self.device).cpu()
+                    )
             return results
         if layout.tp_rank == 0 and layout.is_last_stage:
             for tensor in local:
@@ -354,12 +379,18 @@ class MegatronBackend:
         names = sorted(store[0]) if store else []
         summed = None
         if layout.is_last_stage and names:
-            summed = torch.stack([sum(item[name] for item in store) for name in names]).to(self.device)
+            summed = torch.stack([sum(item[name] for item in store) for name in names]).to(
+                self.device
+            )
             if layout.dp_size > 1:
                 dist.all_reduce(summed, group=parallel.dp_group())
         if layout.pp_size > 1 and layout.tp_rank == 0 and layout.dp_rank == 0:
             source = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_size - 1)
-            payload = [{name: summed[i] for i, name in enumerate(names)}] if layout.rank == source else None
+            payload = (
+                [{name: summed[i] for i, name in enumerate(names)}]
+                if layout.rank == source
+                else None
+            )
             (received,) = batches.broadcast_named_tensors(
                 payload, device=self.device, src=source, group=parallel.pp_group()
             )
@@ -430,16 +461,26 @@ class MegatronBackend:
         path = Path(path)
         record = json.loads((path / "optimizer" / "layout.json").read_text())
         if record != self._layout_record():
-            raise ValueError(f"{path}: saved with layout {record}, this run is {self._layout_record()}")
+            raise ValueError(
+                f"{path}: saved with layout {record}, this run is {self._layout_record()}"
+            )
         checkpoint = convert.HFCheckpoint(path)
         layout = self.layout
         with self._megatron():
             convert.load_into_model(
-                self.model, checkpoint, self.shape,
-                tp_rank=layout.tp_rank, tp_size=layout.tp_size,
-                pp_rank=layout.pp_rank, pp_size=layout.pp_size,
+                self.model,
+                checkpoint,
+                self.shape,
+                tp_rank=layout.tp_rank,
+                tp_size=layout.tp_size,
+                pp_rank=layout.pp_rank,
+                pp_size=layout.pp_size,
             )
-            state = torch.load(path / "optimizer" / f"rank{layout.rank:05d}.pt", weights_only=False, map_location=self.device)
+            state = torch.load(
+                path / "optimizer" / f"rank{layout.rank:05d}.pt",
+                weights_only=False,
+                map_location=self.device,
+            )
             self._load_optimizer_state(state)
         dist.barrier()
 

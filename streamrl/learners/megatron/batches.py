@@ -105,7 +105,9 @@ def broadcast_named_tensors(
         schema_t = torch.tensor(schema, dtype=torch.int64, device=device)
         payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
         sizes = torch.tensor(
-            [schema_t.numel(), name_bytes.numel(), payload.numel()], dtype=torch.int64, device=device
+            [schema_t.numel(), name_bytes.numel(), payload.numel()],
+            dtype=torch.int64,
+            device=device,
         )
     else:
         sizes = torch.empty(3, dtype=torch.int64, device=device)
@@ -124,7 +126,9 @@ def broadcast_named_tensors(
     return _parse(schema_t.tolist(), bytes(name_bytes.tolist()).decode().split("\n"), payload)
 
 
-def _parse(schema: list[int], names: list[str], payload: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+def _parse(
+    schema: list[int], names: list[str], payload: torch.Tensor
+) -> list[dict[str, torch.Tensor]]:
     groups, cursor, offset, name_index = [], 1, 0, 0
     for _ in range(schema[0]):
         count = schema[cursor]
@@ -165,7 +169,9 @@ def send_to(tensor: torch.Tensor, dst: int) -> None:
     dist.send(tensor.contiguous(), dst=dst)
 
 
-def recv_from(shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
+def recv_from(
+    shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device
+) -> torch.Tensor:
     buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, src=src)
     return buffer

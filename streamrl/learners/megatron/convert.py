@@ -71,8 +71,12 @@ def _layer_rules(shape: ModelShape) -> list[Rule]:
             )
         )
     if shape.qk_norm:
-        rules.append(Rule("self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), REPLICATED))
-        rules.append(Rule("self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), REPLICATED))
+        rules.append(
+            Rule("self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), REPLICATED)
+        )
+        rules.append(
+            Rule("self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), REPLICATED)
+        )
     return rules
 
 
@@ -82,7 +86,9 @@ def stage_rules(shape: ModelShape, *, pp_rank: int, pp_size: int) -> list[Rule]:
     first = pp_rank * layers_per_stage
     rules = []
     if pp_rank == 0:
-        rules.append(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COLUMN))
+        rules.append(
+            Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COLUMN)
+        )
     for local in range(layers_per_stage):
         for rule in _layer_rules(shape):
             rules.append(
@@ -254,7 +260,10 @@ def write_hf_index(model_dir: str | Path, shard_names: Sequence[str]) -> None:
                 for dim in sliced.get_shape():
                     numel *= dim
                 total_bytes += numel * _dtype_bytes(sliced.get_dtype())
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -291,7 +300,9 @@ def load_into_model(
         sources = [hf_state[name] for name in rule.hf]
         value = shard(rule.kind, sources, shape, tp_rank=tp_rank, tp_size=tp_size)
         if value.shape != param.shape:
-            raise ValueError(f"{rule.megatron}: checkpoint gives {tuple(value.shape)}, model has {tuple(param.shape)}")
+            raise ValueError(
+                f"{rule.megatron}: checkpoint gives {tuple(value.shape)}, model has {tuple(param.shape)}"
+            )
         param.copy_(value)
         covered.add(id(param))
     missing = [name for name, p in model.named_parameters() if id(p) not in covered]

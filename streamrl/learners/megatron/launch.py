@@ -60,11 +60,15 @@ class RankGroup:
         while pending:
             for child in list(pending):
                 try:
-                    code = child.popen.wait(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+                    code = child.popen.wait(
+                        timeout=max(0.05, min(1.0, deadline - time.monotonic()))
+                    )
                 except subprocess.TimeoutExpired:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise TimeoutError(f"learner ranks still running after {timeout_s:.0f} s") from None
+                        raise TimeoutError(
+                            f"learner ranks still running after {timeout_s:.0f} s"
+                        ) from None
                     continue
                 pending.remove(child)
                 if code != 0:
@@ -99,7 +103,12 @@ def start_ranks(
         child_env = dict(env or {})
         child_env.update(rank_env(rank, world_size, master_addr=master_addr, master_port=port))
         processes.append(
-            spawn(f"{name}-rank{rank}", argv, log_path=Path(log_dir) / f"{name}-rank{rank}.log", env=child_env)
+            spawn(
+                f"{name}-rank{rank}",
+                argv,
+                log_path=Path(log_dir) / f"{name}-rank{rank}.log",
+                env=child_env,
+            )
         )
     return RankGroup(processes, master_addr, port, world_size)
 

@@ -114,7 +114,9 @@ def rope_inv_freq(hf_config: Any) -> torch.Tensor | None:
     if rope_type == "default":
         return None
     if rope_type not in ("linear", "llama3"):
-        raise NotImplementedError(f"RoPE type {rope_type!r} is not supported by the megatron backend")
+        raise NotImplementedError(
+            f"RoPE type {rope_type!r} is not supported by the megatron backend"
+        )
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
@@ -281,7 +283,9 @@ def build_gpt_model(
         raise ValueError(f"{shape.num_layers} layers do not split evenly over {pp_size} stages")
     use_te = transformer_engine_available() and device.type == "cuda"
     if sequence_parallel and tp_size > 1 and not use_te:
-        raise NotImplementedError("sequence_parallel needs Transformer Engine (the local norms refuse it)")
+        raise NotImplementedError(
+            "sequence_parallel needs Transformer Engine (the local norms refuse it)"
+        )
     config = build_transformer_config(
         shape,
         tp_size=tp_size,
