@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from streamrl.types import Group
+from streamrl.types import Group, SampleStatus
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,15 @@ def zero_std_filter(group: Group) -> bool:
     return len(rewards) > 0 and max(rewards) != min(rewards)
 
 
-FILTERS: dict[str, GroupFilter] = {"zero_std": zero_std_filter}
+def generation_failed_filter(group: Group) -> bool:
+    """Drop a group in which a sample could not be generated (its record stays in the counts)."""
+    return all(s.status != SampleStatus.GENERATION_FAILED for s in group.samples)
+
+
+FILTERS: dict[str, GroupFilter] = {
+    "zero_std": zero_std_filter,
+    "generation_failed": generation_failed_filter,
+}
 
 
 @dataclass

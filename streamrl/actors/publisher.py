@@ -1,0 +1,287 @@
+"""The weight publisher: new versions from the learner to every engine, off the learner's path.
+
+    learner step v done ─► publish(v): wait for the previous broadcast (stall), snapshot
+                           the weights into staging buckets (stall), return
+    background:            pause engines ─► per bucket: engines' update call in flight while
+                           rank 0 broadcasts ─► last bucket tags weight_version v ─► continue
+                           ─► on_published(v) (admission lets B more groups start)
+
+The weight-update group is built the way SGLang builds it (see
+`streamrl.engine.weight_sync`): the learner is rank 0 and engine i is rank
+1 + i. It is rebuilt whenever the set of engines changes (an engine restarted),
+and a rebuilt group is brought to the current version at once (`resync`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from streamrl.engine.client import EngineClient, EngineError
+from streamrl.engine.weight_sync import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    dtype_name,
+    init_weight_update_group,
+)
+from streamrl.launch.process import free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Snapshot:
+    version: int
+    buckets: list[list[tuple[str, torch.Tensor]]]
+    num_bytes: int
+
+
+@dataclass
+class PublishRecord:
+    """What one weight update cost."""
+
+    version: int
+    learner_stall_s: float = 0.0
+    snapshot_s: float = 0.0
+    engine_pause_s: float = 0.0
+    broadcast_s: float = 0.0
+    num_bytes: int = 0
+    num_engines: int = 0
+    ok: bool = True
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.broadcast_s / 1e9 if self.broadcast_s > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "weights/version": self.version,
+            "weights/learner_stall_s": self.learner_stall_s,
+            "weights/snapshot_s": self.snapshot_s,
+            "weights/engine_pause_s": self.engine_pause_s,
+            "weights/broadcast_s": self.broadcast_s,
+            "weights/bytes": self.num_bytes,
+            "weights/gb_per_s": self.gb_per_s,
+            "weights/num_engines": self.num_engines,
+        }
+
+
+def make_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return [bucket for bucket in buckets if bucket]
+
+
+@dataclass
+class _Group:
+    name: str
+    members: tuple[str, ...]
+    handle: object
+
+
+@dataclass
+class WeightPublisher:
+    """Owns the weight-update group and the background broadcast (see the module docstring)."""
+
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    """The learner's current weights under Hugging Face names (full tensors)."""
+    members: Callable[[], list[EngineClient]]
+    """Engines that should hold the newest weights (the fleet's live engines)."""
+    on_published: Callable[[int], Awaitable[None]]
+    bucket_bytes: int = 512 * 1024 * 1024
+    pause_mode: str = "in_place"
+    group_backend: str = "gloo"
+    staging_device: str = "cpu"
+    master_address: str = "127.0.0.1"
+    records: list[PublishRecord] = field(default_factory=list)
+    _group: _Group | None = None
+    _idle: anyio.Event = field(default_factory=anyio.Event)
+    _busy: bool = False
+    _latest: Snapshot | None = None
+    _task_group: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hold the task group that background broadcasts run in; cancel to stop."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            if self._group is not None:
+                await anyio.to_thread.run_sync(destroy_weight_update_group, self._group.handle)
+                self._group = None
+
+    async def publish(self, version: int) -> PublishRecord:
+        """Snapshot the weights as `version` and start broadcasting; returns once the learner
+        may change its weights again (the record is completed by the broadcast)."""
+        started = time.perf_counter()
+        while self._busy:
+            await self._idle.wait()
+        snapshot_started = time.perf_counter()
+        snapshot = await anyio.to_thread.run_sync(self._snapshot, version)
+        record = PublishRecord(
+            version=version,
+            snapshot_s=time.perf_counter() - snapshot_started,
+            num_bytes=snapshot.num_bytes,
+        )
+        record.learner_stall_s = time.perf_counter() - started
+        self._start(snapshot, record)
+        return record
+
+    async def resync(self) -> None:
+        """Re-send the newest snapshot (after the engine set changed) and wait for it."""
+        while self._busy:
+            await self._idle.wait()
+        if self._latest is not None:
+            self._start(self._latest, PublishRecord(version=self._latest.version))
+            while self._busy:
+                await self._idle.wait()
+
+    async def wait_idle(self) -> None:
+        while self._busy:
+            await self._idle.wait()
+
+    def _start(self, snapshot: Snapshot, record: PublishRecord) -> None:
+        assert self._task_group is not None, "WeightPublisher.run() is not running"
+        self._busy = True
+        self._task_group.start_soon(self._broadcast, snapshot, record)
+
+    def _snapshot(self, version: int) -> Snapshot:
+        with torch.no_grad():
+            tensors = [
+                (name, tensor.detach().to(self.staging_device, copy=True).contiguous())
+                for name, tensor in self.weights()
+            ]
+        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        snapshot = Snapshot(version, make_buckets(tensors, self.bucket_bytes), num_bytes)
+        self._latest = snapshot
+        return snapshot
+
+    async def _broadcast(self, snapshot: Snapshot, record: PublishRecord) -> None:
+        try:
+            engines = self.members()
+            record.num_engines = len(engines)
+            if engines:
+                await self._send(snapshot, engines, record)
+            self.records.append(record)
+            await self.on_published(snapshot.version)
+        except (EngineError, RuntimeError) as exc:
+            # An engine died mid-update; the fleet restarts it and asks for a resync.
+            record.ok = False
+            self.records.append(record)
+            log.error("weight update to version %d failed: %s", snapshot.version, exc)
+            await self._drop_group()
+        finally:
+            self._busy = False
+            self._idle.set()
+            self._idle = anyio.Event()
+
+    async def _send(self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord):
+        group = await self._ensure_group(engines)
+        paused_at = time.perf_counter()
+        await _each(engines, lambda e: e.pause(self.pause_mode))
+        try:
+            broadcast_started = time.perf_counter()
+            for index, bucket in enumerate(snapshot.buckets):
+                is_last = index == len(snapshot.buckets) - 1
+                names = [name for name, _ in bucket]
+                dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
+                shapes = [list(tensor.shape) for _, tensor in bucket]
+
+                async def update(engine: EngineClient) -> None:
+                    result = await engine.update_weights_from_distributed(
+                        names,
+                        dtypes,
+                        shapes,
+                        group_name=group.name,
+                        weight_version=snapshot.version if is_last else None,
+                        flush_cache=False,
+                    )
+                    if not result.get("success", False):
+                        raise RuntimeError(f"{engine.url}: {result.get('message')}")
+
+                async with anyio.create_task_group() as tg:
+                    for engine in engines:
+                        tg.start_soon(update, engine)
+                    tensors = [tensor for _, tensor in bucket]
+                    await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
+            record.broadcast_s = time.perf_counter() - broadcast_started
+        finally:
+            await _each(engines, lambda e: e.continue_generation())
+            record.engine_pause_s = time.perf_counter() - paused_at
+
+    async def _ensure_group(self, engines: list[EngineClient]) -> _Group:
+        members = tuple(engine.url for engine in engines)
+        if self._group is not None and self._group.members == members:
+            return self._group
+        await self._drop_group()
+        name = f"streamrl-{uuid.uuid4().hex[:8]}"
+        port = free_port(self.master_address)
+        world_size = 1 + len(engines)
+        handle = None
+
+        async def host() -> None:
+            nonlocal handle
+            handle = await anyio.to_thread.run_sync(
+                lambda: init_weight_update_group(
+                    master_address=self.master_address,
+                    master_port=port,
+                    rank=0,
+                    world_size=world_size,
+                    group_name=name,
+                    backend=self.group_backend,
+                )
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(host)
+            for rank, engine in enumerate(engines, start=1):
+                tg.start_soon(
+                    lambda e=engine, r=rank: e.init_weights_update_group(
+                        master_address=self.master_address,
+                        master_port=port,
+                        rank_offset=r,
+                        world_size=world_size,
+                        group_name=name,
+                        backend=self.group_backend,
+                    )
+                )
+        self._group = _Group(name, members, handle)
+        log.info("weight-update group %s: learner + %d engines", name, len(engines))
+        return self._group
+
+    async def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        for url in group.members:
+            engine = next((e for e in self.members() if e.url == url), None)
+            if engine is not None:
+                try:
+                    await engine.destroy_weights_update_group(group.name)
+                except EngineError as exc:
+                    log.info("could not destroy group on %s: %s", url, exc)
+        await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
+
+
+async def _each(engines: list[EngineClient], call) -> None:
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(call, engine)

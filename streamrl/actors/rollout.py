@@ -1,0 +1,186 @@
+"""The rollout worker: prompts in, scored groups out, as many in flight as admission allows.
+
+    loop:  credit = await sender.acquire()      # admission: waits while the learner is behind
+           prompt = source.next()
+           start_soon(run_group(prompt))        # n samples concurrently, each via generate_fn
+    run_group: samples = generate + score (x n) -> Group -> sender.send (kept until acked)
+
+Nothing generated is dropped: a sample whose generate function fails after
+its retries is kept with status `generation_failed` (the buffer's `failed`
+filter counts the group); a reward that raises or times out gives reward 0
+with status `reward_failed` and the error in the sample's metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory
+from streamrl.engine.client import EngineSet
+from streamrl.queues.transport import StreamSender
+from streamrl.rewards import RewardInput, score
+from streamrl.types import FinishReason, Group, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutCounters:
+    groups_started: int = 0
+    groups_sent: int = 0
+    samples: int = 0
+    response_tokens: int = 0
+    generation_failures: int = 0
+    reward_failures: int = 0
+    resumes: int = 0
+    finish_reasons: Counter = field(default_factory=Counter)
+    busy_s: float = 0.0
+    """Sum over samples of generate-call wall time (engine-side occupancy proxy)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "finish_reasons": dict(self.finish_reasons)}
+
+
+class RolloutWorker:
+    """Turns prompts from `source` into Groups streamed through `sender`."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        source: Any,
+        sender: StreamSender,
+        engines: EngineSet,
+        tokenizer: Any,
+        generate_fn: GenerateFn,
+        reward_fn: Any,
+        n_samples_per_prompt: int,
+        sampling_params: dict[str, Any],
+        generate_kwargs: dict[str, Any] | None = None,
+        reward_timeout_s: float = 60.0,
+        max_retries: int = 3,
+        report_interval_s: float = 2.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.source = source
+        self.sender = sender
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.reward_fn = reward_fn
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.sampling_params = sampling_params
+        self.generate_kwargs = generate_kwargs or {}
+        self.reward_timeout_s = reward_timeout_s
+        self.max_retries = max_retries
+        self.report_interval_s = report_interval_s
+        self.counters = RolloutCounters()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start groups while credits come; return once the receiver says stop and all are sent."""
+        task_status.started()
+        async with anyio.create_task_group() as groups:
+            while await self.sender.acquire():
+                prompt = self.source.next()
+                self.counters.groups_started += 1
+                groups.start_soon(self._run_group, prompt)
+        await self.sender.flush()
+        await self.report()
+
+    async def report(self) -> None:
+        await self.sender.send_report("rollout", self.counters.as_dict())
+
+    async def report_loop(self) -> None:
+        """Send counters every `report_interval_s` (the learner logs them with each step)."""
+        while True:
+            await anyio.sleep(self.report_interval_s)
+            await self.report()
+
+    async def _run_group(self, prompt: Any) -> None:
+        started_at = time.time()
+        samples: list[Sample | None] = [None] * self.n_samples_per_prompt
+
+        async def one(index: int) -> None:
+            samples[index] = await self.run_sample(prompt, index)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(self.n_samples_per_prompt):
+                tg.start_soon(one, index)
+        group = Group(
+            group_id=f"s{prompt.seq}",
+            prompt_seq=prompt.seq,
+            prompt_index=prompt.index,
+            epoch=prompt.epoch,
+            samples=samples,
+            label=prompt.label,
+            started_at=started_at,
+            worker_id=self.worker_id,
+        )
+        group.mark_finished()
+        await self.sender.send(group)
+        self.counters.groups_sent += 1
+
+    async def run_sample(self, prompt: Any, index: int) -> Sample:
+        """Generate and score one sample; failures are recorded in the sample, never raised."""
+        ctx = GenerateContext(
+            engines=self.engines,
+            tokenizer=self.tokenizer,
+            sampling_params=dict(self.sampling_params),
+            kwargs=self.generate_kwargs,
+            session_key=f"{prompt.seq}-{index}",
+            max_retries=self.max_retries,
+        )
+        started = time.perf_counter()
+        status = SampleStatus.OK
+        metadata: dict[str, Any] = {"index": index}
+        try:
+            trajectory = await self.generate_fn(ctx, prompt)
+        except Exception as exc:  # the user's function or every engine failed: keep a record
+            log.warning("generate failed for prompt %d sample %d: %r", prompt.seq, index, exc)
+            self.counters.generation_failures += 1
+            trajectory = Trajectory(finish_reason=FinishReason.ERROR)
+            status = SampleStatus.GENERATION_FAILED
+            metadata["error"] = f"{type(exc).__name__}: {exc}"
+        self.counters.busy_s += time.perf_counter() - started
+        metadata.update(trajectory.metadata)
+        metadata["num_turns"] = trajectory.num_turns
+        reward = trajectory.reward
+        if reward is None and status is SampleStatus.OK:
+            outcome = await score(
+                self.reward_fn,
+                RewardInput(
+                    prompt=prompt.text,
+                    response=trajectory.text,
+                    label=prompt.label,
+                    metadata=dict(prompt.metadata),
+                ),
+                timeout_s=self.reward_timeout_s,
+            )
+            reward = outcome.reward
+            metadata.update({f"reward/{k}": v for k, v in outcome.metrics.items()})
+            if outcome.error is not None:
+                self.counters.reward_failures += 1
+                status = SampleStatus.REWARD_FAILED
+                metadata["reward_error"] = outcome.error
+        self.counters.samples += 1
+        self.counters.resumes += trajectory.num_resumes
+        self.counters.response_tokens += len(trajectory.response_ids)
+        self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
+        return Sample(
+            prompt_ids=prompt.input_ids,
+            response_ids=trajectory.response_ids,
+            logprobs=trajectory.logprobs,
+            versions=trajectory.versions,
+            loss_mask=trajectory.loss_mask,
+            reward=float(reward or 0.0),
+            finish_reason=trajectory.finish_reason,
+            status=status,
+            response_text=trajectory.text,
+            metadata=metadata,
+        )
