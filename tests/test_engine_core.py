@@ -421,3 +421,144 @@ async def test_model_info_describes_the_model(tiny_model_dir):
     assert info["is_generation"] and info["model_type"] == "qwen3"
     assert info["architectures"] == ["Qwen3ForCausalLM"] and info["vocab_size"] == 49152
     assert info["max_seq_len"] == 256 and 2 in info["eos_token_ids"]
+
+
+# -- graph-shaped decode, sampling, rope, attention kernels -----------------------
+
+
+async def test_decode_padded_to_graph_buckets_matches_unpadded(tiny_model_dir):
+    """Eager steps shaped like the CUDA graphs (padded idle lanes, full-cache reads)."""
+    requests = [
+        Request(f"r{i}", ids, SamplingParams(max_new_tokens=10, ignore_eos=True, seed=i))
+        for i, ids in enumerate(prompts(5))
+    ]
+    with running_engine(tiny_model_dir, max_batch_size=8) as engine:
+        plain = await engine.generate(requests)
+        engine.runner.pad_lanes = True
+        padded = await engine.generate(requests)
+    for a, b in zip(plain, padded, strict=True):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= TOLERANCE
+
+
+def test_the_sampler_follows_the_distribution_and_its_filters():
+    from streamrl.engine.runner.sampling import make_sampling_tensors, sample
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    rows = 20000
+    logits = probs.clamp_min(1e-30).log().expand(rows, -1).contiguous()
+
+    def draw(**overrides):
+        params = [SamplingParams(**overrides)] * rows
+        tensors = make_sampling_tensors(params, list(range(rows)), [7] * rows, "cpu")
+        tokens, logprobs = sample(logits, tensors, use_filters=True)
+        return torch.bincount(tokens, minlength=5).float() / rows, logprobs, tokens
+
+    frequencies, logprobs, tokens = draw()
+    assert (frequencies - probs).abs().max() < 0.015
+    assert torch.allclose(logprobs, probs.clamp_min(1e-30).log()[tokens], atol=1e-5)
+    top_k, _, _ = draw(top_k=2)
+    assert top_k[2:].sum() == 0 and abs(top_k[0] - 0.5 / 0.8) < 0.015
+    top_p, _, _ = draw(top_p=0.7)  # keeps 0.5 and 0.3 (mass before 0.3 is 0.5 < 0.7)
+    assert top_p[2:].sum() == 0 and top_p[1] > 0.3
+    min_p, _, _ = draw(min_p=0.5)  # keeps p >= 0.25
+    assert min_p[2:].sum() == 0
+    greedy, logprobs, _ = draw(temperature=0.0)
+    assert greedy[0] == 1.0 and torch.allclose(
+        logprobs, torch.log(probs[0]).expand(rows), atol=1e-5
+    )
+
+
+def test_seeded_uniforms_are_uniform_and_depend_only_on_seed_and_counter():
+    from streamrl.engine.runner.sampling import uniform_from_seed
+
+    seeds = torch.arange(100_000, dtype=torch.int64) * 7919
+    values = uniform_from_seed(seeds, torch.full_like(seeds, 3))
+    assert values.min() >= 0.0 and values.max() < 1.0
+    histogram = torch.histc(values, bins=10, min=0.0, max=1.0) / len(values)
+    assert (histogram - 0.1).abs().max() < 0.01
+    again = uniform_from_seed(seeds[:10], torch.full((10,), 3))
+    assert torch.equal(again, values[:10])
+    assert not torch.equal(uniform_from_seed(seeds[:10], torch.full((10,), 4)), values[:10])
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from streamrl.engine.runner.rope import inverse_frequencies
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+        max_position_embeddings=131072,
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    assert torch.allclose(inverse_frequencies(config, 64), expected.float(), rtol=1e-6)
+
+
+def test_decode_and_prefill_attention_equal_plain_softmax_attention():
+    from streamrl.engine.runner.attention import decode_attention, prefill_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, slots, seq_len = 4, 2, 16, 3, 12
+    k_cache = torch.randn(slots, seq_len, kv_heads, head_dim)
+    v_cache = torch.randn(slots, seq_len, kv_heads, head_dim)
+    q = torch.randn(slots, heads, head_dim)
+    lengths = torch.tensor([1, 7, 12], dtype=torch.int32)
+    out = decode_attention(q, k_cache, v_cache, lengths, seq_len, use_flash=False)
+    for lane in range(slots):
+        n = int(lengths[lane])
+        keys = k_cache[lane, :n].repeat_interleave(2, dim=1)  # [n, heads, d]
+        values = v_cache[lane, :n].repeat_interleave(2, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[lane], keys) / head_dim**0.5, -1)
+        assert torch.allclose(out[lane], torch.einsum("hn,nhd->hd", weights, values), atol=1e-5)
+    seq_lens = [3, 5]
+    packed_q = torch.randn(8, heads, head_dim)
+    packed_k = torch.randn(8, kv_heads, head_dim)
+    packed_v = torch.randn(8, kv_heads, head_dim)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out = prefill_attention(packed_q, packed_k, packed_v, cu, seq_lens, use_flash=False)
+    second = torch.nn.functional.scaled_dot_product_attention(
+        packed_q[3:].transpose(0, 1),
+        packed_k[3:].repeat_interleave(2, dim=1).transpose(0, 1),
+        packed_v[3:].repeat_interleave(2, dim=1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    assert torch.allclose(out[3:], second, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attention_agrees_with_sdpa_on_cuda():
+    from streamrl.engine.runner.attention import decode_attention, prefill_attention
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    slots, seq_len, heads, kv_heads, head_dim = 5, 64, 14, 2, 64
+    k_cache = torch.randn(slots, seq_len, kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(slots, heads, head_dim, device=device, dtype=dtype)
+    lengths = torch.tensor([1, 9, 64, 33, 2], device=device, dtype=torch.int32)
+    flash = decode_attention(q, k_cache, v_cache, lengths, seq_len, use_flash=True)
+    sdpa = decode_attention(q, k_cache, v_cache, lengths, seq_len, use_flash=False)
+    assert (flash.float() - sdpa.float()).abs().max() < 2e-2
+    seq_lens = [5, 17, 1]
+    total = sum(seq_lens)
+    packed = [
+        torch.randn(total, h, head_dim, device=device, dtype=dtype)
+        for h in (heads, kv_heads, kv_heads)
+    ]
+    cu = torch.tensor([0, 5, 22, 23], device=device, dtype=torch.int32)
+    flash = prefill_attention(*packed, cu, seq_lens, use_flash=True)
+    sdpa = prefill_attention(*packed, cu, seq_lens, use_flash=False)
+    assert (flash.float() - sdpa.float()).abs().max() < 2e-2

@@ -84,3 +84,14 @@ def test_smollm2_loads_from_its_gguf_and_answers(tmp_path, monkeypatch):
     )
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "4" in tokenizer.decode(out[0, len(ids) :])
+
+
+def test_random_models_fall_back_to_a_byte_tokenizer_without_smollm2(monkeypatch):
+    def missing():
+        raise FileNotFoundError("SmolLM2 is not installed")
+
+    monkeypatch.setattr(models, "smollm2_gguf_path", missing)
+    tokenizer = models.load_tokenizer("random:qwen2-tiny")
+    assert tokenizer.eos_token_id == 2
+    ids = tokenizer.encode("héllo")
+    assert tokenizer.decode(ids) == "héllo" and max(ids) < 259

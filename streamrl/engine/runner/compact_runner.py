@@ -22,7 +22,7 @@ from streamrl.engine.runner.attention import flash_available
 from streamrl.engine.runner.base import Pending
 from streamrl.engine.runner.batch import DecodeBatch, PrefillBatch
 from streamrl.engine.runner.compact import CompactModel
-from streamrl.engine.runner.graphs import DecodeGraphs
+from streamrl.engine.runner.graphs import DecodeGraphs, bucket_for
 from streamrl.engine.runner.kv_cache import KVCache
 from streamrl.engine.runner.lanes import LaneBuffers
 from streamrl.engine.runner.sampling import SamplingTensors, make_sampling_tensors, sample
@@ -83,6 +83,7 @@ class CompactRunner:
         self.next_max_len = 1  # host bound on lane lengths for the next eager step
         self.result_set = 0
         self.graphs = None
+        self.pad_lanes = False
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self._decode_body, max_batch_size)
             self.graphs.capture()
@@ -197,6 +198,8 @@ class CompactRunner:
             self.is_dirty = False
         if self.graphs is not None:
             self.graphs.replay(lanes, self.use_filters)
+        elif self.pad_lanes:  # eager, but shaped exactly as the graphs are (tests use this on CPU)
+            self._decode_body(bucket_for(self.max_batch_size, lanes), self.use_filters)
         else:
             self._decode_body(lanes, self.use_filters, min(self.next_max_len, self.max_seq_len))
         self.next_max_len += 1

@@ -10,6 +10,7 @@ by in-place copies, so captured graphs stay valid across updates.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
+@functools.lru_cache(maxsize=8)
+def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
     """1, 2, 4, 8, 16, then steps of 16 to 128, of 32 to 512, of 64 beyond; capped at the maximum."""
     sizes = [1, 2, 4, 8]
     size = 16
@@ -27,7 +29,15 @@ def batch_buckets(max_batch_size: int) -> list[int]:
         sizes.append(size)
         size += 16 if size < 128 else 32 if size < 512 else 64
     sizes = [s for s in sizes if s < max_batch_size]
-    return [*sizes, max_batch_size]
+    return (*sizes, max_batch_size)
+
+
+def bucket_for(max_batch_size: int, lanes: int) -> int:
+    """The smallest bucket that holds ``lanes``."""
+    for size in batch_buckets(max_batch_size):
+        if size >= lanes:
+            return size
+    raise ValueError(f"{lanes} lanes exceed the largest bucket {max_batch_size}")
 
 
 class DecodeGraphs:
@@ -42,9 +52,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Warm each shape up eagerly on a side stream (compiles, cuBLAS handles), then capture."""
         start = time.perf_counter()
+        torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for lanes in sorted(self.buckets, reverse=True):
@@ -61,14 +73,8 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - start
         logger.info("captured %d decode graphs in %.1f s", len(self.graphs), self.capture_s)
 
-    def bucket(self, lanes: int) -> int:
-        for size in self.buckets:
-            if size >= lanes:
-                return size
-        raise ValueError(f"{lanes} lanes exceed the largest bucket {self.buckets[-1]}")
-
     def replay(self, lanes: int, use_filters: bool) -> int:
         """Run the step for ``lanes`` running lanes; returns the bucket used."""
-        size = self.bucket(lanes)
+        size = bucket_for(self.buckets[-1], lanes)
         self.graphs[(size, use_filters)].replay()
         return size
