@@ -99,8 +99,9 @@ class RolloutConfig(_Section):
     """`module:function`, sync or async, scoring one sample (slime --custom-rm-path)."""
     reward_timeout_s: PositiveFloat = 60.0
     """A reward call past this time marks the sample failed (reward 0) and is counted."""
-    max_retries: NonNegInt = 3
-    """Times a generate call is retried after an engine error before the sample fails."""
+    retry_timeout_s: PositiveFloat = 300.0
+    """A failing engine call is retried (with backoff, on another engine when there is one)
+    for up to this long before the sample is recorded as failed."""
 
 
 class EngineConfig(_Section):

@@ -111,6 +111,7 @@ class WeightPublisher:
     master_address: str = "127.0.0.1"
     records: list[PublishRecord] = field(default_factory=list)
     _group: _Group | None = None
+    _is_stale: bool = False
     _idle: anyio.Event = field(default_factory=anyio.Event)
     _busy: bool = False
     _latest: Snapshot | None = None
@@ -153,6 +154,10 @@ class WeightPublisher:
             self._start(self._latest, PublishRecord(version=self._latest.version))
             while self._busy:
                 await self._idle.wait()
+
+    def invalidate(self) -> None:
+        """An engine left: rebuild the group before the next broadcast."""
+        self._is_stale = True
 
     async def wait_idle(self) -> None:
         while self._busy:
@@ -229,8 +234,9 @@ class WeightPublisher:
 
     async def _ensure_group(self, engines: list[EngineClient]) -> _Group:
         members = tuple(engine.url for engine in engines)
-        if self._group is not None and self._group.members == members:
+        if self._group is not None and self._group.members == members and not self._is_stale:
             return self._group
+        self._is_stale = False
         await self._drop_group()
         name = f"streamrl-{uuid.uuid4().hex[:8]}"
         port = free_port(self.master_address)

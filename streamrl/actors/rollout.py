@@ -64,7 +64,7 @@ class RolloutWorker:
         sampling_params: dict[str, Any],
         generate_kwargs: dict[str, Any] | None = None,
         reward_timeout_s: float = 60.0,
-        max_retries: int = 3,
+        retry_timeout_s: float = 300.0,
         report_interval_s: float = 2.0,
     ) -> None:
         self.worker_id = worker_id
@@ -78,20 +78,22 @@ class RolloutWorker:
         self.sampling_params = sampling_params
         self.generate_kwargs = generate_kwargs or {}
         self.reward_timeout_s = reward_timeout_s
-        self.max_retries = max_retries
+        self.retry_timeout_s = retry_timeout_s
         self.report_interval_s = report_interval_s
         self.counters = RolloutCounters()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Start groups while credits come; return once the receiver says stop and all are sent."""
+        """Start groups while credits come. When the receiver says stop (training is over),
+        report the final counters and abandon the groups still in flight (they are counted
+        as in flight at stop)."""
         task_status.started()
         async with anyio.create_task_group() as groups:
             while await self.sender.acquire():
                 prompt = self.source.next()
                 self.counters.groups_started += 1
                 groups.start_soon(self._run_group, prompt)
-        await self.sender.flush()
-        await self.report()
+            await self.report()
+            groups.cancel_scope.cancel()
 
     async def report(self) -> None:
         await self.sender.send_report("rollout", self.counters.as_dict())
@@ -134,7 +136,7 @@ class RolloutWorker:
             sampling_params=dict(self.sampling_params),
             kwargs=self.generate_kwargs,
             session_key=f"{prompt.seq}-{index}",
-            max_retries=self.max_retries,
+            retry_timeout_s=self.retry_timeout_s,
         )
         started = time.perf_counter()
         status = SampleStatus.OK

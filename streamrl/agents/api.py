@@ -20,6 +20,7 @@ otherwise `rollout.reward_fn` scores `trajectory.text`.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -103,8 +104,8 @@ class GenerateContext:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """`rollout.generate_kwargs` from the config."""
     session_key: str = field(default_factory=lambda: uuid.uuid4().hex)
-    max_retries: int = 3
-    retry_backoff_s: float = 1.0
+    retry_timeout_s: float = 300.0
+    """Engine failures are retried with backoff for this long (an engine may be restarting)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -114,6 +115,7 @@ class GenerateContext:
         budget = max_new_tokens or params.get("max_new_tokens", 128)
         completion = Completion()
         failures = 0
+        deadline = time.monotonic() + self.retry_timeout_s
         while True:
             params["max_new_tokens"] = budget - len(completion.output_ids)
             engine = self._engine(failures)
@@ -121,10 +123,11 @@ class GenerateContext:
                 result = await engine.generate(input_ids + completion.output_ids, params)
             except EngineError as exc:
                 failures += 1
-                if exc.status is not None and 400 <= exc.status < 500 or failures > self.max_retries:
+                is_client_error = exc.status is not None and 400 <= exc.status < 500
+                if is_client_error or time.monotonic() > deadline:
                     raise
-                log.warning("engine call failed (%s); retry %d/%d", exc, failures, self.max_retries)
-                await anyio.sleep(self.retry_backoff_s * 2 ** (failures - 1))
+                log.warning("engine call failed (%s); retry %d", exc, failures)
+                await anyio.sleep(min(0.25 * 2**failures, 5.0))
                 continue
             completion.num_engine_calls += 1
             completion.extend(result)

@@ -115,6 +115,9 @@ class TorchBackend:
             yield name, parameter.detach()
 
     def save(self, path: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path / "model", safe_serialization=True)
         self.tokenizer.save_pretrained(path / "model")

@@ -1,0 +1,118 @@
+"""Evaluation alongside training: every `eval.interval` versions, score each eval data set
+through the same engines (training generation goes on) and report to the learner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+
+from streamrl.agents.api import GenerateContext
+from streamrl.config import DataConfig, EvalDataset
+from streamrl.data import PromptSource
+from streamrl.engine.client import EngineSet
+from streamrl.queues.transport import StreamSender
+from streamrl.rewards import RewardInput, load_reward_fn, score
+
+log = logging.getLogger(__name__)
+
+MAX_CONCURRENT_REQUESTS = 64
+
+
+class Evaluator:
+    def __init__(
+        self,
+        datasets: list[EvalDataset],
+        *,
+        data_cfg: DataConfig,
+        interval: int,
+        tokenizer: Any,
+        engines: EngineSet,
+        sender: StreamSender,
+        default_reward_fn: str,
+        reward_timeout_s: float,
+    ) -> None:
+        self.interval = interval
+        self.engines = engines
+        self.sender = sender
+        self.tokenizer = tokenizer
+        self.reward_timeout_s = reward_timeout_s
+        self.sets = []
+        for dataset in datasets:
+            source = PromptSource.for_eval(dataset, data_cfg, tokenizer)
+            count = len(source) if not dataset.max_prompts else min(dataset.max_prompts, len(source))
+            prompts = [source.get(seq) for seq in range(count)]
+            reward_fn = load_reward_fn(dataset.reward_fn or default_reward_fn)
+            self.sets.append((dataset, prompts, reward_fn))
+
+    async def run(self) -> None:
+        """Evaluate at version 0, interval, 2 * interval, ... until the stream stops."""
+        next_version = self.sender.version
+        while True:
+            await self.sender.wait_version(next_version)
+            if self.sender.is_stopped:
+                return
+            version = self.sender.version
+            for dataset, prompts, reward_fn in self.sets:
+                report = await self.evaluate(dataset, prompts, reward_fn)
+                report["version"] = version
+                await self.sender.send_report("eval", report)
+            next_version = (version // self.interval + 1) * self.interval
+
+    async def evaluate(self, dataset: EvalDataset, prompts: list, reward_fn) -> dict[str, Any]:
+        started = time.perf_counter()
+        sampling = {
+            "max_new_tokens": dataset.sampling.max_new_tokens,
+            "temperature": dataset.sampling.temperature,
+            "top_p": dataset.sampling.top_p,
+            "top_k": dataset.sampling.top_k,
+        }
+        if dataset.sampling.stop:
+            sampling["stop"] = list(dataset.sampling.stop)
+        rewards = np.zeros((len(prompts), dataset.n_samples_per_prompt))
+        lengths = np.zeros_like(rewards)
+        versions: list[int] = []
+        limit = anyio.Semaphore(MAX_CONCURRENT_REQUESTS)
+
+        async def one(row: int, column: int) -> None:
+            prompt = prompts[row]
+            async with limit:
+                ctx = GenerateContext(
+                    engines=self.engines,
+                    tokenizer=self.tokenizer,
+                    sampling_params=dict(sampling),
+                    session_key=f"eval-{dataset.name}-{row}-{column}",
+                )
+                completion = await ctx.generate(list(prompt.input_ids))
+            outcome = await score(
+                reward_fn,
+                RewardInput(
+                    prompt=prompt.text,
+                    response=completion.text,
+                    label=prompt.label,
+                    metadata=dict(prompt.metadata),
+                ),
+                timeout_s=self.reward_timeout_s,
+            )
+            rewards[row, column] = outcome.reward
+            lengths[row, column] = len(completion.output_ids)
+            versions.extend(completion.versions[:1])
+
+        async with anyio.create_task_group() as tg:
+            for row in range(len(prompts)):
+                for column in range(dataset.n_samples_per_prompt):
+                    tg.start_soon(one, row, column)
+        return {
+            "dataset": dataset.name,
+            "reward_mean": float(rewards.mean()),
+            "pass_at_1": float((rewards > 0).mean()),
+            f"pass_at_{dataset.n_samples_per_prompt}": float((rewards > 0).any(axis=1).mean()),
+            "num_prompts": len(prompts),
+            "num_samples": int(rewards.size),
+            "response_len_mean": float(lengths.mean()),
+            "token_version_min": min(versions, default=-1),
+            "seconds": time.perf_counter() - started,
+        }

@@ -1,0 +1,201 @@
+"""The engine fleet: start engines (and a router when there are several), watch them, heal them.
+
+Each engine moves through
+
+    starting ─► serving ─► down ─► starting ─► syncing ─► serving ...
+
+A health check (`/health_generate` within `engine.health_timeout_s`, every
+`engine.health_interval_s`) or a dead process moves a serving engine to
+`down`: it leaves the router, its process is killed (a hung one too) and
+started again on the same port, the weight publisher brings it to the current
+version (`syncing`), and only then does it rejoin the router. Requests that
+were in flight on it fail at the client, which retries them elsewhere with the
+tokens it already has (see `streamrl.agents.api`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+
+from streamrl.config import RunConfig
+from streamrl.engine.client import EngineClient, EngineError
+from streamrl.engine.router import Router
+from streamrl.launch.process import ChildProcess, free_port, spawn, wait_http_ready
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(enum.StrEnum):
+    STARTING = "starting"
+    SYNCING = "syncing"
+    SERVING = "serving"
+    DOWN = "down"
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+@dataclass
+class Engine:
+    index: int
+    url: str
+    client: EngineClient
+    argv: list[str] | None
+    """How to (re)start it; None for an engine we attached to and cannot restart."""
+    env: dict[str, str] = field(default_factory=dict)
+    process: ChildProcess | None = None
+    state: EngineState = EngineState.STARTING
+    num_restarts: int = 0
+
+
+class WeightSink(Protocol):
+    """What the fleet needs from the weight publisher."""
+
+    def invalidate(self) -> None: ...
+    async def resync(self) -> None: ...
+
+
+EngineArgv = Callable[[int, str, int], tuple[list[str], dict[str, str]]]
+"""(engine index, host, port) -> (argv, extra environment)."""
+
+
+class EngineFleet:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        run_dir: Path,
+        engine_argv: EngineArgv | None,
+    ) -> None:
+        self.cfg = cfg.engine
+        self.log_dir = run_dir / "logs"
+        self.engines: list[Engine] = []
+        self.router: Router | None = None
+        self._router_url = cfg.engine.router_url
+        if cfg.engine.urls:
+            for index, url in enumerate(cfg.engine.urls):
+                url = url.rstrip("/")
+                self.engines.append(Engine(index, url, EngineClient(url), None))
+        else:
+            for index in range(cfg.engine.num_engines):
+                port = free_port(cfg.engine.host)
+                argv, env = engine_argv(index, cfg.engine.host, port)
+                url = f"http://{cfg.engine.host}:{port}"
+                self.engines.append(Engine(index, url, EngineClient(url), argv, env))
+
+    # ---------------------------------------------------------------- start / stop
+
+    def start(self) -> None:
+        """Start every engine (in parallel), wait until all serve, then the router if needed.
+
+        Call from the main thread: children die with the thread that spawned them."""
+        for engine in self.engines:
+            self._spawn(engine)
+        for engine in self.engines:
+            wait_http_ready(engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process)
+            engine.state = EngineState.SERVING
+        if self._router_url or len(self.engines) > 1:
+            if not self._router_url:
+                self.router = Router.start(
+                    self.urls,
+                    log_path=self.log_dir / "router.log",
+                    host=self.cfg.host,
+                    policy=self.cfg.router_policy,
+                    timeout_s=self.cfg.startup_timeout_s,
+                )
+                self._router_url = self.router.url
+        log.info("engines serving: %s%s", ", ".join(self.urls),
+                 f" behind router {self._router_url}" if self._router_url else "")
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for engine in self.engines:
+            if engine.process is not None:
+                engine.process.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
+
+    @property
+    def router_url(self) -> str:
+        return self._router_url
+
+    def live_clients(self) -> list[EngineClient]:
+        """Engines that must receive weight updates (serving, or being brought up to date)."""
+        return [
+            e.client for e in self.engines if e.state in (EngineState.SERVING, EngineState.SYNCING)
+        ]
+
+    def _spawn(self, engine: Engine) -> None:
+        if engine.argv is None:
+            return
+        engine.process = spawn(
+            f"engine-{engine.index}",
+            engine.argv,
+            env=engine.env,
+            log_path=self.log_dir / f"engine-{engine.index}.log",
+        )
+
+    # ---------------------------------------------------------------- health
+
+    async def monitor(self, publisher: WeightSink) -> None:
+        """Check every engine forever; heal the ones that fail (see the module docstring)."""
+        while True:
+            await anyio.sleep(self.cfg.health_interval_s)
+            for engine in self.engines:
+                if engine.state is EngineState.SERVING and not await self._is_healthy(engine):
+                    await self._heal(engine, publisher)
+
+    async def _is_healthy(self, engine: Engine) -> bool:
+        if engine.process is not None and not engine.process.is_alive():
+            log.error("engine %s exited with code %s", engine.url, engine.process.poll())
+            return False
+        try:
+            with anyio.fail_after(self.cfg.health_timeout_s):
+                await engine.client.health_generate(timeout_s=self.cfg.health_timeout_s)
+            return True
+        except (TimeoutError, EngineError) as exc:
+            log.error("engine %s failed its health check: %s", engine.url, exc or "timeout")
+            return False
+
+    async def _heal(self, engine: Engine, publisher: WeightSink) -> None:
+        engine.state = EngineState.DOWN
+        if engine.argv is None:
+            raise FleetError(f"engine {engine.url} failed and was attached, not started: cannot restart it")
+        if engine.num_restarts >= self.cfg.max_restarts:
+            raise FleetError(
+                f"engine {engine.url} failed again after {engine.num_restarts} restarts "
+                f"(engine.max_restarts); last lines of its log:\n{engine.process.log_tail()}"
+            )
+        if self.router is not None:
+            await anyio.to_thread.run_sync(self.router.remove_worker, engine.url)
+        engine.process.kill()
+        publisher.invalidate()  # the weight-update group lost a member: rebuild it
+        engine.num_restarts += 1
+        log.warning("restarting engine %s (restart %d)", engine.url, engine.num_restarts)
+        engine.state = EngineState.STARTING
+        self._spawn(engine)
+        await anyio.to_thread.run_sync(
+            lambda: wait_http_ready(
+                engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process
+            )
+        )
+        engine.state = EngineState.SYNCING
+        await publisher.resync()
+        engine.state = EngineState.SERVING
+        if self.router is not None:
+            await anyio.to_thread.run_sync(self.router.add_worker, engine.url)
+        log.warning("engine %s is back at the current weight version", engine.url)
+
+    def restart_counts(self) -> dict[str, int]:
+        return {engine.url: engine.num_restarts for engine in self.engines}

@@ -1,0 +1,182 @@
+"""The learner loop: the always-running consumer of the buffer.
+
+    for each step:   groups = await buffer.take(B, version)    # waits only when the buffer is short
+                     metrics = train_step(groups)               # in a worker thread
+                     version += 1
+                     await publisher.publish(version)           # snapshot; broadcast runs behind
+                     record metrics; checkpoint every train.save_interval steps
+
+What unblocks the wait: the rollout stream delivering groups, which it may
+start only with admission credits; credits come back as the publisher lands
+new versions on the engines (`on_published`) and as the buffer drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from streamrl import checkpoint
+from streamrl.actors.publisher import WeightPublisher
+from streamrl.config import RunConfig
+from streamrl.data import DataPosition, position_after
+from streamrl.learners.base import LearnerBackend
+from streamrl.learners.step import train_step
+from streamrl.metrics import MetricsWriter
+from streamrl.queues.buffer import Buffer
+from streamrl.queues.protocol import Report
+from streamrl.queues.transport import StreamReceiver
+from streamrl.types import Group
+
+log = logging.getLogger(__name__)
+
+
+class LearnerLoop:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        backend: LearnerBackend,
+        buffer: Buffer,
+        receiver: StreamReceiver,
+        publisher: WeightPublisher,
+        metrics: MetricsWriter,
+        run_dir: Path,
+        state: checkpoint.TrainState,
+        pad_id: int,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.buffer = buffer
+        self.receiver = receiver
+        self.publisher = publisher
+        self.metrics = metrics
+        self.run_dir = run_dir
+        self.state = state
+        self.pad_id = pad_id
+        self.version = state.version
+        self._start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
+        self._done_seqs: set[int] = set()
+        self._trained_tokens = 0
+        self._rollout: dict[str, Any] = {}
+        self._started_at = time.monotonic()
+
+    # ---- callbacks wired by the driver ---------------------------------
+
+    def on_discard(self, group: Group, reason: str) -> None:
+        """A filtered or evicted group: its prompt is done for good (not redone on resume)."""
+        self._done_seqs.add(group.prompt_seq)
+
+    def on_report(self, report: Report) -> None:
+        if report.kind == "rollout":
+            self._rollout = report.payload
+        elif report.kind == "eval":
+            payload = dict(report.payload)
+            name = payload.pop("dataset")
+            version = int(payload.pop("version"))
+            record: dict[str, Any] = {
+                "kind": "eval",
+                "dataset": name,
+                "step": self.state.step,
+                "version": version,
+                "time": self.metrics.elapsed_s,
+            }
+            record.update({f"eval/{name}/{key}": value for key, value in payload.items()})
+            self.metrics.write(record, step=version)
+            log.info("eval %s at version %d: reward %.3f", name, version, payload["reward_mean"])
+
+    # ---- the loop --------------------------------------------------------
+
+    async def run(self) -> checkpoint.TrainState:
+        batch_size = self.cfg.rollout.batch_size
+        while self.state.step < self.cfg.train.steps:
+            wait_started = time.perf_counter()
+            groups = await self.buffer.take(batch_size, self.version)
+            idle_s = time.perf_counter() - wait_started
+            await self.receiver.grant()  # the buffer has room again
+            step_started = time.perf_counter()
+            step_metrics = await anyio.to_thread.run_sync(
+                lambda: train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
+            )
+            train_s = time.perf_counter() - step_started
+            trained_version = self.version
+            self.version += 1
+            publish = await self.publisher.publish(self.version)
+            self.state.step += 1
+            self.state.version = self.version
+            self.state.samples_trained += sum(len(g.samples) for g in groups)
+            self._done_seqs.update(g.prompt_seq for g in groups)
+            self._trained_tokens += int(step_metrics["train/trained_tokens"])
+            record = self._record(groups, trained_version, idle_s, train_s, step_metrics)
+            record["weights/learner_stall_s"] = publish.learner_stall_s
+            record["step_time_s"] = time.perf_counter() - wait_started
+            if self.publisher.records:
+                last = self.publisher.records[-1].as_metrics()
+                record.update({k: v for k, v in last.items() if k != "weights/learner_stall_s"})
+            self.metrics.write(record, step=self.state.step)
+            self.metrics.print_step(record, self.cfg.train.steps)
+            interval = self.cfg.train.save_interval
+            if interval and self.state.step % interval == 0:
+                await self.save()
+        await self.publisher.wait_idle()
+        return self.state
+
+    async def save(self) -> Path:
+        position = position_after(self._done_seqs, since=self._start_position)
+        self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
+        path = await anyio.to_thread.run_sync(
+            lambda: checkpoint.save(
+                self.run_dir, self.state, self.backend.save, keep=self.cfg.train.keep_checkpoints
+            )
+        )
+        log.info("checkpoint %s (version %d)", path, self.version)
+        return path
+
+    def _record(
+        self,
+        groups: list[Group],
+        trained_version: int,
+        idle_s: float,
+        train_s: float,
+        step_metrics: dict[str, float],
+    ) -> dict[str, Any]:
+        rewards = np.array([s.reward for g in groups for s in g.samples], dtype=np.float64)
+        staleness = [g.staleness(trained_version) for g in groups]
+        stats = self.buffer.stats
+        elapsed = self.metrics.elapsed_s
+        record: dict[str, Any] = {
+            "step": self.state.step,
+            "version": self.version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "staleness_mean": float(np.mean(staleness)),
+            "staleness_max": int(max(staleness)),
+            "versions_spanned_max": max(g.num_versions_spanned for g in groups),
+            "samples_trained": self.state.samples_trained,
+            "groups_trained": stats.num_handed_out,
+            "groups_accepted": stats.num_accepted,
+            "groups_filtered": stats.num_filtered,
+            "groups_evicted": stats.num_evicted,
+            "groups_buffered": len(self.buffer),
+            "learner_idle_s": idle_s,
+            "train_s": train_s,
+            "time": elapsed,
+            "throughput/trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
+            "response_len_generated_mean": stats.generated.mean,
+            "response_len_trained_mean": stats.trained.mean,
+        }
+        record.update(step_metrics)
+        for key in ("response_tokens", "samples", "generation_failures", "reward_failures",
+                    "resumes", "groups_started"):
+            if key in self._rollout:
+                record[f"rollout/{key}"] = self._rollout[key]
+        if "response_tokens" in self._rollout:
+            record["throughput/generated_tokens_per_s"] = self._rollout["response_tokens"] / max(
+                elapsed, 1e-9
+            )
+        return record

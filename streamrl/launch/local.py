@@ -1,0 +1,292 @@
+"""`streamrl run`: every component as a process on this machine.
+
+    streamrl run (this process: learner rank 0, buffer, publisher, engine fleet)
+      ├── engine-0 .. engine-N-1   `streamrl engine serve` (or SGLang servers)
+      ├── sglang-router            when there are several engines
+      ├── rollout                  `streamrl _component rollout` (prompts -> groups over ZeroMQ)
+      └── learner ranks 1..        (megatron backend with several processes)
+
+The run directory (`train.output_dir`) receives the resolved `config.toml`,
+`metrics.jsonl`, TensorBoard events, `logs/` of every child, `checkpoints/`
+and, at the end, `summary.json` with the group accounting. Every child dies
+with this process (PDEATHSIG); Ctrl-C or a failing child stops them all.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from streamrl import checkpoint
+from streamrl.config import ConfigError, RunConfig, dump_toml, load_config
+from streamrl.launch.process import ChildProcess, ProcessDied, spawn, streamrl_argv
+
+log = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says why and where to look."""
+
+
+def run_command(args) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        summary = anyio.run(run, cfg, args.resume)
+    except KeyboardInterrupt:
+        print("streamrl: interrupted; every process stopped", file=sys.stderr)
+        return 130
+    except (RunError, ProcessDied, TimeoutError, ConfigError) as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 1
+    print(f"streamrl: done: {summary['steps']} steps, version {summary['version']}, "
+          f"run dir {cfg.train.output_dir}", file=sys.stderr)
+    return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run training to `train.steps`; returns the summary (also written to summary.json)."""
+    job = LocalJob(cfg, resume)
+    try:
+        return await job.main()
+    finally:
+        job.stop()
+
+
+class LocalJob:
+    def __init__(self, cfg: RunConfig, resume: bool) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.run_dir = Path(cfg.train.output_dir)
+        self.children: list[ChildProcess] = []
+        self.fleet = None
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+        if self.fleet is not None:
+            self.fleet.stop()
+
+    def _prepare_run_dir(self) -> tuple[checkpoint.TrainState, str]:
+        latest = checkpoint.latest(self.run_dir)
+        if self.resume and latest is None:
+            raise RunError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+        if not self.resume and latest is not None:
+            raise RunError(
+                f"{self.run_dir} already holds checkpoints: pass --resume to continue, "
+                f"or set train.output_dir to a new directory"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+        if latest is None:
+            return checkpoint.TrainState(), self._initial_model()
+        state = checkpoint.read_state(latest)
+        log.info("resuming from %s: step %d, version %d", latest, state.step, state.version)
+        return state, str(latest / "model")
+
+    def _initial_model(self) -> str:
+        """The model every process loads; a `random:` model is written once so all agree."""
+        path = self.cfg.model.path
+        if not path.startswith("random:"):
+            return path
+        from streamrl.engine.models import save_random_model
+
+        target = self.run_dir / "initial_model"
+        if not (target / "config.json").exists():
+            save_random_model(path.removeprefix("random:"), target, seed=self.cfg.model.seed)
+        return str(target)
+
+    async def main(self) -> dict[str, Any]:
+        from streamrl.actors.fleet import EngineFleet
+        from streamrl.actors.learner import LearnerLoop
+        from streamrl.actors.publisher import WeightPublisher
+        from streamrl.launch.builders import build_backend, engine_argv_factory, learner_devices
+        from streamrl.metrics import MetricsWriter
+        from streamrl.queues.admission import Admission
+        from streamrl.queues.buffer import Buffer
+        from streamrl.queues.transport import StreamReceiver
+
+        cfg = self.cfg
+        state, model_path = self._prepare_run_dir()
+        device, dtype = learner_devices(cfg)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            backend_future = pool.submit(build_backend, cfg, model_path, device, dtype)
+            self.fleet = EngineFleet(
+                cfg,
+                run_dir=self.run_dir,
+                engine_argv=engine_argv_factory(cfg, model_path, state.version),
+            )
+            self.fleet.start()
+            backend = await anyio.to_thread.run_sync(backend_future.result)
+        fleet = self.fleet
+
+        metrics = MetricsWriter(
+            self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress
+        )
+        admission = Admission(
+            batch_size=cfg.rollout.batch_size,
+            max_staleness=cfg.effective_max_staleness,
+            capacity=cfg.buffer_capacity,
+            start_version=state.version,
+        )
+        loop_ref: list[LearnerLoop] = []
+
+        def on_discard(group, reason: str) -> None:
+            admission.discarded()
+            loop_ref[0].on_discard(group, reason)
+
+        buffer = Buffer(
+            capacity=cfg.buffer_capacity,
+            max_staleness=cfg.effective_max_staleness,
+            filters=["generation_failed", *cfg.buffer.filters],
+            on_discard=on_discard,
+        )
+        admission._num_buffered = lambda: len(buffer)
+        receiver = StreamReceiver(
+            f"tcp://{cfg.buffer.host}:{cfg.buffer.port}",
+            credits=admission,
+            on_group=buffer.put,
+            on_report=lambda report: loop_ref[0].on_report(report),
+        )
+        address = receiver.bind()
+
+        async def on_published(version: int) -> None:
+            admission.set_version(version)
+            await receiver.grant()
+
+        publisher = WeightPublisher(
+            weights=backend.hf_weights,
+            members=fleet.live_clients,
+            on_published=on_published,
+            bucket_bytes=cfg.weights.bucket_bytes,
+            pause_mode=cfg.weights.pause_mode,
+            group_backend=_group_backend(cfg, device),
+            staging_device="cpu" if device.type == "cpu" else str(device),
+        )
+        loop = LearnerLoop(
+            cfg,
+            backend=backend,
+            buffer=buffer,
+            receiver=receiver,
+            publisher=publisher,
+            metrics=metrics,
+            run_dir=self.run_dir,
+            state=state,
+            pad_id=_pad_id(backend),
+        )
+        loop_ref.append(loop)
+        rollout = self._start_rollout(address, model_path, state)
+        started = time.monotonic()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(receiver.run)
+                await tg.start(publisher.run)
+                if not cfg.engine.urls:
+                    tg.start_soon(fleet.monitor, publisher)
+                watch = anyio.CancelScope()
+                tg.start_soon(_watch, rollout, watch)
+                await loop.run()
+                if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
+                    await loop.save()
+                watch.cancel()
+                await receiver.stop("training finished")
+                await _wait_exit(rollout, timeout_s=30.0)
+                tg.cancel_scope.cancel()
+        finally:
+            metrics.close()
+        summary = _summary(cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _start_rollout(self, address: str, model_path: str, state) -> ChildProcess:
+        spec = {
+            "buffer_address": address,
+            "engine_urls": self.fleet.urls,
+            "router_url": self.fleet.router_url,
+            "model_path": model_path,
+            "position": {"next_seq": state.next_seq, "skip": list(state.skip)},
+            "start_version": state.version,
+        }
+        (self.run_dir / "rollout.json").write_text(json.dumps(spec, indent=2) + "\n")
+        child = spawn(
+            "rollout",
+            streamrl_argv("--log-level", self.cfg.logging.level, "_component", "rollout",
+                          "--run-dir", str(self.run_dir)),
+            log_path=self.run_dir / "logs" / "rollout.log",
+        )
+        self.children.append(child)
+        return child
+
+
+async def _watch(child: ChildProcess, scope: anyio.CancelScope) -> None:
+    """Fail the run if `child` exits before `scope` is cancelled (it was told to stop)."""
+    with scope:
+        code = await anyio.to_thread.run_sync(child.popen.wait, abandon_on_cancel=True)
+    if scope.cancel_called:
+        return
+    raise RunError(
+        f"the {child.name} process exited with code {code} during training; "
+        f"last lines of {child.log_path}:\n{child.log_tail()}"
+    )
+
+
+async def _wait_exit(child: ChildProcess, *, timeout_s: float) -> None:
+    with anyio.move_on_after(timeout_s):
+        await anyio.to_thread.run_sync(child.popen.wait, abandon_on_cancel=True)
+
+
+def _group_backend(cfg: RunConfig, device) -> str:
+    if cfg.weights.backend != "auto":
+        return cfg.weights.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _pad_id(backend) -> int:
+    tokenizer = getattr(backend, "tokenizer", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return int(pad or 0)
+
+
+def _summary(cfg, loop, buffer, receiver, admission, fleet, wall_s: float) -> dict[str, Any]:
+    stats = buffer.stats
+    rollout = loop._rollout
+    started = int(rollout.get("groups_started", admission.num_granted))
+    received = receiver.stats.num_groups
+    buffered = len(buffer)
+    accounted = stats.num_handed_out + stats.num_filtered + stats.num_evicted
+    return {
+        "steps": loop.state.step,
+        "version": loop.version,
+        "wall_s": wall_s,
+        "groups_started": started,
+        "groups_received": received,
+        "groups_trained": stats.num_handed_out,
+        "groups_filtered": stats.num_filtered,
+        "groups_evicted": stats.num_evicted,
+        "groups_buffered_at_stop": buffered,
+        "groups_in_flight_at_stop": started - received,
+        "groups_duplicate": receiver.stats.num_duplicates,
+        "bad_frames": receiver.stats.num_bad_frames,
+        "accounting_ok": received == accounted + buffered and started >= received,
+        "engine_restarts": fleet.restart_counts(),
+        "buffer": stats.as_dict(),
+        "rollout": rollout,
+    }

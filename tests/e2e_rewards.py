@@ -1,0 +1,18 @@
+"""Reward functions for end-to-end tests on tiny random models (importable by child processes)."""
+
+from __future__ import annotations
+
+from streamrl.rewards import RewardInput
+
+
+def vowel_fraction(inp: RewardInput) -> float:
+    """Fraction of the response's letters that are vowels: varies between samples of a random
+    model, so groups have reward variance, and a policy can raise it."""
+    letters = [c for c in inp.response.lower() if c.isalpha()]
+    if not letters:
+        return 0.0
+    return sum(c in "aeiou" for c in letters) / len(letters)
+
+
+def always_raises(inp: RewardInput) -> float:
+    raise RuntimeError("this reward function always fails")
