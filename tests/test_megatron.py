@@ -197,10 +197,14 @@ def _worker_two_ranks(model_dirs: dict[str, str], out: Path) -> None:
         if label == "tp2":
             run["weights_mismatch"] = _weights_mismatch(backend, path)
             run["tempered"] = backend.compute_logprobs(micro_batches, temperature=0.7)
+        if label == "pp2":
+            run["published"] = _published_by_this_rank(backend, path)
         run["steps"] = _train(backend, micro_batches)
+        if label == "pp2":
+            run["trained_logprobs"] = backend.compute_logprobs(micro_batches, temperature=1.0)
+            backend.save(out.parent / "pp2-checkpoint")
         results[label] = run
-    if rank == 0:
-        torch.save(results, out)
+    torch.save(results, out if rank == 0 else out.parent / f"rank{rank}.pt")
 
 
 def _weights_mismatch(backend, model_dir: str) -> list[str]:
@@ -216,6 +220,12 @@ def _weights_mismatch(backend, model_dir: str) -> list[str]:
         if name in published and not torch.equal(expected[name], published[name])
     ]
     return bad
+
+
+def _published_by_this_rank(backend, model_dir: str) -> dict[str, bool]:
+    """{HF name: equal to the checkpoint} for what this rank's `hf_weights` yields."""
+    expected = convert.read_hf_state(model_dir)
+    return {name: torch.equal(tensor, expected[name]) for name, tensor in backend.hf_weights()}
 
 
 def _check_vocab_parallel() -> dict[str, float]:
@@ -308,6 +318,8 @@ def runs(model_dirs, tmp_path_factory):
             loaded[mode] = torch.load(out, weights_only=False)
         return loaded[mode]
 
+    wait.out_dir = lambda mode: started[mode][1].parent
+    wait.model_dirs = model_dirs
     yield wait
     for group, _ in started.values():
         group.stop()
@@ -438,6 +450,30 @@ def test_vocab_parallel_logprobs_and_entropy_at_tp2_equal_full_vocabulary(runs):
 
 def test_hf_weights_gathered_from_tp2_shards_equal_the_checkpoint(runs):
     assert runs("two")["tp2"]["weights_mismatch"] == []
+
+
+def test_each_pipeline_stage_publishes_its_own_layers_under_global_names(runs):
+    """Stage 0 yields the embedding and layer 0; stage 1 layer 1 and the final norm."""
+    stage0 = runs("two")["pp2"]["published"]
+    stage1 = torch.load(runs.out_dir("two") / "rank1.pt", weights_only=False)["pp2"]["published"]
+    assert not set(stage0) & set(stage1)
+    assert all(stage0.values()) and all(stage1.values())
+    assert "model.embed_tokens.weight" in stage0 and "model.norm.weight" in stage1
+    assert {n.split(".")[2] for n in stage0 if n.startswith("model.layers.")} == {"0"}
+    assert {n.split(".")[2] for n in stage1 if n.startswith("model.layers.")} == {"1"}
+    assert len(stage0) + len(stage1) == len(convert.read_hf_state(runs.model_dirs["qwen3-tiny"]))
+
+
+def test_a_pipeline_parallel_checkpoint_loads_in_transformers_with_the_same_logprobs(runs):
+    from transformers import AutoModelForCausalLM
+
+    result = runs("two")["pp2"]
+    checkpoint = runs.out_dir("two") / "pp2-checkpoint"
+    assert (checkpoint / "model.safetensors.index.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    micro_batches = fixed_micro_batches(hf.config.vocab_size)
+    for micro_batch, ours in zip(micro_batches, result["trained_logprobs"], strict=True):
+        assert (ours - hf_token_logprobs(hf, micro_batch)).abs().max() <= 1e-4
 
 
 def test_importing_the_megatron_package_loads_neither_torch_nor_megatron():
