@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.learners.base import LossFn, MicroBatch
-from streamrl.learners.megatron import batches, convert, parallel
+from streamrl.learners.megatron import batches, checkpoint, convert, parallel
 from streamrl.learners.megatron.cpu_shims import cpu_redirect
 from streamrl.learners.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.learners.megatron.model import build_gpt_model, shape_from_hf
@@ -112,14 +112,14 @@ class MegatronBackend:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = shape_from_hf(self.hf_config)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
-        checkpoint = convert.HFCheckpoint(self.model_dir)
+        hf_state = convert.HFCheckpoint(self.model_dir)
         with self._megatron():
-            self.model = self._build_model(checkpoint)
+            self.model = self._build_model(hf_state)
             self.ddp, self.optimizer = self._wrap_for_training(self.model)
             self.reference = None
             if need_reference:
-                self.reference = self._build_model(checkpoint).eval().requires_grad_(False)
-        del checkpoint
+                self.reference = self._build_model(hf_state).eval().requires_grad_(False)
+        del hf_state
 
     # ------------------------------------------------------------ roles
 
@@ -138,7 +138,7 @@ class MegatronBackend:
     def _megatron(self) -> contextlib.AbstractContextManager:
         return cpu_redirect() if self.device.type == "cpu" else contextlib.nullcontext()
 
-    def _build_model(self, checkpoint: convert.HFCheckpoint) -> torch.nn.Module:
+    def _build_model(self, hf_state: convert.HFCheckpoint) -> torch.nn.Module:
         layout, mcfg = self.layout, self.cfg.megatron
         model = build_gpt_model(
             self.hf_config,
@@ -153,7 +153,7 @@ class MegatronBackend:
         )
         convert.load_into_model(
             model,
-            checkpoint,
+            hf_state,
             self.shape,
             tp_rank=layout.tp_rank,
             tp_size=layout.tp_size,
@@ -444,7 +444,10 @@ class MegatronBackend:
         if self.is_publisher:
             convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
         del tensors
-        torch.save(self._optimizer_state(), path / "optimizer" / f"rank{layout.rank:05d}.pt")
+        with self._megatron():
+            checkpoint.save_optimizer(
+                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt"
+            )
         dist.barrier()
         if layout.rank == 0:
             if layout.pp_size > 1:
@@ -464,24 +467,21 @@ class MegatronBackend:
             raise ValueError(
                 f"{path}: saved with layout {record}, this run is {self._layout_record()}"
             )
-        checkpoint = convert.HFCheckpoint(path)
+        hf_state = convert.HFCheckpoint(path)
         layout = self.layout
         with self._megatron():
             convert.load_into_model(
                 self.model,
-                checkpoint,
+                hf_state,
                 self.shape,
                 tp_rank=layout.tp_rank,
                 tp_size=layout.tp_size,
                 pp_rank=layout.pp_rank,
                 pp_size=layout.pp_size,
             )
-            state = torch.load(
-                path / "optimizer" / f"rank{layout.rank:05d}.pt",
-                weights_only=False,
-                map_location=self.device,
+            checkpoint.load_optimizer(
+                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
             )
-            self._load_optimizer_state(state)
         dist.barrier()
 
     def _shard_name(self, stage: int) -> str:
@@ -497,47 +497,3 @@ class MegatronBackend:
             "distributed_optimizer": self.cfg.megatron.use_distributed_optimizer,
             "dtype": str(self.dtype),
         }
-
-    def _optimizers(self) -> list[Any]:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        with self._megatron():
-            state = {"optimizers": [opt.state_dict() for opt in self._optimizers()]}
-            if self.cfg.megatron.use_distributed_optimizer:
-                state["parameter_states"] = [
-                    opt.get_parameter_state_dp_reshardable() for opt in self._optimizers()
-                ]
-        return state
-
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        for opt, opt_state in zip(self._optimizers(), state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
-            _unshare_step_counters(opt)
-        if "parameter_states" in state:
-            for opt, param_state in zip(self._optimizers(), state["parameter_states"], strict=True):
-                _mark_unpadded(param_state)
-                opt.load_parameter_state_from_dp_reshardable(param_state)
-
-
-def _mark_unpadded(param_state: dict[Any, Any]) -> None:
-    """megatron-core 0.16.1's dp-reshardable getter omits the 'padding' flag its loader reads."""
-    for key, by_dtype in param_state.items():
-        if not isinstance(key, int):
-            continue
-        for buckets in by_dtype.values():
-            for bucket in buckets:
-                for entry in bucket:
-                    entry.setdefault("padding", False)
-
-
-def _unshare_step_counters(optimizer: Any) -> None:
-    """Give every parameter its own Adam `step` tensor again.
-
-    megatron-core 0.16.1's DistributedOptimizer.load_state_dict puts one shared
-    `step` tensor into every parameter's state; torch's AdamW then increments
-    it once per parameter per step, corrupting bias correction after a resume."""
-    inner = getattr(optimizer, "optimizer", None)
-    for param_state in getattr(inner, "state", {}).values():
-        if isinstance(param_state.get("step"), torch.Tensor):
-            param_state["step"] = param_state["step"].clone()
