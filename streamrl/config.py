@@ -408,7 +408,7 @@ def _describe(exc: msgspec.ValidationError) -> str:
     message = str(exc)
     text, _, where = message.rpartition(" - at `")
     if not text:
-        return message
+        text, where = message, "$`"
     dotted = where.rstrip("`").removeprefix("$").lstrip(".")
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
@@ -458,8 +458,11 @@ def _render_toml(data: dict[str, Any], prefix: str = "") -> str:
         elif _is_table(value):
             for item in value:
                 out.append(f"[[{name}]]")
-                out.append(_render_toml(item, "").strip("\n"))
+                out.extend(f"{k} = {_toml_value(v)}" for k, v in item.items() if not _is_table(v))
                 out.append("")
+                for key2, sub in item.items():
+                    if isinstance(sub, dict):
+                        out.append(_render_toml(sub, f"{name}.{key2}"))
     return "\n".join(out)
 
 

@@ -100,3 +100,20 @@ def test_every_shipped_config_is_valid(path):
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
     assert dump_toml(cfg)
+
+
+def test_the_resolved_config_round_trips_with_arrays_of_tables(tmp_path):
+    path = write(tmp_path, """
+[[eval.datasets]]
+name = "a"
+path = "builtin:arithmetic"
+[eval.datasets.sampling]
+max_new_tokens = 8
+[[eval.datasets]]
+name = "b"
+path = "builtin:arithmetic"
+""")
+    cfg = load_config(path)
+    again = tmp_path / "again.toml"
+    again.write_text(dump_toml(cfg))
+    assert load_config(again) == cfg

@@ -157,6 +157,7 @@ class LearnerLoop:
             "staleness_mean": float(np.mean(staleness)),
             "staleness_max": int(max(staleness)),
             "versions_spanned_max": max(g.num_versions_spanned for g in groups),
+            "prompt_seqs": [g.prompt_seq for g in groups],
             "samples_trained": self.state.samples_trained,
             "groups_trained": stats.num_handed_out,
             "groups_accepted": stats.num_accepted,

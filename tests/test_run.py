@@ -1,0 +1,160 @@
+"""`streamrl run` end to end: real engine, rollout and learner processes on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrl.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TINY = """
+[model]
+path = "random:qwen3-tiny"
+[data]
+path = "builtin:arithmetic"
+[rollout]
+batch_size = 2
+n_samples_per_prompt = 4
+reward_fn = "tests.e2e_rewards:vowel_fraction"
+[rollout.sampling]
+max_new_tokens = 12
+[engine]
+num_threads = 1
+max_batch_size = 16
+max_seq_len = 256
+[buffer]
+max_staleness = {eta}
+[learner]
+lr = 1e-3
+num_threads = 1
+[train]
+steps = {steps}
+output_dir = "{out}"
+save_interval = {save_interval}
+[logging]
+tensorboard = false
+progress = false
+"""
+
+
+def write_config(tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval: int = 0,
+                 extra: str = "") -> Path:
+    path = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    path.write_text(TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval) + extra)
+    return path
+
+
+def streamrl_run(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl", "run", str(config), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1],
+    )
+
+
+def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_every_group(
+    tmp_path,
+):
+    config = write_config(tmp_path, steps=4, eta=1)
+    result = streamrl_run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "kind" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4]
+    for record in steps:
+        assert record["staleness_max"] <= 1
+        for key in ("reward_mean", "staleness_mean", "samples_trained", "groups_filtered",
+                    "groups_evicted", "learner_idle_s", "time", "weights/learner_stall_s"):
+            assert key in record
+    assert steps[-1]["samples_trained"] == 4 * 2 * 4
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["accounting_ok"]
+    assert summary["groups_started"] == (
+        summary["groups_trained"] + summary["groups_filtered"] + summary["groups_evicted"]
+        + summary["groups_buffered_at_stop"] + summary["groups_in_flight_at_stop"]
+    )
+    assert summary["groups_trained"] == 8
+    assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
+    assert (tmp_path / "out" / "checkpoints" / "step_000004" / "model" / "config.json").exists()
+
+
+def test_async_with_staleness_and_no_correction_fails_fast_naming_the_options(tmp_path):
+    config = write_config(tmp_path, extra='[algorithm]\noff_policy_correction = "none"\n')
+    started = time.monotonic()
+    result = streamrl_run(config, timeout=60)
+    assert result.returncode == 2
+    assert time.monotonic() - started < 30
+    for option in ("algorithm.off_policy_correction", "buffer.max_staleness", "train.mode"):
+        assert option in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prompts(tmp_path):
+    config = write_config(tmp_path, steps=6, eta=1, save_interval=2)
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "run", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    checkpoint = out / "checkpoints" / "step_000002" / "state.json"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists():  # readiness: the checkpoint is renamed into place when complete
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after 240 s"
+        time.sleep(0.2)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    first = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    trained_before = {seq for r in first if r["step"] <= 2 for seq in r["prompt_seqs"]}
+    # Stale checkpoints written after step 2 would make this test meaningless.
+    state = json.loads(checkpoint.read_text())
+    assert state["version"] == 2
+
+    result = streamrl_run(config, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    resumed = records[len(first):]
+    assert resumed[0]["step"] == 3 and resumed[0]["version"] == 3
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    trained_after = {seq for r in resumed for seq in r["prompt_seqs"]}
+    assert not trained_before & trained_after
+    # No orphans: the killed run's engine and rollout died with it.
+    assert "engine serve" not in subprocess.run(
+        ["ps", "-eo", "args"], capture_output=True, text=True
+    ).stdout.replace(str(sys.executable), "")
+
+
+def test_an_eval_data_set_produces_eval_metrics_while_training_goes_on(tmp_path):
+    extra = """
+[eval]
+interval = 2
+[[eval.datasets]]
+name = "arith"
+path = "builtin:arithmetic?n=6"
+reward_fn = "tests.e2e_rewards:vowel_fraction"
+[eval.datasets.sampling]
+max_new_tokens = 8
+temperature = 0.0
+"""
+    config = write_config(tmp_path, steps=4, eta=1, extra=extra)
+    result = streamrl_run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    evals = [r for r in records if r.get("kind") == "eval"]
+    assert {r["version"] for r in evals} >= {0, 2}
+    assert all(r["eval/arith/num_samples"] == 6 for r in evals)
+    assert all(0.0 <= r["eval/arith/reward_mean"] <= 1.0 for r in evals)
+    # Training went on: step records interleave with eval records.
+    kinds = [r.get("kind", "step") for r in records]
+    first_eval, last_step = kinds.index("eval"), len(kinds) - 1 - kinds[::-1].index("step")
+    assert first_eval < last_step
