@@ -86,13 +86,20 @@ def compact_model_path(request, tiny_model_dir, tiny_llama_dir) -> str:
 async def test_compact_logprobs_equal_a_teacher_forced_transformers_forward(
     compact_model_path, temperature
 ):
-    requests = requests_for(prompts(7), max_new_tokens=12, temperature=temperature, ignore_eos=True)
+    """Seven requests of different lengths in four slots: slots are refilled and compacted."""
+    lengths = [12, 5, 9, 3, 14, 7, 10]
+    requests = [
+        Request(
+            f"r{i}", ids, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
+        )
+        for i, (ids, n) in enumerate(zip(prompts(7), lengths, strict=True))
+    ]
     with running_engine(compact_model_path) as engine:
         assert engine.model_info["runner"] == "compact"
         outputs = await engine.generate(requests)
     reference, _ = models.load_model(compact_model_path)
     assert max_logprob_error(reference, requests, outputs, temperature) <= TOLERANCE
-    assert all(o.finish_reason == {"type": "length", "length": 12} for o in outputs)
+    assert [o.finish_reason for o in outputs] == [{"type": "length", "length": n} for n in lengths]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -15,11 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Set True to route everything through SDPA (a switch for diagnosis and benchmarks).
+FORCE_SDPA = False
+
 
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `flash_varlen` can serve this device/dtype/head size."""
     return (
-        device.type == "cuda"
+        not FORCE_SDPA
+        and device.type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
         and head_dim % 8 == 0
         and head_dim <= 256

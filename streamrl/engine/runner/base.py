@@ -47,8 +47,8 @@ class Runner(Protocol):
 
     def collect(self, pending: Pending) -> tuple[list[int], list[float]]: ...
 
-    def release(self, seq: Sequence) -> None:
-        """Free the sequence's slot and KV (it may be re-prefilled later)."""
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free these sequences' slots and KV (they may be re-prefilled later)."""
         ...
 
     def reset(self) -> None:

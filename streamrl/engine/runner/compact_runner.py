@@ -93,18 +93,27 @@ class CompactRunner:
     def num_free_slots(self) -> int:
         return self.max_batch_size - len(self.lanes)
 
-    def release(self, seq: Sequence) -> None:
-        slot, last = seq.slot, len(self.lanes) - 1
-        if slot is None:
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free slots, then refill the holes below the new lane count from the lanes above it.
+
+        Moves are few (only survivors above the new count move) and their sources
+        and targets are disjoint, so one gather/scatter per cache tensor suffices."""
+        leaving = {id(seq) for seq in seqs if seq.slot is not None}
+        if not leaving:
             return
-        if slot != last:
-            mover = self.lanes[last]
-            # Rows 0..num_tokens-2 hold KV; copying one more row is harmless and in bounds.
-            self.cache.copy_slot(last, slot, mover.num_tokens)
-            self.lanes[slot] = mover
-            mover.slot = slot
-        self.lanes.pop()
-        seq.slot = None
+        keep_count = len(self.lanes) - len(leaving)
+        holes = [i for i in range(keep_count) if id(self.lanes[i]) in leaving]
+        movers = [seq for seq in self.lanes[keep_count:] if id(seq) not in leaving]
+        if movers:
+            # Rows 0..num_tokens-2 hold KV; one row more is harmless and in bounds.
+            rows = max(seq.num_tokens for seq in movers)
+            self.cache.move_slots([seq.slot for seq in movers], holes, rows)
+        for seq in seqs:
+            seq.slot = None
+        for hole, mover in zip(holes, movers, strict=True):
+            self.lanes[hole] = mover
+            mover.slot = hole
+        del self.lanes[keep_count:]
         self.is_dirty = True
 
     def reset(self) -> None:
@@ -188,6 +197,15 @@ class CompactRunner:
         tokens.copy_(new_tokens)
         positions.add_(active)
 
+    def _run_decode(self, lanes: int) -> None:
+        if self.graphs is not None and self.graphs.replay(lanes, self.use_filters):
+            return
+        if self.graphs is not None or self.pad_lanes:
+            # Eager, shaped exactly as the graphs are (no graph for this key; CPU tests).
+            self._decode_body(bucket_for(self.max_batch_size, lanes), self.use_filters)
+        else:
+            self._decode_body(lanes, self.use_filters, min(self.next_max_len, self.max_seq_len))
+
     @torch.no_grad()
     def launch_decode(self) -> Pending:
         lanes = len(self.lanes)
@@ -196,12 +214,7 @@ class CompactRunner:
             self.use_filters = SamplingTensors.needs_filters([s.params for s in self.lanes])
             self.next_max_len = max(seq.num_tokens for seq in self.lanes)
             self.is_dirty = False
-        if self.graphs is not None:
-            self.graphs.replay(lanes, self.use_filters)
-        elif self.pad_lanes:  # eager, but shaped exactly as the graphs are (tests use this on CPU)
-            self._decode_body(bucket_for(self.max_batch_size, lanes), self.use_filters)
-        else:
-            self._decode_body(lanes, self.use_filters, min(self.next_max_len, self.max_seq_len))
+        self._run_decode(lanes)
         self.next_max_len += 1
         result_set, self.result_set = self.result_set, 1 - self.result_set
         host_tokens = self.buffers.host_tokens[result_set]

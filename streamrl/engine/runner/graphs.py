@@ -50,11 +50,15 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch_size)
         self.variants = variants
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.failures: dict[tuple[int, bool], str] = {}
         self.capture_s = 0.0
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm each shape up eagerly on a side stream (compiles, cuBLAS handles), then capture."""
+        """Warm each shape up eagerly on a side stream (compiles, cuBLAS handles), then capture.
+
+        The plain variant must capture; a filtered variant that fails to capture is
+        logged and left out (`replay` then returns False and the caller runs eagerly)."""
         start = time.perf_counter()
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
@@ -66,15 +70,25 @@ class DecodeGraphs:
                     self.body(lanes, use_filters)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.body(lanes, use_filters)
+                try:
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.body(lanes, use_filters)
+                except Exception as error:
+                    if not use_filters:
+                        raise
+                    self.failures[(lanes, use_filters)] = repr(error)
+                    logger.warning("no filtered decode graph for %d lanes: %r", lanes, error)
+                    torch.cuda.synchronize()
+                    continue
                 self.graphs[(lanes, use_filters)] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
         logger.info("captured %d decode graphs in %.1f s", len(self.graphs), self.capture_s)
 
-    def replay(self, lanes: int, use_filters: bool) -> int:
-        """Run the step for ``lanes`` running lanes; returns the bucket used."""
-        size = bucket_for(self.buckets[-1], lanes)
-        self.graphs[(size, use_filters)].replay()
-        return size
+    def replay(self, lanes: int, use_filters: bool) -> bool:
+        """Replay the step for ``lanes`` running lanes; False when no graph exists for it."""
+        graph = self.graphs.get((bucket_for(self.buckets[-1], lanes), use_filters))
+        if graph is None:
+            return False
+        graph.replay()
+        return True

@@ -53,10 +53,11 @@ class HFRunner:
     def num_free_slots(self) -> int:
         return 0 if any(row is not None for row in self.rows) else self.max_batch_size
 
-    def release(self, seq: Sequence) -> None:
-        if seq.slot is not None and seq.slot < len(self.rows) and self.rows[seq.slot] is seq:
-            self.rows[seq.slot] = None
-        seq.slot = None
+    def release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.slot is not None and seq.slot < len(self.rows) and self.rows[seq.slot] is seq:
+                self.rows[seq.slot] = None
+            seq.slot = None
         if not any(row is not None for row in self.rows):
             self._clear_wave()
 

@@ -50,6 +50,18 @@ class KVCache:
         """Store ``new`` [tokens, kv_heads, head_dim] at flat ``rows`` (slot * max_seq_len + position)."""
         cache.view(-1, *cache.shape[2:]).index_copy_(0, rows, new)
 
+    def move_slots(self, sources: list[int], targets: list[int], num_rows: int) -> None:
+        """Copy the first ``num_rows`` positions of each source slot into its target slot.
+
+        Precondition: sources and targets are disjoint (no copy reads a slot another writes)."""
+        if not sources:
+            return
+        device = self.keys.device
+        source_index = torch.tensor(sources, device=device)
+        target_index = torch.tensor(targets, device=device)
+        for cache in (self.keys, self.values):
+            cache[:, target_index, :num_rows] = cache[:, source_index, :num_rows]
+
     def copy_slot(self, source: int, target: int, num_rows: int) -> None:
         """Copy the first ``num_rows`` positions of ``source`` into ``target`` (all layers)."""
         if source == target or num_rows <= 0:

@@ -57,25 +57,32 @@ class SamplingTensors:
 
     @staticmethod
     def needs_filters(params_list) -> bool:
-        """True when some row needs the sorted (top-p / top-k) path."""
-        return any(p.top_p < 1.0 or p.top_k > 0 for p in params_list)
+        """True when some row needs the filtered path (top-p / top-k sort, min-p)."""
+        return any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params_list)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, *, use_filters: bool):
-    """Sample one token per row of ``logits`` [rows, vocab]; returns (tokens int64, logprobs f32)."""
+    """Sample one token per row of ``logits`` [rows, vocab]; returns (tokens int64, logprobs f32).
+
+    ``use_filters=False`` ignores top_p/top_k/min_p (callers pass True when any row sets them)
+    and saves the passes over the vocabulary they cost."""
     logits = logits.float()
     greedy = st.temperature <= 0
     inv_temperature = torch.where(greedy, 1.0, 1.0 / st.temperature.clamp_min(1e-6))
     scaled = logits * inv_temperature[:, None]
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    probs = log_probs.exp()
-    # min-p keeps tokens with p >= min_p * max p (a zero threshold keeps all).
-    threshold = probs.amax(dim=-1, keepdim=True) * st.min_p[:, None]
-    probs = torch.where(probs < threshold, 0.0, probs)
+    log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    probs = torch.exp(scaled - log_normaliser)
     uniform = uniform_from_seed(st.seeds, st.counters)
-    tokens = _sample_sorted(probs, st, uniform) if use_filters else _sample_from_cdf(probs, uniform)
+    if use_filters:
+        # min-p keeps tokens with p >= min_p * max p (a zero threshold keeps all).
+        threshold = probs.amax(dim=-1, keepdim=True) * st.min_p[:, None]
+        probs = torch.where(probs < threshold, 0.0, probs)
+        tokens = _sample_sorted(probs, st, uniform)
+    else:
+        tokens = _sample_from_cdf(probs, uniform)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
+    logprobs = scaled.gather(1, tokens[:, None]) - log_normaliser
+    return tokens, logprobs.squeeze(1)
 
 
 def _sample_from_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

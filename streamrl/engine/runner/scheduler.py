@@ -76,6 +76,7 @@ class Scheduler:
             self._finish(seq, reason)
         for seq in [s for s in self.running if rid is None or s.rid == rid]:
             self._finish(seq, reason)
+        self._release_finished()
 
     def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
@@ -91,8 +92,8 @@ class Scheduler:
 
     def retract_all(self) -> None:
         """Running sequences drop their KV and wait again, ahead of newer arrivals."""
+        self.runner.release(self.running)
         for seq in reversed(self.running):
-            self.runner.release(seq)
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
         self.running.clear()
@@ -111,9 +112,13 @@ class Scheduler:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self._process(pending)
-        for seq in self.to_release:
-            self.runner.release(seq)
-        self.to_release.clear()
+        self._release_finished()
+
+    def _release_finished(self) -> None:
+        """Free the slots of finished sequences (only with no step in flight)."""
+        if self.to_release:
+            self.runner.release(self.to_release)
+            self.to_release = []
 
     def step(self) -> None:
         if self.pending is not None and (self.to_release or self.can_admit()):
@@ -122,6 +127,7 @@ class Scheduler:
             self.drain()
             if self.can_admit():
                 self._admit()
+                self._release_finished()  # those done after their first token
         if self.is_paused or not self.running:
             self.drain()
             return
@@ -182,11 +188,8 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        if seq.slot is not None:
-            if self.pending is None:
-                self.runner.release(seq)
-            else:
-                self.to_release.append(seq)
+        if seq.slot is not None:  # freed with no step in flight, see `_release_finished`
+            self.to_release.append(seq)
         try:
             seq.on_finish(seq)
         except Exception:
