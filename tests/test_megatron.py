@@ -175,7 +175,30 @@ def _worker_single(model_dirs: dict[str, str], out: Path) -> None:
         after_save = _train(backend, micro_batches)
         backend.load(out.parent / "checkpoint")
         results["resume"] = (after_save, _train(backend, micro_batches))
+        results["variants"] = {
+            variant: _first_steps(path, micro_batches, **kwargs)
+            for variant, kwargs in {
+                "local_attention": {"attention": "local"},
+                "recompute": {"gradient_checkpointing": True},
+            }.items()
+        }
     torch.save(results, out)
+
+
+def _first_steps(path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False):
+    """Two training steps with Megatron's unfused attention or full activation recompute."""
+    from streamrl.config import LearnerConfig, MegatronConfig
+    from streamrl.learners.megatron.backend import MegatronBackend
+
+    config = LearnerConfig(
+        backend="megatron", lr=1e-3, grad_clip=1.0, gradient_checkpointing=gradient_checkpointing,
+        megatron=MegatronConfig(attention=attention),
+    )  # fmt: skip
+    backend = MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
+    return [
+        backend.train_mini_batch(micro_batches, nll_loss, temperature=1.0, need_entropy=True)
+        for _ in range(2)
+    ]
 
 
 def _worker_two_ranks(model_dirs: dict[str, str], out: Path) -> None:
@@ -405,6 +428,15 @@ def test_reference_model_stays_frozen_while_the_policy_trains(runs):
     ):  # fmt: skip
         assert torch.equal(initial, reference)
         assert (trained - initial).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["local_attention", "recompute"])
+def test_unfused_attention_and_activation_recompute_train_like_the_default(runs, variant):
+    result = runs("single")
+    expected = [step["nll"] for step in result["steps"][:2]]
+    assert [step["nll"] for step in result["variants"][variant]] == pytest.approx(
+        expected, rel=1e-5
+    )
 
 
 def test_loading_a_checkpoint_resumes_training_exactly(runs):

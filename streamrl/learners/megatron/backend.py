@@ -9,15 +9,15 @@ One training call (`train_mini_batch`):
     rank 0 micro-batches ──broadcast──► every rank keeps micro-batch i if i % dp == dp_rank
     forward_backward_func (no pipelining / 1F1B)  ── per micro-batch on the last stage:
         vocab-parallel logprobs (+ entropy) ─► loss_fn(mb, logprobs, entropy)
-        loss × num_local_micro_batches × dp_size      (see `_train_loss`)
+        loss × num_local_micro_batches × dp_size      (see `train_mini_batch`)
     finalize_model_grads (DDP all-reduce, tied-embedding sync) ─► optimizer.step()
     metrics: summed on the last stage, all-reduced over DP, sent to rank 0
 
 Gradient scale: the loop's losses are already divided by mini-batch totals,
 so the wanted gradient is the plain SUM over all micro-batches of all DP
 replicas. Megatron divides each returned loss by the local number of
-micro-batches and DDP averages over DP ranks; `_train_loss` multiplies both
-back, so the result is exactly that sum.
+micro-batches and DDP averages over DP ranks; `train_mini_batch` multiplies
+both back, so the result is exactly that sum.
 
 Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
 0 of DP replica 0) that yields that stage's tensors under HF names with global
@@ -58,20 +58,24 @@ _COPIED_FILES = (
 )
 
 
-def resolve_model_dir(model_path: str, *, seed: int) -> Path:
-    """An HF directory for `model_path`; `random:<shape>` is written to a fresh temp dir.
+def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
+    """(HF directory, keep-alive handle) for `model_path`.
 
-    Every rank writes its own copy from the same seed (same weights everywhere)."""
+    `random:<shape>` is written (seeded: the same weights on every rank) into a
+    temporary directory that lives as long as the returned handle."""
     if model_path.startswith("random:"):
         from streamrl.engine.models import save_random_model
 
-        target = Path(tempfile.mkdtemp(prefix="streamrl-megatron-random-"))
-        save_random_model(model_path.removeprefix("random:"), target, seed=seed)
-        return target
+        holder = tempfile.TemporaryDirectory(prefix="streamrl-megatron-random-")
+        save_random_model(model_path.removeprefix("random:"), holder.name, seed=seed)
+        return Path(holder.name), holder
     path = Path(model_path)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{model_path}: not a Hugging Face directory (no config.json)")
-    return path
+        raise FileNotFoundError(
+            f"{model_path}: the megatron backend needs a Hugging Face directory "
+            "(config.json + safetensors) or random:<shape>"
+        )
+    return path, None
 
 
 class MegatronBackend:
@@ -108,7 +112,7 @@ class MegatronBackend:
         self.layout = parallel.initialize_parallel(
             tp_size=mcfg.tensor_parallel_size, pp_size=mcfg.pipeline_parallel_size, seed=seed
         )
-        self.model_dir = resolve_model_dir(model_path, seed=seed)
+        self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = shape_from_hf(self.hf_config)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
@@ -440,7 +444,7 @@ class MegatronBackend:
             (path / "optimizer").mkdir(parents=True, exist_ok=True)
         dist.barrier()
         shard_names = [self._shard_name(stage) for stage in range(layout.pp_size)]
-        tensors = dict(self.hf_weights())
+        tensors = {name: tensor.to("cpu") for name, tensor in self.hf_weights()}
         if self.is_publisher:
             convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
         del tensors
