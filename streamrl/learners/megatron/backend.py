@@ -201,6 +201,7 @@ class MegatronBackend:
                 use_distributed_optimizer=distributed,
             ),
             [ddp],
+            use_gloo_process_groups=False,  # none are created (parallel.initialize_parallel)
         )
         return ddp, optimizer
 

@@ -77,7 +77,9 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> Layout:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
             pipeline_model_parallel_size=pp_size,
-            create_gloo_process_groups=dist.get_backend() == "gloo",
+            # No gloo duplicates of the groups: only Megatron's dp-zero optimizer
+            # checkpoint format uses them, and CPU and GPU then build the same groups.
+            create_gloo_process_groups=False,
         )
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
