@@ -50,6 +50,9 @@ def flash_varlen(
     to ``cu_seqlens_k[b+1]``). int32 offsets. Causal alignment is bottom-right.
     """
     scale = q.shape[-1] ** -0.5
+    # The kernel needs a unit last stride; slices of the fused qkv projection are made
+    # contiguous here (a small copy) rather than trusting stride checks across versions.
+    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     out = torch.ops.aten._flash_attention_forward(
         q,
         k,

@@ -146,15 +146,15 @@ class CompactModel(nn.Module):
     def _attention(self, index: int, layer: CompactLayer, x, cos_sin, batch) -> torch.Tensor:
         dims, ops = self.dims, self.ops
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([dims.q_size, dims.kv_size, dims.kv_size], dim=-1)
-        q = q.view(-1, dims.num_heads, dims.head_dim)
-        k = k.view(-1, dims.num_kv_heads, dims.head_dim)
-        v = v.view(-1, dims.num_kv_heads, dims.head_dim)
+        qk_heads = dims.num_heads + dims.num_kv_heads
+        qk = qkv[:, : qk_heads * dims.head_dim].view(-1, qk_heads, dims.head_dim)
+        v = qkv[:, qk_heads * dims.head_dim :].view(-1, dims.num_kv_heads, dims.head_dim)
         if dims.qk_norm:
-            q = ops.rms_norm(q, layer.q_norm, dims.rms_norm_eps)
-            k = ops.rms_norm(k, layer.k_norm, dims.rms_norm_eps)
-        q, k = ops.rope(q, k, cos_sin)
-        out = batch.attend(index, q, k, v.contiguous())
+            q = ops.rms_norm(qk[:, : dims.num_heads], layer.q_norm, dims.rms_norm_eps)
+            k = ops.rms_norm(qk[:, dims.num_heads :], layer.k_norm, dims.rms_norm_eps)
+            qk = torch.cat([q, k], dim=1)
+        qk = ops.rope(qk, cos_sin)  # queries and keys rotated together
+        out = batch.attend(index, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
         return F.linear(out.reshape(-1, dims.q_size), layer.o_proj)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -171,7 +171,12 @@ class CompactRunner:
         st = make_sampling_tensors(
             params, [s.seed for s in seqs], [s.num_tokens for s in seqs], device
         )
-        new_tokens, logprobs = sample(logits, st, use_filters=SamplingTensors.needs_filters(params))
+        new_tokens, logprobs = sample(
+            logits,
+            st,
+            use_filters=SamplingTensors.needs_filters(params),
+            softmax=self.model.ops.softmax,
+        )
         return new_tokens.tolist(), logprobs.tolist()
 
     # -- decode -------------------------------------------------------------
@@ -191,7 +196,9 @@ class CompactRunner:
             use_flash=self.use_flash,
         )
         logits = self.model.logits(self.model(tokens, positions, batch))
-        new_tokens, logprobs = sample(logits, buffers.sampling(lanes), use_filters=use_filters)
+        new_tokens, logprobs = sample(
+            logits, buffers.sampling(lanes), use_filters=use_filters, softmax=self.model.ops.softmax
+        )
         buffers.out_tokens[:lanes].copy_(new_tokens)
         buffers.out_logprobs[:lanes].copy_(logprobs)
         tokens.copy_(new_tokens)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrl.engine.runner.rope import apply_rope
+from streamrl.engine.runner.sampling import tempered_softmax
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,20 +37,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
-    return apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-
-
 @dataclass(frozen=True)
 class Ops:
     rms_norm: Callable
     add_rms_norm: Callable
     silu_mul: Callable
     rope: Callable
+    softmax: Callable  # the sampler's pass over the vocabulary
     is_compiled: bool = False
 
 
-EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_qk)
+EAGER = Ops(rms_norm, add_rms_norm, silu_mul, apply_rope, tempered_softmax)
 
 
 def compiled_ops() -> Ops:
@@ -62,6 +60,7 @@ def compiled_ops() -> Ops:
         compile_one(rms_norm),
         compile_one(add_rms_norm),
         compile_one(silu_mul),
-        compile_one(rope_qk),
+        compile_one(apply_rope),
+        compile_one(tempered_softmax),
         is_compiled=True,
     )

@@ -58,20 +58,21 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 def rope_table(config, head_dim: int, max_positions: int, device, dtype) -> torch.Tensor:
-    """[max_positions, head_dim] table: cos in the first half, sin in the second (``dtype``).
+    """[max_positions, 2, head_dim]: full-width cos then sin of each position (``dtype``).
 
     Angles are computed in float32 and rounded to ``dtype`` once, as transformers does.
     """
     inv_freq = inverse_frequencies(config, head_dim)
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1).to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [tokens, heads, head_dim] by per-token ``cos_sin`` [tokens, head_dim]."""
+    """Rotate ``x`` [tokens, heads, head_dim] by per-token ``cos_sin`` [tokens, 2, head_dim].
+
+    ``x * cos + rotate_half(x) * sin``, rounded op by op exactly as transformers does."""
     half = x.shape[-1] // 2
-    cos = cos_sin[:, None, :half]
-    sin = cos_sin[:, None, half:]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos_sin[:, None, 0] + rotated * cos_sin[:, None, 1]

@@ -61,17 +61,24 @@ class SamplingTensors:
         return any(p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0.0 for p in params_list)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, *, use_filters: bool):
+def tempered_softmax(logits: torch.Tensor, inv_temperature: torch.Tensor):
+    """``(scaled, log_normaliser, probs)`` of float32 ``logits * inv_temperature`` per row."""
+    scaled = logits.float() * inv_temperature[:, None]
+    log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return scaled, log_normaliser, torch.exp(scaled - log_normaliser)
+
+
+def sample(
+    logits: torch.Tensor, st: SamplingTensors, *, use_filters: bool, softmax=tempered_softmax
+):
     """Sample one token per row of ``logits`` [rows, vocab]; returns (tokens int64, logprobs f32).
 
     ``use_filters=False`` ignores top_p/top_k/min_p (callers pass True when any row sets them)
-    and saves the passes over the vocabulary they cost."""
-    logits = logits.float()
+    and saves the passes over the vocabulary they cost. ``softmax`` may be a compiled
+    `tempered_softmax` (one fused pass)."""
     greedy = st.temperature <= 0
     inv_temperature = torch.where(greedy, 1.0, 1.0 / st.temperature.clamp_min(1e-6))
-    scaled = logits * inv_temperature[:, None]
-    log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    probs = torch.exp(scaled - log_normaliser)
+    scaled, log_normaliser, probs = softmax(logits, inv_temperature)
     uniform = uniform_from_seed(st.seeds, st.counters)
     if use_filters:
         # min-p keeps tokens with p >= min_p * max p (a zero threshold keeps all).
