@@ -251,6 +251,8 @@ async def test_length_limits_and_prompt_checks(tiny_model_dir):
             await engine.generate([Request("huge", list(range(100, 130)), SamplingParams())])
         with pytest.raises(ValueError, match="empty"):
             await engine.generate([Request("empty", [], SamplingParams())])
+        with pytest.raises(ValueError, match="outside"):
+            await engine.generate([Request("oov", [1, 49152], SamplingParams())])
     assert outputs[0].finish_reason == {"type": "length", "length": 5}
     assert len(outputs[1].output_ids) == 24 - 20
     assert outputs[1].finish_reason == {"type": "length", "length": 4}
@@ -569,3 +571,22 @@ def test_flash_attention_agrees_with_sdpa_on_cuda():
     flash = prefill_attention(*packed, cu, seq_lens, use_flash=True)
     sdpa = prefill_attention(*packed, cu, seq_lens, use_flash=False)
     assert (flash.float() - sdpa.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_graph_decode_equals_eager_decode_on_cuda():
+    requests = [
+        Request(f"r{i}", ids, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=i))
+        for i, ids in enumerate(prompts(8))
+    ]
+    results = []
+    for cuda_graphs in (True, False):
+        with running_engine(
+            "random:qwen2-tiny", device="cuda", cuda_graphs=cuda_graphs, max_batch_size=8
+        ) as engine:
+            assert (engine.runner.graphs is not None) == cuda_graphs
+            results.append(await engine.generate(requests))
+    for graphed, eager in zip(*results, strict=True):
+        assert graphed.output_ids == eager.output_ids
+        assert max(abs(a - b) for a, b in zip(graphed.logprobs, eager.logprobs, strict=True)) < 1e-3

@@ -219,11 +219,16 @@ class EngineCore:
     async def generate(self, requests: list[Request]) -> list[Output]:
         """Run ``requests`` together (identical prompts share one prefill); await all outputs.
 
-        Raises ValueError (before anything runs) for an empty prompt or one that leaves
-        no room under ``max_seq_len``. Cancelling the awaiting task aborts the requests."""
+        Raises ValueError (before anything runs) for an empty prompt, token ids outside the
+        vocabulary, or a prompt that leaves no room under ``max_seq_len``. Cancelling the
+        awaiting task aborts the requests."""
+        vocab_size = self.model_info["vocab_size"]
         for request in requests:
             if not request.input_ids:
                 raise ValueError(f"request {request.rid!r} has an empty prompt")
+            # An out-of-range id would trip a device-side assert, fatal to a CUDA context.
+            if min(request.input_ids) < 0 or max(request.input_ids) >= vocab_size:
+                raise ValueError(f"request {request.rid!r} has token ids outside [0, {vocab_size})")
             if len(request.input_ids) >= self.max_seq_len:
                 raise ValueError(
                     f"request {request.rid!r}: prompt of {len(request.input_ids)} tokens leaves no room "
