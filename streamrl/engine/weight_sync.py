@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -101,8 +102,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> None:
     """Rank 0: send each tensor, in order, one broadcast each (contiguous copies if needed)."""
-    for tensor in tensors:
-        dist.broadcast(tensor.contiguous(), src=0, group=group)
+    sent = [tensor.contiguous() for tensor in tensors]
+    baselines = [tensor._use_count() for tensor in sent]
+    for tensor in sent:
+        dist.broadcast(tensor, src=0, group=group)
+    _wait_until_released(group, sent, baselines)
 
 
 def receive_tensors(
@@ -117,9 +121,35 @@ def receive_tensors(
         raise ValueError(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
         )
-    received = []
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        tensor = torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+    tensors = [
+        torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+        for dtype, shape in zip(dtypes, shapes, strict=True)
+    ]
+    baselines = [tensor._use_count() for tensor in tensors]
+    for tensor in tensors:
         dist.broadcast(tensor, src=0, group=group)
-        received.append((name, tensor))
-    return received
+    _wait_until_released(group, tensors, baselines)
+    return list(zip(names, tensors, strict=True))
+
+
+def _wait_until_released(
+    group: dist.ProcessGroup,
+    tensors: Sequence[torch.Tensor],
+    baselines: Sequence[int],
+    timeout_s: float = 10.0,
+) -> None:
+    """Return once gloo's worker threads have dropped their references to `tensors`.
+
+    A gloo worker drops a finished collective's tensors a moment after the
+    caller's wait returns, and needs the GIL to do it; if the interpreter is
+    finalizing by then, the thread is unwound and the process aborts
+    ("terminate called without an active exception", pytorch/pytorch#190489).
+    Waiting here (GIL released) makes exiting right after a transfer safe. The
+    wait is bounded: past `timeout_s` it gives up silently.
+    """
+    if dist.get_backend(group) != "gloo":
+        return
+    deadline = time.monotonic() + timeout_s
+    for tensor, baseline in zip(tensors, baselines, strict=True):
+        while tensor._use_count() > baseline and time.monotonic() < deadline:
+            time.sleep(0.0005)
