@@ -298,7 +298,6 @@ async def test_abort_returns_partial_outputs_and_cancellation_aborts(tiny_model_
 
 
 async def test_pause_abort_aborts_everything_and_new_requests_wait_for_resume(tiny_model_dir):
-    long = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
     with running_engine(tiny_model_dir, max_seq_len=2048) as engine:
         task = asyncio.ensure_future(
             engine.generate(requests_for(prompts(6), max_new_tokens=10_000, ignore_eos=True))
@@ -308,13 +307,14 @@ async def test_pause_abort_aborts_everything_and_new_requests_wait_for_resume(ti
         aborted = await task
         assert engine.is_paused
         queued = asyncio.ensure_future(
-            engine.generate([Request("q", [1, 2], SamplingParams(max_new_tokens=4))])
+            engine.generate(
+                [Request("q", [1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+            )
         )
         await asyncio.sleep(0.05)
         assert not queued.done() and engine.num_waiting == 1
         engine.resume()
         (later,) = await queued
-        del long
     assert all(o.finish_reason["type"] == "abort" for o in aborted)
     assert sum(len(o.output_ids) for o in aborted) >= 8
     assert len(later.output_ids) == 4
