@@ -13,9 +13,12 @@ group (data parallel, Megatron) next to it, and an engine needs none. Rank 0
 is the trainer; engines are ranks 1.. (`rank_offset` of
 `/init_weights_update_group`). One `broadcast(src=0)` per tensor, in order.
 
-All private torch.distributed API use in streamrl lives in this module; the
-helper's keyword names changed across torch releases, so they are read from
-its signature at run time (checked on torch 2.11 and 2.13).
+All private torch.distributed API use in streamrl lives in this module:
+`_new_process_group_helper`, `_world.pg_group_ranks` and `Tensor._use_count`.
+The helper's keyword names changed across torch releases (older ones spell
+`backend_options` as `pg_options`), so they are read from its signature at
+run time; only the stable positional order and the `group_name` and
+`timeout` keywords are relied on. Run here on torch 2.13 (2.11 not run).
 """
 
 from __future__ import annotations
