@@ -113,6 +113,26 @@ def test_the_trainers_own_default_group_does_not_interfere(tmp_path, free_port):
         dist.destroy_process_group()
 
 
+def test_a_default_group_bound_to_a_device_is_not_split_from(tmp_path, free_port):
+    """A trainer that passed device_id to init_process_group: the weight group must still be
+    a fresh communicator with the engines (on GPU a split would be a collective over the
+    trainer's own ranks). On CPU this checks the guard's bookkeeping and that the group works."""
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    default = c10d._get_default_group()
+    default.bound_device_id = torch.device("cuda", 0)
+    try:
+        (received,) = _send_to_child(tmp_path, free_port, {"w": torch.arange(3.0)}, "wg_bound")
+        assert torch.equal(received["w"], torch.arange(3.0))
+        assert default.bound_device_id == torch.device("cuda", 0)
+    finally:
+        default.bound_device_id = None
+        dist.destroy_process_group()
+
+
 def test_a_group_name_can_be_reused_after_destroy(tmp_path, free_port):
     rounds = _send_to_child(tmp_path, free_port, {"w": torch.arange(4.0)}, "reused", rounds=2)
     assert len(rounds) == 2 and all(torch.equal(r["w"], torch.arange(4.0)) for r in rounds)
@@ -151,9 +171,15 @@ def _random_weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-async def _push(engines, group, weights: dict[str, torch.Tensor], version: int) -> None:
-    """What a weight publisher does: the update call in flight while rank 0 broadcasts."""
+async def _push(
+    engines, group, weights: dict[str, torch.Tensor], version: int, during=None
+) -> None:
+    """What a weight publisher does: the update call in flight while rank 0 broadcasts.
+
+    With `during` (a client), first check that the engine keeps generating while it
+    waits inside the receive (before rank 0 has sent anything)."""
     import anyio
+    from engine_helpers import engine_load, wait_until
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(
@@ -165,6 +191,15 @@ async def _push(engines, group, weights: dict[str, torch.Tensor], version: int) 
                 group_name="wg_test",
             )
         )
+        if during is not None:
+            await anyio.to_thread.run_sync(
+                lambda: wait_until(
+                    lambda: engine_load(during.url)["is_receiving_weights"], what="receiving"
+                )
+            )
+            meanwhile = await during.generate(_ENGINE_PROMPT, {"max_new_tokens": 3})
+            assert len(meanwhile.output_ids) == 3 and meanwhile.weight_version == version - 1
+            assert engine_load(during.url)["is_receiving_weights"]
         await anyio.to_thread.run_sync(broadcast_tensors, group, list(weights.values()))
 
 
@@ -202,7 +237,7 @@ async def test_b_after_a_gloo_broadcast_the_engine_generates_from_the_new_weight
         try:
             client = engines.engines[0]
             new_weights = _random_weights(seed=1)
-            await _push(engines, group, new_weights, version=1)
+            await _push(engines, group, new_weights, version=1, during=client)
             params = {
                 "max_new_tokens": 16,
                 "temperature": 1.0,

@@ -29,46 +29,61 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
+from msgspec import Meta
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
-# Sampling params and how each is read; None is always the default.
-_FLOAT_PARAMS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0}
-_INT_PARAMS = {"max_new_tokens": 128, "top_k": -1, "min_new_tokens": 0, "n": 1}
-_BOOL_PARAMS = {
-    "ignore_eos": False,
-    "skip_special_tokens": True,
-    "no_stop_trim": False,
-    "spaces_between_special_tokens": True,
-}
-# Accepted and ignored (a non-neutral value logs one warning per key).
-_IGNORED_PARAMS = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "stream_interval": None,
-    "custom_params": None,
-    "logit_bias": None,
-}
-# Known to SGLang but changing what is sampled: refused unless null.
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+
+
+class SamplingBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`sampling_params` of `/generate`, SGLang 0.5.x names and defaults; null = default.
+
+    Unknown keys are refused (SGLang 0.5.23 answers 400 too)."""
+
+    max_new_tokens: NonNegativeInt | None = 128
+    temperature: Annotated[float, Meta(ge=0)] | None = 1.0  # 0 = greedy
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = 1.0
+    top_k: int | None = -1  # -1 = whole vocabulary, else >= 1
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
+    min_new_tokens: NonNegativeInt | None = 0
+    n: Annotated[int, Meta(ge=1)] | None = 1  # samples per prompt
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    sampling_seed: int | None = None
+    # Accepted and ignored (one warning per key when not neutral).
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    logit_bias: dict | None = None
+    stream_interval: int | None = None
+    custom_params: Any = None
+    # Known to SGLang but changing what is sampled: refused unless null.
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+
+
+_SAMPLING_DEFAULTS = dict(
+    zip(SamplingBody.__struct_fields__, SamplingBody.__struct_defaults__, strict=True)
+)
+_IGNORED_PARAMS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+_IGNORED_PARAMS += ("stream_interval", "custom_params")
 _UNSUPPORTED_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
-_KNOWN_PARAMS = {
-    *_FLOAT_PARAMS,
-    *_INT_PARAMS,
-    *_BOOL_PARAMS,
-    *_IGNORED_PARAMS,
-    *_UNSUPPORTED_PARAMS,
-    "stop",
-    "stop_token_ids",
-    "sampling_seed",
-}
+_TEXT_FLAGS = ("n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 class BadRequest(Exception):
@@ -151,6 +166,7 @@ class EngineServer:
         self._groups: dict[str, tuple[Any, str]] = {}  # group_name -> (group, backend)
         self._warned_keys: set[str] = set()
         self.num_finished_reqs = 0  # samples answered by /generate since start
+        self.is_receiving_weights = False  # inside update_weights_from_distributed's receive
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------
@@ -267,6 +283,7 @@ class EngineServer:
             "num_waiting_reqs": self.core.num_waiting,
             "num_paused_reqs": num_gated,
             "num_finished_reqs": self.num_finished_reqs,
+            "is_receiving_weights": self.is_receiving_weights,
             "is_paused": self.core.is_paused,
             "weight_version": self.core.weight_version,
         }
@@ -291,84 +308,47 @@ class EngineServer:
         return _json_response([self._load()])
 
     # ---- generation ------------------------------------------------------
-    def _warn_once(self, key: str, value: Any) -> None:
-        if key not in self._warned_keys:
-            self._warned_keys.add(key)
-            logger.warning("sampling param %s=%r is accepted but ignored", key, value)
-
     def _sampling_params(self, raw: Any, num_prompts: int) -> tuple[list[dict], dict]:
-        """Validate `sampling_params` (a dict, or one per prompt) -> per-prompt kwargs, flags."""
+        """Validate `sampling_params` (a dict, or one per prompt) -> per-prompt core kwargs and
+        the flags that must agree across a batch (n and the text options)."""
         raws = raw if isinstance(raw, list) else [raw] * num_prompts
         if len(raws) != num_prompts:
             raise BadRequest(f"{len(raws)} sampling_params for {num_prompts} prompts")
         parsed = [self._one_sampling_params(item or {}) for item in raws]
-        flags = parsed[0][1]
-        if any(p[1] != flags for p in parsed):
-            raise BadRequest("n, skip_special_tokens and no_stop_trim must agree across a batch")
-        return [p[0] for p in parsed], flags
+        flags = [{key: values.pop(key) for key in _TEXT_FLAGS} for values in parsed]
+        if any(f != flags[0] for f in flags):
+            raise BadRequest("n and the text options must agree across a batch")
+        for values in parsed:
+            for key in (*_IGNORED_PARAMS, *_UNSUPPORTED_PARAMS):
+                values.pop(key)
+            values["seed"] = values.pop("sampling_seed")
+            values["stop"] = (
+                (values["stop"],)
+                if isinstance(values["stop"], str)
+                else tuple(values["stop"] or ())
+            )
+            values["stop_token_ids"] = tuple(values["stop_token_ids"] or ())
+        return parsed, flags[0]
 
-    def _one_sampling_params(self, raw: Any) -> tuple[dict, dict]:
-        if not isinstance(raw, dict):
-            raise BadRequest("sampling_params must be an object")
-        unknown = sorted(set(raw) - _KNOWN_PARAMS)
-        if unknown:
-            raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
-        values = {k: v for k, v in raw.items() if v is not None}
-        kwargs: dict[str, Any] = {}
-        for key, default in _FLOAT_PARAMS.items():
-            value = values.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise BadRequest(f"sampling_params.{key} must be a number")
-            kwargs[key] = float(value)
-        ints = {}
-        for key, default in _INT_PARAMS.items():
-            value = values.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise BadRequest(f"sampling_params.{key} must be an integer")
-            ints[key] = value
-        flags = {}
-        for key, default in _BOOL_PARAMS.items():
-            value = values.get(key, default)
-            if not isinstance(value, bool):
-                raise BadRequest(f"sampling_params.{key} must be true or false")
-            flags[key] = value
+    def _one_sampling_params(self, raw: Any) -> dict:
+        try:
+            body = msgspec.convert(raw, SamplingBody)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"sampling_params: {exc}") from None
+        values = {
+            key: _SAMPLING_DEFAULTS[key] if value is None else value
+            for key, value in msgspec.structs.asdict(body).items()
+        }
+        if values["top_k"] == 0 or values["top_k"] < -1:
+            raise BadRequest("sampling_params.top_k must be -1 (whole vocabulary) or >= 1")
         for key in _UNSUPPORTED_PARAMS:
-            if key in values:
+            if values[key] is not None:
                 raise BadRequest(f"sampling_params.{key} is not supported by the embedded engine")
-        for key, neutral in _IGNORED_PARAMS.items():
-            if key in values and values[key] != neutral:
-                self._warn_once(key, values[key])
-        stop = values.get("stop", ())
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) for s in stop):
-            raise BadRequest("sampling_params.stop must be a string or a list of strings")
-        stop_ids = tuple(values.get("stop_token_ids", ()))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
-        seed = values.get("sampling_seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest("sampling_params.sampling_seed must be an integer")
-        if kwargs["temperature"] < 0:
-            raise BadRequest("sampling_params.temperature must be >= 0")
-        if not 0 < kwargs["top_p"] <= 1:
-            raise BadRequest("sampling_params.top_p must be in (0, 1]")
-        if not 0 <= kwargs["min_p"] <= 1:
-            raise BadRequest("sampling_params.min_p must be in [0, 1]")
-        if ints["top_k"] == 0 or ints["top_k"] < -1:
-            raise BadRequest("sampling_params.top_k must be -1 (all) or >= 1")
-        if ints["max_new_tokens"] < 0 or ints["min_new_tokens"] < 0 or ints["n"] < 1:
-            raise BadRequest("max_new_tokens and min_new_tokens must be >= 0 and n >= 1")
-        kwargs.update(
-            max_new_tokens=ints["max_new_tokens"],
-            top_k=ints["top_k"],
-            min_new_tokens=ints["min_new_tokens"],
-            stop=stop,
-            stop_token_ids=stop_ids,
-            ignore_eos=flags.pop("ignore_eos"),
-            seed=seed,
-        )
-        flags["n"] = ints["n"]
-        return kwargs, flags
+        for key in _IGNORED_PARAMS:
+            if values[key] != _SAMPLING_DEFAULTS[key] and key not in self._warned_keys:
+                self._warned_keys.add(key)
+                logger.warning("sampling param %s=%r is accepted but ignored", key, values[key])
+        return values
 
     def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
         if body.get("input_ids") is not None:
@@ -604,6 +584,7 @@ class EngineServer:
             if body.get("abort_all_requests"):
                 self._abort(None)
             device = self.core.device if backend == "nccl" else "cpu"
+            self.is_receiving_weights = True
             try:
                 tensors = await asyncio.to_thread(
                     receive_tensors, group, names, dtypes, shapes, device
@@ -611,6 +592,8 @@ class EngineServer:
             except Exception as exc:
                 logger.exception("receiving weights failed")
                 return _weight_result(False, f"receiving weights failed: {exc}")
+            finally:
+                self.is_receiving_weights = False
             return await self._apply(tensors, body, f"{len(tensors)} tensors over {group_name!r}")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:

@@ -23,10 +23,11 @@ run time; only the stable positional order and the `group_name` and
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -68,7 +69,8 @@ def init_weight_update_group(
         kwargs[options_key] = None
     # An empty rank list makes the helper skip the membership check that
     # would consult the default group (which an engine does not have).
-    result = helper(world_size, rank, [], backend, store, **kwargs)
+    with _no_split_from_default_group():
+        result = helper(world_size, rank, [], backend, store, **kwargs)
     group = result[0] if isinstance(result, tuple) else result
     # Without this mapping `broadcast(src=0, group=group)` cannot translate the
     # source rank when no default group exists (or the default is another one).
@@ -82,6 +84,27 @@ def init_weight_update_group(
         url,
     )
     return group
+
+
+@contextlib.contextmanager
+def _no_split_from_default_group() -> Iterator[None]:
+    """Hide the default group's bound device while the weight group is made.
+
+    When a trainer's default group is bound to a device (`init_process_group(
+    device_id=...)`), the helper would create an NCCL group by splitting the
+    default group's communicator: a collective over the trainer's ranks that
+    the engines are not part of (it hangs). Without a bound device it makes a
+    fresh communicator from the store, as SGLang's engines do."""
+    default = c10d.GroupMember.WORLD if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
