@@ -239,3 +239,27 @@ async def test_update_weights_from_disk_switches_weights_and_version(engine, cli
     with pytest.raises(EngineError) as error:
         await client.update_weights_from_disk(str(tmp_path / "missing"))
     assert error.value.status == 400 and '"success":false' in error.value.body.replace(" ", "")
+
+
+def test_the_client_expands_version_spans_and_falls_back_to_the_final_version():
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 2}
+    with_spans = {
+        **meta,
+        "weight_version": "4",
+        "weight_versions": [
+            {"version": "default", "start": 0, "end": 1},
+            {"version": "4", "start": 1, "end": 3},
+        ],
+        "output_token_logprobs": [[-0.5, 7, None], [-1.0, 8, None], [-2.0, 9, None]],
+    }
+    result = parse_result({"text": "x", "output_ids": [7, 8, 9], "meta_info": with_spans})
+    assert result.versions == [0, 4, 4] and result.versions_exact and result.weight_version == 4
+    assert result.logprobs == [-0.5, -1.0, -2.0] and result.finish_reason.length == 3
+    # A server that reports only the final version: every token gets it, flagged inexact.
+    plain = parse_result({"output_ids": [7, 8], "meta_info": {**meta, "weight_version": "6"}})
+    assert plain.versions == [6, 6] and not plain.versions_exact and plain.logprobs == []
+    with pytest.raises(ValueError, match="cover"):
+        bad = {**with_spans, "weight_versions": [{"version": "4", "start": 0, "end": 2}]}
+        parse_result({"output_ids": [7, 8, 9], "meta_info": bad})
+    with pytest.raises(ValueError, match="neither"):
+        parse_result({"output_ids": [7], "meta_info": {**meta, "weight_version": "v7"}})

@@ -402,6 +402,7 @@ class EngineSet:
         self._down.add(url.rstrip("/"))
 
     def mark_up(self, url: str) -> None:
+        """Use this engine again."""
         self._down.discard(url.rstrip("/"))
 
     def _up(self) -> list[EngineClient]:
@@ -422,8 +423,18 @@ class EngineSet:
         up = self._up()
         return up[next(self._round_robin) % len(up)]
 
-    async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None, **kw):
-        return await self.generator().generate(input_ids, sampling_params, **kw)
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        """One sample through `generator()` (router or round-robin)."""
+        return await self.generator().generate(
+            input_ids, sampling_params, rid=rid, return_logprob=return_logprob
+        )
 
     async def each(
         self, call: Callable[[EngineClient], Awaitable[T]], *, what: str = "call"
@@ -483,7 +494,15 @@ class EngineSet:
         )
 
     async def update_weights_from_distributed(
-        self, names, dtypes, shapes, *, weight_version, group_name=DEFAULT_GROUP_NAME, **kwargs
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        *,
+        weight_version: str | int | None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
     ) -> None:
         """Every engine receives the same broadcasts; the trainer broadcasts concurrently."""
         await self.each(
@@ -493,7 +512,8 @@ class EngineSet:
                 shapes,
                 group_name=group_name,
                 weight_version=weight_version,
-                **kwargs,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
             ),
             what="update_weights_from_distributed",
         )
