@@ -16,7 +16,9 @@ tokens it already has (see `streamrl.agents.api`).
 from __future__ import annotations
 
 import enum
+import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,7 @@ class EngineFleet:
         engine_argv: EngineArgv | None,
     ) -> None:
         self.cfg = cfg.engine
+        self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
         self.engines: list[Engine] = []
         self.router: Router | None = None
@@ -112,8 +115,41 @@ class EngineFleet:
                     timeout_s=self.cfg.startup_timeout_s,
                 )
                 self._router_url = self.router.url
+        self._write_state()
         log.info("engines serving: %s%s", ", ".join(self.urls),
                  f" behind router {self._router_url}" if self._router_url else "")
+
+    def _write_state(self) -> None:
+        """`run_dir/engines.json`: every engine's URL, pid, state and restarts (for people and tests)."""
+        rows = [
+            {
+                "index": e.index,
+                "url": e.url,
+                "pid": e.process.pid if e.process is not None else None,
+                "state": str(e.state),
+                "restarts": e.num_restarts,
+            }
+            for e in self.engines
+        ]
+        state = {"engines": rows, "router": self._router_url}
+        (self.run_dir / "engines.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    def _event(self, engine: Engine, event: str, **details) -> None:
+        """Append to `run_dir/events.jsonl` (down, restarted, synced) and refresh engines.json."""
+        record = {"time": time.time(), "engine": engine.url, "event": event, **details}
+        with open(self.run_dir / "events.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self._write_state()
+
+    async def versions(self) -> dict[str, int | None]:
+        """Each engine's weight version as it reports it (None when it does not answer)."""
+        result: dict[str, int | None] = {}
+        for engine in self.engines:
+            try:
+                result[engine.url] = await engine.client.weight_version()
+            except EngineError:
+                result[engine.url] = None
+        return result
 
     def stop(self) -> None:
         if self.router is not None:
@@ -153,23 +189,30 @@ class EngineFleet:
         while True:
             await anyio.sleep(self.cfg.health_interval_s)
             for engine in self.engines:
-                if engine.state is EngineState.SERVING and not await self._is_healthy(engine):
-                    await self._heal(engine, publisher)
+                if engine.state is not EngineState.SERVING:
+                    continue
+                reason = await self._is_healthy(engine)
+                if reason is not None:
+                    await self._heal(engine, publisher, reason)
 
-    async def _is_healthy(self, engine: Engine) -> bool:
+    async def _is_healthy(self, engine: Engine) -> str | None:
+        """None when healthy, else why not (`exited` or `hung`)."""
         if engine.process is not None and not engine.process.is_alive():
             log.error("engine %s exited with code %s", engine.url, engine.process.poll())
-            return False
+            return "exited"
         try:
             with anyio.fail_after(self.cfg.health_timeout_s):
                 await engine.client.health_generate(timeout_s=self.cfg.health_timeout_s)
-            return True
+            return None
         except (TimeoutError, EngineError) as exc:
             log.error("engine %s failed its health check: %s", engine.url, exc or "timeout")
-            return False
+            if engine.process is not None and not engine.process.is_alive():
+                return "exited"
+            return "hung"
 
-    async def _heal(self, engine: Engine, publisher: WeightSink) -> None:
+    async def _heal(self, engine: Engine, publisher: WeightSink, reason: str) -> None:
         engine.state = EngineState.DOWN
+        self._event(engine, "down", reason=reason)
         if engine.argv is None:
             raise FleetError(f"engine {engine.url} failed and was attached, not started: cannot restart it")
         if engine.num_restarts >= self.cfg.max_restarts:
@@ -191,10 +234,12 @@ class EngineFleet:
             )
         )
         engine.state = EngineState.SYNCING
+        self._event(engine, "restarted", pid=engine.process.pid)
         await publisher.resync()
         engine.state = EngineState.SERVING
         if self.router is not None:
             await anyio.to_thread.run_sync(self.router.add_worker, engine.url)
+        self._event(engine, "serving", version=await engine.client.weight_version())
         log.warning("engine %s is back at the current weight version", engine.url)
 
     def restart_counts(self) -> dict[str, int]:

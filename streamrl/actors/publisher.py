@@ -34,6 +34,9 @@ from streamrl.launch.process import free_port
 
 log = logging.getLogger(__name__)
 
+DESTROY_TIMEOUT_S = 10.0
+"""A member that does not confirm leaving the old group within this is left behind."""
+
 
 @dataclass
 class Snapshot:
@@ -125,6 +128,7 @@ class WeightPublisher:
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
+            self._task_group = None
             if self._group is not None:
                 await anyio.to_thread.run_sync(destroy_weight_update_group, self._group.handle)
                 self._group = None
@@ -150,7 +154,7 @@ class WeightPublisher:
         """Re-send the newest snapshot (after the engine set changed) and wait for it."""
         while self._busy:
             await self._idle.wait()
-        if self._latest is not None:
+        if self._latest is not None and self._task_group is not None:
             self._start(self._latest, PublishRecord(version=self._latest.version))
             while self._busy:
                 await self._idle.wait()
@@ -164,7 +168,8 @@ class WeightPublisher:
             await self._idle.wait()
 
     def _start(self, snapshot: Snapshot, record: PublishRecord) -> None:
-        assert self._task_group is not None, "WeightPublisher.run() is not running"
+        if self._task_group is None:
+            raise RuntimeError("WeightPublisher.run() is not running")
         self._busy = True
         self._task_group.start_soon(self._broadcast, snapshot, record)
 
@@ -180,19 +185,24 @@ class WeightPublisher:
         return snapshot
 
     async def _broadcast(self, snapshot: Snapshot, record: PublishRecord) -> None:
+        failed = False
         try:
             engines = self.members()
             record.num_engines = len(engines)
             if engines:
                 await self._send(snapshot, engines, record)
-            self.records.append(record)
-            await self.on_published(snapshot.version)
-        except (EngineError, RuntimeError) as exc:
+        except* (EngineError, RuntimeError, OSError) as errors:
             # An engine died mid-update; the fleet restarts it and asks for a resync.
-            record.ok = False
+            failed = True
+            log.error("weight update to version %d failed: %s", snapshot.version,
+                      "; ".join(str(e) for e in errors.exceptions))
+        try:
+            record.ok = not failed
             self.records.append(record)
-            log.error("weight update to version %d failed: %s", snapshot.version, exc)
-            await self._drop_group()
+            if failed:
+                await self._drop_group()
+            else:
+                await self.on_published(snapshot.version)
         finally:
             self._busy = False
             self._idle.set()
@@ -281,9 +291,10 @@ class WeightPublisher:
             engine = next((e for e in self.members() if e.url == url), None)
             if engine is not None:
                 try:
-                    await engine.destroy_weights_update_group(group.name)
-                except EngineError as exc:
-                    log.info("could not destroy group on %s: %s", url, exc)
+                    with anyio.fail_after(DESTROY_TIMEOUT_S):
+                        await engine.destroy_weights_update_group(group.name)
+                except (EngineError, TimeoutError) as exc:
+                    log.info("could not destroy group on %s: %s", url, exc or "timeout")
         await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
 
 

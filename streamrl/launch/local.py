@@ -205,12 +205,14 @@ class LocalJob:
                 if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
                     await loop.save()
                 watch.cancel()
+                engine_versions = await fleet.versions()
                 await receiver.stop("training finished")
                 await _wait_exit(rollout, timeout_s=30.0)
                 tg.cancel_scope.cancel()
         finally:
             metrics.close()
         summary = _summary(cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started)
+        summary["engine_versions"] = engine_versions
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
