@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ def running_engines(
             wait_http_ready(engine.url, timeout_s=ENGINE_START_TIMEOUT_S, process=engine.process)
         yield engines
     finally:
+        for engine in engines:  # all at once: they shut down in parallel
+            engine.process.signal(signal.SIGTERM)
         codes = {engine.url: engine.process.stop(timeout_s=30) for engine in engines}
     unclean = {url: code for url, code in codes.items() if code != 0}
     assert not unclean, f"engines did not exit cleanly: {unclean}"
