@@ -38,6 +38,12 @@ def _engine_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--runner", default="auto", choices=["auto", "compact", "hf"])
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile the small elementwise kernels (auto: on with CUDA graphs)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for random models and sampling")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")

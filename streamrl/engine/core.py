@@ -91,7 +91,7 @@ class EngineCore:
         weight_version: str = "default",
         num_threads: int = 0,
         max_prefill_tokens: int = 0,
-        compile_elementwise: bool = False,
+        compile_elementwise: bool | None = None,
     ):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -100,6 +100,8 @@ class EngineCore:
         self.tokenizer = models.load_tokenizer(tokenizer_path or model_path)
         if max_prefill_tokens <= 0:
             max_prefill_tokens = 32768 if self.device.type == "cuda" else 4096
+        if compile_elementwise is None:  # measured on the H200: 48.7k -> 70.2k tokens/s at 256
+            compile_elementwise = self.device.type == "cuda" and cuda_graphs
         self.runner, config = build_runner(
             model_path,
             runner=runner,

@@ -691,6 +691,7 @@ async def _serve(args) -> int:
         "seed": args.seed,
         "weight_version": args.weight_version,
         "num_threads": args.num_threads,
+        "compile_elementwise": {"auto": None, "on": True, "off": False}[args.compile],
     }
     server_args = {
         key: value

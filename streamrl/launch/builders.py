@@ -64,6 +64,7 @@ def engine_argv_factory(cfg: RunConfig, model_path: str, version: int):
             "--seed", str(cfg.model.seed + index),
             "--weight-version", str(version),
             "--num-threads", str(engine.num_threads),
+            "--compile", engine.compile,
         )
         if cfg.model.tokenizer:
             argv += ["--tokenizer", cfg.model.tokenizer]
