@@ -31,7 +31,13 @@ def build_backend(cfg: RunConfig, model_path: str, device: torch.device, dtype: 
             need_reference=need_reference,
             seed=cfg.model.seed,
         )
+    import warnings
+
     from streamrl.learners.megatron.backend import MegatronBackend
+
+    # Known, harmless notices from torch.distributed and megatron-core 0.16.1 on every step.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
 
     return MegatronBackend(
         model_path,

@@ -26,7 +26,7 @@ def component_command(args) -> int:
         spec = json.loads((run_dir / "rollout.json").read_text())
         anyio.run(rollout_main, cfg, spec)
         return 0
-    from streamrl.learners.megatron.launch import follower_main
+    from streamrl.learners.distributed import follower_main
 
     return follower_main(cfg, run_dir, args.rank)
 

@@ -76,10 +76,15 @@ class LocalJob:
         self.run_dir = Path(cfg.train.output_dir)
         self.children: list[ChildProcess] = []
         self.fleet = None
+        self.resume_from: Path | None = None
+        self.ranks = None
+        self.leader = None
 
     def stop(self) -> None:
         for child in self.children:
             child.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
         if self.fleet is not None:
             self.fleet.stop()
 
@@ -98,7 +103,8 @@ class LocalJob:
             return checkpoint.TrainState(), self._initial_model()
         state = checkpoint.read_state(latest)
         log.info("resuming from %s: step %d, version %d", latest, state.step, state.version)
-        return state, str(latest / "model")
+        self.resume_from = latest
+        return state, str(latest)
 
     def _initial_model(self) -> str:
         """The model every process loads; a `random:` model is written once so all agree."""
@@ -125,6 +131,7 @@ class LocalJob:
         cfg = self.cfg
         state, model_path = self._prepare_run_dir()
         device, dtype = learner_devices(cfg)
+        self._start_learner_ranks(model_path, device)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             backend_future = pool.submit(build_backend, cfg, model_path, device, dtype)
             self.fleet = EngineFleet(
@@ -135,6 +142,12 @@ class LocalJob:
             self.fleet.start()
             backend = await anyio.to_thread.run_sync(backend_future.result)
         fleet = self.fleet
+        if self.ranks is not None:
+            from streamrl.learners.distributed import Leader
+
+            backend = self.leader = Leader(backend)
+        if self.resume_from is not None:
+            await anyio.to_thread.run_sync(backend.load, self.resume_from)
 
         metrics = MetricsWriter(
             self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress
@@ -209,12 +222,46 @@ class LocalJob:
                 await receiver.stop("training finished")
                 await _wait_exit(rollout, timeout_s=30.0)
                 tg.cancel_scope.cancel()
+            if self.leader is not None:
+                self.leader.close()
+                await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
         finally:
             metrics.close()
         summary = _summary(cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started)
         summary["engine_versions"] = engine_versions
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _start_learner_ranks(self, model_path: str, device) -> None:
+        """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
+        world_size = self.cfg.learner.num_gpus
+        if self.cfg.learner.backend != "megatron":
+            return
+        from streamrl.learners.megatron.launch import init_distributed, start_ranks
+
+        (self.run_dir / "learner.json").write_text(json.dumps({"model_path": model_path}) + "\n")
+        env = {}
+        if self.cfg.cluster.learner_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))
+        if world_size > 1:
+            self.ranks = start_ranks(
+                streamrl_argv("--log-level", self.cfg.logging.level, "_component", "learner",
+                              "--run-dir", str(self.run_dir)),
+                world_size=world_size,
+                ranks=range(1, world_size),
+                log_dir=self.run_dir / "logs",
+                env=env,
+            )
+            port = self.ranks.master_port
+        else:
+            from streamrl.launch.process import free_port
+
+            port = free_port()
+        init_distributed(rank=0, world_size=world_size, master_port=port, device=device.type)
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
 
     def _start_rollout(self, address: str, model_path: str, state) -> ChildProcess:
         spec = {

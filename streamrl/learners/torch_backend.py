@@ -115,19 +115,20 @@ class TorchBackend:
             yield name, parameter.detach()
 
     def save(self, path: Path) -> None:
+        """`path` becomes a Hugging Face model directory plus `optimizer.pt`."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path / "model", safe_serialization=True)
-        self.tokenizer.save_pretrained(path / "model")
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
 
     def load(self, path: Path) -> None:
         from safetensors.torch import load_file
 
         state = {}
-        for file in sorted((path / "model").glob("*.safetensors")):
+        for file in sorted(path.glob("*.safetensors")):
             state.update(load_file(file, device=str(self.device)))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("lm_head.weight")]

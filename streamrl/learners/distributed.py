@@ -1,0 +1,160 @@
+"""Several learner processes behind one LearnerBackend: rank 0 leads, the others follow.
+
+Rank 0 (the `streamrl run` process) holds the buffer and runs the training
+loop. Every backend call it makes is announced to the other ranks first, as a
+small msgpack frame broadcast from rank 0 over the default process group, so
+each follower makes the same call in the same order with no data of its own
+(the backend moves the micro-batches from rank 0 to the ranks that need them):
+
+    rank 0:  Leader.train_mini_batch(mbs) ─ announce TRAIN ─► backend.train_mini_batch(mbs)
+    rank k:  follow(): receive TRAIN ─────────────────────► backend.train_mini_batch([])
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from streamrl.learners.base import LearnerBackend, LossFn, MicroBatch
+
+log = logging.getLogger(__name__)
+
+_FRAME_BYTES = 4096
+
+
+class Op(enum.StrEnum):
+    LOGPROBS = "logprobs"
+    TRAIN = "train"
+    WEIGHTS = "weights"
+    SAVE = "save"
+    LOAD = "load"
+    STOP = "stop"
+
+
+class Command(msgspec.Struct, frozen=True):
+    op: Op
+    temperature: float = 1.0
+    reference: bool = False
+    need_entropy: bool = False
+    path: str = ""
+
+
+def _device() -> torch.device:
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def announce(command: Command) -> None:
+    """Rank 0: tell every other rank which call comes next."""
+    payload = msgspec.msgpack.encode(command)
+    if len(payload) > _FRAME_BYTES - 4:
+        raise ValueError(f"command frame too large ({len(payload)} bytes)")
+    frame = torch.zeros(_FRAME_BYTES, dtype=torch.uint8)
+    frame[:4] = torch.tensor(list(len(payload).to_bytes(4, "little")), dtype=torch.uint8)
+    frame[4 : 4 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    frame = frame.to(_device())
+    dist.broadcast(frame, src=0)
+
+
+def receive() -> Command:
+    """Ranks > 0: wait for rank 0's next command."""
+    frame = torch.empty(_FRAME_BYTES, dtype=torch.uint8, device=_device())
+    dist.broadcast(frame, src=0)
+    data = frame.cpu().numpy().tobytes()
+    size = int.from_bytes(data[:4], "little")
+    return msgspec.msgpack.decode(data[4 : 4 + size], type=Command)
+
+
+class Leader:
+    """Rank 0's view of a multi-process backend: announce, then call."""
+
+    def __init__(self, backend: LearnerBackend) -> None:
+        self.backend = backend
+        self.tokenizer = getattr(backend, "tokenizer", None)
+
+    @property
+    def is_publisher(self) -> bool:
+        return self.backend.is_publisher
+
+    def compute_logprobs(
+        self, micro_batches: list[MicroBatch], *, temperature: float, reference: bool = False
+    ) -> list[torch.Tensor]:
+        announce(Command(Op.LOGPROBS, temperature=temperature, reference=reference))
+        return self.backend.compute_logprobs(
+            micro_batches, temperature=temperature, reference=reference
+        )
+
+    def train_mini_batch(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
+        need_entropy: bool,
+    ) -> dict[str, float]:
+        announce(Command(Op.TRAIN, temperature=temperature, need_entropy=need_entropy))
+        return self.backend.train_mini_batch(
+            micro_batches, loss_fn, temperature=temperature, need_entropy=need_entropy
+        )
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        announce(Command(Op.WEIGHTS))
+        yield from self.backend.hf_weights()
+
+    def save(self, path: Path) -> None:
+        announce(Command(Op.SAVE, path=str(path)))
+        self.backend.save(path)
+
+    def load(self, path: Path) -> None:
+        announce(Command(Op.LOAD, path=str(path)))
+        self.backend.load(path)
+
+    def close(self) -> None:
+        announce(Command(Op.STOP))
+
+
+def follow(backend: LearnerBackend, loss_fn: LossFn) -> None:
+    """Ranks > 0: mirror rank 0's calls until it says stop."""
+    while True:
+        command = receive()
+        log.debug("follower: %s", command)
+        if command.op is Op.STOP:
+            return
+        if command.op is Op.LOGPROBS:
+            backend.compute_logprobs(
+                [], temperature=command.temperature, reference=command.reference
+            )
+        elif command.op is Op.TRAIN:
+            backend.train_mini_batch(
+                [], loss_fn, temperature=command.temperature, need_entropy=command.need_entropy
+            )
+        elif command.op is Op.WEIGHTS:
+            for _ in backend.hf_weights():
+                pass
+        elif command.op is Op.SAVE:
+            backend.save(Path(command.path))
+        elif command.op is Op.LOAD:
+            backend.load(Path(command.path))
+
+
+def follower_main(cfg, run_dir: Path, rank: int) -> int:
+    """A learner rank > 0 of `streamrl run` (started by the launcher with its rank environment)."""
+    import json
+
+    from streamrl.launch.builders import build_backend, learner_devices
+    from streamrl.learners.megatron.launch import init_distributed, shutdown
+    from streamrl.learners.step import make_loss_fn
+
+    spec = json.loads((run_dir / "learner.json").read_text())
+    device, dtype = learner_devices(cfg)
+    init_distributed(device=device.type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    backend = build_backend(cfg, spec["model_path"], device, dtype)
+    try:
+        follow(backend, make_loss_fn(cfg))
+    finally:
+        shutdown()
+    return 0
