@@ -100,9 +100,7 @@ class LearnerLoop:
             idle_s = time.perf_counter() - wait_started
             await self.receiver.grant()  # the buffer has room again
             step_started = time.perf_counter()
-            step_metrics = await anyio.to_thread.run_sync(
-                lambda: train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
-            )
+            step_metrics = await anyio.to_thread.run_sync(self._train, groups)
             train_s = time.perf_counter() - step_started
             trained_version = self.version
             self.version += 1
@@ -125,6 +123,17 @@ class LearnerLoop:
                 await self.save()
         await self.publisher.wait_idle()
         return self.state
+
+    def _train(self, groups: list[Group]) -> dict[str, float]:
+        """One step, in a worker thread (which must be bound to the learner's GPU first)."""
+        device = getattr(self.backend, "device", None) or getattr(
+            getattr(self.backend, "backend", None), "device", None
+        )
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        return train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
 
     async def save(self) -> Path:
         position = position_after(self._done_seqs, since=self._start_position)

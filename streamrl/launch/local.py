@@ -190,7 +190,7 @@ class LocalJob:
             bucket_bytes=cfg.weights.bucket_bytes,
             pause_mode=cfg.weights.pause_mode,
             group_backend=_group_backend(cfg, device),
-            staging_device="cpu" if device.type == "cpu" else str(device),
+            staging_device=str(device) if _group_backend(cfg, device) == "nccl" else "cpu",
         )
         loop = LearnerLoop(
             cfg,
@@ -301,9 +301,15 @@ async def _wait_exit(child: ChildProcess, *, timeout_s: float) -> None:
 
 
 def _group_backend(cfg: RunConfig, device) -> str:
+    """`weights.backend`, or for `auto`: NCCL when learner and engines are on different GPUs,
+    gloo otherwise (NCCL refuses two ranks on one GPU, and CPU engines need gloo)."""
     if cfg.weights.backend != "auto":
         return cfg.weights.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    if device.type != "cuda" or cfg.engine.device == "cpu":
+        return "gloo"
+    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
+    engine_gpus = set(cfg.cluster.engine_gpus)
+    return "nccl" if engine_gpus and not engine_gpus & learner_gpus else "gloo"
 
 
 def _pad_id(backend) -> int:
