@@ -29,11 +29,15 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF directory, `smollm2`, or random:<shape>")
-    parser.add_argument("--tokenizer", default="", help="tokenizer directory (default: the model's)")
+    parser.add_argument(
+        "--tokenizer", default="", help="tokenizer directory (default: the model's)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--runner", default="auto", choices=["auto", "compact", "hf"])
@@ -51,7 +55,9 @@ def _engine_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="train: engines, rollout and learner, fully async")

@@ -74,8 +74,12 @@ def test_async_with_staleness_and_no_correction_is_refused_naming_the_options(tm
     with pytest.raises(ConfigError) as info:
         load_config(path)
     message = str(info.value)
-    for option in ("algorithm.off_policy_correction", "buffer.max_staleness", "train.mode",
-                   "algorithm.allow_uncorrected_async"):
+    for option in (
+        "algorithm.off_policy_correction",
+        "buffer.max_staleness",
+        "train.mode",
+        "algorithm.allow_uncorrected_async",
+    ):
         assert option in message
     # Each way out named by the message is accepted.
     load_config(path, ["buffer.max_staleness=0"])
@@ -84,8 +88,13 @@ def test_async_with_staleness_and_no_correction_is_refused_naming_the_options(tm
 
 
 def test_derived_values_follow_their_formulas(tmp_path):
-    cfg = load_config(write(tmp_path, "[rollout]\nbatch_size = 4\nn_samples_per_prompt = 8\n"
-                            "[buffer]\nmax_staleness = 2\n[learner]\nglobal_batch_size = 16\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "[rollout]\nbatch_size = 4\nn_samples_per_prompt = 8\n"
+            "[buffer]\nmax_staleness = 2\n[learner]\nglobal_batch_size = 16\n",
+        )
+    )
     assert cfg.buffer_capacity == (2 + 2) * 4
     assert cfg.samples_per_step == 32
     assert cfg.optimizer_steps_per_step == 2
@@ -103,7 +112,9 @@ def test_every_shipped_config_is_valid(path):
 
 
 def test_the_resolved_config_round_trips_with_arrays_of_tables(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [[eval.datasets]]
 name = "a"
 path = "builtin:arithmetic"
@@ -112,7 +123,8 @@ max_new_tokens = 8
 [[eval.datasets]]
 name = "b"
 path = "builtin:arithmetic"
-""")
+""",
+    )
     cfg = load_config(path)
     again = tmp_path / "again.toml"
     again.write_text(dump_toml(cfg))

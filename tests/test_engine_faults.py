@@ -33,21 +33,31 @@ health_timeout_s = {timeout}
 
 def start_run(tmp_path: Path, *, steps: int, timeout_s: float) -> tuple[subprocess.Popen, Path]:
     config = write_config(tmp_path, steps=steps, eta=1)
-    text = config.read_text().replace("max_new_tokens = 12", "max_new_tokens = 32").replace(
-        "[engine]\nnum_threads = 1\nmax_batch_size = 16\nmax_seq_len = 256\n",
-        FLEET.format(timeout=timeout_s),
+    text = (
+        config.read_text()
+        .replace("max_new_tokens = 12", "max_new_tokens = 32")
+        .replace(
+            "[engine]\nnum_threads = 1\nmax_batch_size = 16\nmax_seq_len = 256\n",
+            FLEET.format(timeout=timeout_s),
+        )
     )
     config.write_text(text)
     process = subprocess.Popen(
         [sys.executable, "-m", "streamrl", "run", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         cwd=Path(__file__).parents[1],
     )
     return process, tmp_path / "out"
 
 
 def wait_for(
-    predicate, process: subprocess.Popen, what: str, timeout_s: float = 240, max_delay_s: float = 0.5
+    predicate,
+    process: subprocess.Popen,
+    what: str,
+    timeout_s: float = 240,
+    max_delay_s: float = 0.5,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     delay = 0.01
@@ -87,8 +97,11 @@ def check_finished_run(process: subprocess.Popen, out: Path, steps: int) -> dict
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert summary["accounting_ok"]
     assert summary["groups_started"] == (
-        summary["groups_trained"] + summary["groups_filtered"] + summary["groups_evicted"]
-        + summary["groups_buffered_at_stop"] + summary["groups_in_flight_at_stop"]
+        summary["groups_trained"]
+        + summary["groups_filtered"]
+        + summary["groups_evicted"]
+        + summary["groups_buffered_at_stop"]
+        + summary["groups_in_flight_at_stop"]
     )
     trained = [seq for r in records for seq in r["prompt_seqs"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
@@ -101,8 +114,9 @@ def test_an_engine_killed_mid_generation_is_restarted_at_the_current_version(tmp
     try:
         wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
         victim = engine_zero(out)
-        wait_for(lambda: is_generating(victim["url"]), process, "engine 0 generating",
-                 max_delay_s=0.02)
+        wait_for(
+            lambda: is_generating(victim["url"]), process, "engine 0 generating", max_delay_s=0.02
+        )
         os.kill(victim["pid"], signal.SIGKILL)
         summary = check_finished_run(process, out, steps)
     finally:

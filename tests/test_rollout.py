@@ -39,13 +39,15 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     tiny_model_dir, tmp_path
 ):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n"
-                            for i in range(20)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Count to {i}.", "label": str(i)}) + "\n" for i in range(20))
+    )
     tokenizer = load_tokenizer(tiny_model_dir)
     batch_size, eta, n = 2, 1, 3
     buffer = Buffer(capacity=100, max_staleness=eta)
-    admission = Admission(batch_size=batch_size, max_staleness=eta, capacity=100,
-                          num_buffered=lambda: len(buffer))
+    admission = Admission(
+        batch_size=batch_size, max_staleness=eta, capacity=100, num_buffered=lambda: len(buffer)
+    )
     arrived = anyio.Event()
 
     def on_group(group) -> None:
@@ -55,8 +57,10 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     receiver = StreamReceiver("tcp://127.0.0.1:0", credits=admission, on_group=on_group)
     reward = FlakyReward()
     with running_engines(tiny_model_dir, tmp_path) as engines:
-        async with EngineSet([e.url for e in engines]) as engine_set, \
-                anyio.create_task_group() as tg:
+        async with (
+            EngineSet([e.url for e in engines]) as engine_set,
+            anyio.create_task_group() as tg,
+        ):
             address = await tg.start(receiver.run)
             sender = StreamSender(address, sender_id="rollout-test")
             await tg.start(sender.run)

@@ -46,8 +46,9 @@ progress = false
 """
 
 
-def write_config(tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval: int = 0,
-                 extra: str = "") -> Path:
+def write_config(
+    tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval: int = 0, extra: str = ""
+) -> Path:
     path = tmp_path / "run.toml"
     out = tmp_path / "out"
     path.write_text(TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval) + extra)
@@ -57,7 +58,10 @@ def write_config(tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval:
 def streamrl_run(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "streamrl", "run", str(config), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).parents[1],
     )
 
 
@@ -72,15 +76,26 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
     assert [r["version"] for r in steps] == [1, 2, 3, 4]
     for record in steps:
         assert record["staleness_max"] <= 1
-        for key in ("reward_mean", "staleness_mean", "samples_trained", "groups_filtered",
-                    "groups_evicted", "learner_idle_s", "time", "weights/learner_stall_s"):
+        for key in (
+            "reward_mean",
+            "staleness_mean",
+            "samples_trained",
+            "groups_filtered",
+            "groups_evicted",
+            "learner_idle_s",
+            "time",
+            "weights/learner_stall_s",
+        ):
             assert key in record
     assert steps[-1]["samples_trained"] == 4 * 2 * 4
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["accounting_ok"]
     assert summary["groups_started"] == (
-        summary["groups_trained"] + summary["groups_filtered"] + summary["groups_evicted"]
-        + summary["groups_buffered_at_stop"] + summary["groups_in_flight_at_stop"]
+        summary["groups_trained"]
+        + summary["groups_filtered"]
+        + summary["groups_evicted"]
+        + summary["groups_buffered_at_stop"]
+        + summary["groups_in_flight_at_stop"]
     )
     assert summary["groups_trained"] == 8
     assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
@@ -103,7 +118,9 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
     out = tmp_path / "out"
     process = subprocess.Popen(
         [sys.executable, "-m", "streamrl", "run", str(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         cwd=Path(__file__).parents[1],
     )
     checkpoint = out / "checkpoints" / "step_000002" / "state.json"
@@ -123,7 +140,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
     result = streamrl_run(config, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
-    resumed = records[len(first):]
+    resumed = records[len(first) :]
     assert resumed[0]["step"] == 3 and resumed[0]["version"] == 3
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]
     trained_after = {seq for r in resumed for seq in r["prompt_seqs"]}
@@ -163,7 +180,7 @@ def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_
     config = write_config(tmp_path, steps=3, eta=1)
     text = config.read_text().replace(
         "[learner]\nlr = 1e-3\nnum_threads = 1",
-        "[learner]\nbackend = \"megatron\"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n"
+        '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
         "[learner.megatron]\ntensor_parallel_size = 2",
     )
     config.write_text(text)

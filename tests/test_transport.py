@@ -67,8 +67,16 @@ async def test_a_sender_killed_mid_stream_and_restarted_loses_no_group_and_dupli
     async with anyio.create_task_group() as tg:
         address = await tg.start(receiver.run)
         argv = streamrl_argv(
-            "bench", "transport-sender", "--address", address, "--count", str(count),
-            "--sender-id", "worker-0", "--verbose", *SMALL,
+            "bench",
+            "transport-sender",
+            "--address",
+            address,
+            "--count",
+            str(count),
+            "--sender-id",
+            "worker-0",
+            "--verbose",
+            *SMALL,
         )
         first = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         try:
@@ -108,7 +116,9 @@ async def test_garbage_frames_are_counted_and_the_receiver_keeps_serving():
         raw.send_multipart([b"two", b"frames"])
         child = spawn(
             "sender",
-            streamrl_argv("bench", "transport-sender", "--address", address, "--count", "5", *SMALL),
+            streamrl_argv(
+                "bench", "transport-sender", "--address", address, "--count", "5", *SMALL
+            ),
         )
         try:
             await collector.wait_for(5)

@@ -43,7 +43,9 @@ class Evaluator:
         self.sets = []
         for dataset in datasets:
             source = PromptSource.for_eval(dataset, data_cfg, tokenizer)
-            count = len(source) if not dataset.max_prompts else min(dataset.max_prompts, len(source))
+            count = (
+                len(source) if not dataset.max_prompts else min(dataset.max_prompts, len(source))
+            )
             prompts = [source.get(seq) for seq in range(count)]
             reward_fn = load_reward_fn(dataset.reward_fn or default_reward_fn)
             self.sets.append((dataset, prompts, reward_fn))

@@ -103,21 +103,25 @@ class EngineFleet:
         for engine in self.engines:
             self._spawn(engine)
         for engine in self.engines:
-            wait_http_ready(engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process)
+            wait_http_ready(
+                engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process
+            )
             engine.state = EngineState.SERVING
-        if self._router_url or len(self.engines) > 1:
-            if not self._router_url:
-                self.router = Router.start(
-                    self.urls,
-                    log_path=self.log_dir / "router.log",
-                    host=self.cfg.host,
-                    policy=self.cfg.router_policy,
-                    timeout_s=self.cfg.startup_timeout_s,
-                )
-                self._router_url = self.router.url
+        if not self._router_url and len(self.engines) > 1:
+            self.router = Router.start(
+                self.urls,
+                log_path=self.log_dir / "router.log",
+                host=self.cfg.host,
+                policy=self.cfg.router_policy,
+                timeout_s=self.cfg.startup_timeout_s,
+            )
+            self._router_url = self.router.url
         self._write_state()
-        log.info("engines serving: %s%s", ", ".join(self.urls),
-                 f" behind router {self._router_url}" if self._router_url else "")
+        log.info(
+            "engines serving: %s%s",
+            ", ".join(self.urls),
+            f" behind router {self._router_url}" if self._router_url else "",
+        )
 
     def _write_state(self) -> None:
         """`run_dir/engines.json`: every engine's URL, pid, state and restarts (for people and tests)."""
@@ -214,7 +218,9 @@ class EngineFleet:
         engine.state = EngineState.DOWN
         self._event(engine, "down", reason=reason)
         if engine.argv is None:
-            raise FleetError(f"engine {engine.url} failed and was attached, not started: cannot restart it")
+            raise FleetError(
+                f"engine {engine.url} failed and was attached, not started: cannot restart it"
+            )
         if engine.num_restarts >= self.cfg.max_restarts:
             raise FleetError(
                 f"engine {engine.url} failed again after {engine.num_restarts} restarts "

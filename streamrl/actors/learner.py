@@ -181,8 +181,14 @@ class LearnerLoop:
             "response_len_trained_mean": stats.trained.mean,
         }
         record.update(step_metrics)
-        for key in ("response_tokens", "samples", "generation_failures", "reward_failures",
-                    "resumes", "groups_started"):
+        for key in (
+            "response_tokens",
+            "samples",
+            "generation_failures",
+            "reward_failures",
+            "resumes",
+            "groups_started",
+        ):
             if key in self._rollout:
                 record[f"rollout/{key}"] = self._rollout[key]
         if "response_tokens" in self._rollout:

@@ -194,8 +194,11 @@ class WeightPublisher:
         except* (EngineError, RuntimeError, OSError) as errors:
             # An engine died mid-update; the fleet restarts it and asks for a resync.
             failed = True
-            log.error("weight update to version %d failed: %s", snapshot.version,
-                      "; ".join(str(e) for e in errors.exceptions))
+            log.error(
+                "weight update to version %d failed: %s",
+                snapshot.version,
+                "; ".join(str(e) for e in errors.exceptions),
+            )
         try:
             record.ok = not failed
             self.records.append(record)
@@ -216,31 +219,42 @@ class WeightPublisher:
             broadcast_started = time.perf_counter()
             for index, bucket in enumerate(snapshot.buckets):
                 is_last = index == len(snapshot.buckets) - 1
-                names = [name for name, _ in bucket]
-                dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
-                shapes = [list(tensor.shape) for _, tensor in bucket]
-
-                async def update(engine: EngineClient) -> None:
-                    result = await engine.update_weights_from_distributed(
-                        names,
-                        dtypes,
-                        shapes,
-                        group_name=group.name,
-                        weight_version=snapshot.version if is_last else None,
-                        flush_cache=False,
-                    )
-                    if not result.get("success", False):
-                        raise RuntimeError(f"{engine.url}: {result.get('message')}")
-
-                async with anyio.create_task_group() as tg:
-                    for engine in engines:
-                        tg.start_soon(update, engine)
-                    tensors = [tensor for _, tensor in bucket]
-                    await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
+                tag = snapshot.version if is_last else None  # the version flips after the last
+                await self._send_bucket(engines, group, bucket, tag)
             record.broadcast_s = time.perf_counter() - broadcast_started
         finally:
             await _each(engines, lambda e: e.continue_generation())
             record.engine_pause_s = time.perf_counter() - paused_at
+
+    async def _send_bucket(
+        self,
+        engines: list[EngineClient],
+        group: _Group,
+        bucket: list[tuple[str, torch.Tensor]],
+        weight_version: int | None,
+    ) -> None:
+        """Every engine's update call in flight while rank 0 broadcasts the bucket's tensors."""
+        names = [name for name, _ in bucket]
+        dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
+        shapes = [list(tensor.shape) for _, tensor in bucket]
+
+        async def update(engine: EngineClient) -> None:
+            result = await engine.update_weights_from_distributed(
+                names,
+                dtypes,
+                shapes,
+                group_name=group.name,
+                weight_version=weight_version,
+                flush_cache=False,
+            )
+            if not result.get("success", False):
+                raise RuntimeError(f"{engine.url}: {result.get('message')}")
+
+        async with anyio.create_task_group() as tg:
+            for engine in engines:
+                tg.start_soon(update, engine)
+            tensors = [tensor for _, tensor in bucket]
+            await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
 
     async def _ensure_group(self, engines: list[EngineClient]) -> _Group:
         members = tuple(engine.url for engine in engines)

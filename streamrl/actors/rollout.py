@@ -106,14 +106,15 @@ class RolloutWorker:
 
     async def _run_group(self, prompt: Any) -> None:
         started_at = time.time()
-        samples: list[Sample | None] = [None] * self.n_samples_per_prompt
+        trajectories = await self._generate(prompt)
+        samples: list[Sample | None] = [None] * len(trajectories)
 
-        async def one(index: int) -> None:
-            samples[index] = await self.run_sample(prompt, index)
+        async def score_one(index: int) -> None:
+            samples[index] = await self._to_sample(prompt, index, *trajectories[index])
 
         async with anyio.create_task_group() as tg:
-            for index in range(self.n_samples_per_prompt):
-                tg.start_soon(one, index)
+            for index in range(len(trajectories)):
+                tg.start_soon(score_one, index)
         group = Group(
             group_id=f"s{prompt.seq}",
             prompt_seq=prompt.seq,
@@ -128,30 +129,62 @@ class RolloutWorker:
         await self.sender.send(group)
         self.counters.groups_sent += 1
 
-    async def run_sample(self, prompt: Any, index: int) -> Sample:
-        """Generate and score one sample; failures are recorded in the sample, never raised."""
-        ctx = GenerateContext(
+    def _context(self, session_key: str) -> GenerateContext:
+        return GenerateContext(
             engines=self.engines,
             tokenizer=self.tokenizer,
             sampling_params=dict(self.sampling_params),
             kwargs=self.generate_kwargs,
-            session_key=f"{prompt.seq}-{index}",
+            session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
         )
+
+    async def _generate(self, prompt: Any) -> list[tuple[Trajectory, str | None]]:
+        """The group's n trajectories, each with the error that ended it (None when it did not
+        fail): one `for_group` call when the generate function has one, else n calls."""
+        n = self.n_samples_per_prompt
         started = time.perf_counter()
-        status = SampleStatus.OK
-        metadata: dict[str, Any] = {"index": index}
-        try:
-            trajectory = await self.generate_fn(ctx, prompt)
-        except Exception as exc:  # the user's function or every engine failed: keep a record
-            log.warning("generate failed for prompt %d sample %d: %r", prompt.seq, index, exc)
-            self.counters.generation_failures += 1
-            trajectory = Trajectory(finish_reason=FinishReason.ERROR)
-            status = SampleStatus.GENERATION_FAILED
-            metadata["error"] = f"{type(exc).__name__}: {exc}"
+        for_group = getattr(self.generate_fn, "for_group", None)
+        if for_group is not None:
+            try:
+                results = [
+                    (t, None) for t in await for_group(self._context(f"{prompt.seq}"), prompt, n)
+                ]
+            except Exception as exc:  # every engine failed, or the user's code raised
+                results = [self._failed(prompt, index, exc) for index in range(n)]
+        else:
+            results: list = [None] * n
+
+            async def one(index: int) -> None:
+                try:
+                    trajectory = await self.generate_fn(
+                        self._context(f"{prompt.seq}-{index}"), prompt
+                    )
+                    results[index] = (trajectory, None)
+                except Exception as exc:
+                    results[index] = self._failed(prompt, index, exc)
+
+            async with anyio.create_task_group() as tg:
+                for index in range(n):
+                    tg.start_soon(one, index)
         self.counters.busy_s += time.perf_counter() - started
-        metadata.update(trajectory.metadata)
+        return results
+
+    def _failed(self, prompt: Any, index: int, exc: Exception) -> tuple[Trajectory, str]:
+        """Keep a record of a sample that could not be generated (the group will be filtered)."""
+        log.warning("generate failed for prompt %d sample %d: %r", prompt.seq, index, exc)
+        self.counters.generation_failures += 1
+        return Trajectory(finish_reason=FinishReason.ERROR), f"{type(exc).__name__}: {exc}"
+
+    async def _to_sample(
+        self, prompt: Any, index: int, trajectory: Trajectory, error: str | None
+    ) -> Sample:
+        """Score one trajectory; a failing reward is recorded in the sample, never raised."""
+        status = SampleStatus.OK if error is None else SampleStatus.GENERATION_FAILED
+        metadata: dict[str, Any] = {"index": index, **trajectory.metadata}
         metadata["num_turns"] = trajectory.num_turns
+        if error is not None:
+            metadata["error"] = error
         reward = trajectory.reward
         if reward is None and status is SampleStatus.OK:
             outcome = await score(

@@ -1,4 +1,7 @@
-"""The default generate function: one model turn after the prompt."""
+"""The default generate function: one model turn after the prompt.
+
+A group's n samples are made by one engine call (`for_group`), so they share
+the prompt's prefill and one HTTP round trip."""
 
 from __future__ import annotations
 
@@ -12,3 +15,16 @@ async def generate(ctx: GenerateContext, prompt: Any) -> Trajectory:
     trajectory = Trajectory()
     trajectory.add_completion(await ctx.generate(list(prompt.input_ids)))
     return trajectory
+
+
+async def generate_group(ctx: GenerateContext, prompt: Any, n: int) -> list[Trajectory]:
+    """The n samples of one group from a single engine call."""
+    trajectories = []
+    for completion in await ctx.generate_samples(list(prompt.input_ids), n):
+        trajectory = Trajectory()
+        trajectory.add_completion(completion)
+        trajectories.append(trajectory)
+    return trajectories
+
+
+generate.for_group = generate_group

@@ -23,7 +23,9 @@ def machine_info() -> dict[str, Any]:
     }
     try:
         with open("/proc/cpuinfo") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+            names = [
+                line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")
+            ]
         info["cpu"] = names[0] if names else platform.processor()
         with open("/proc/meminfo") as handle:
             info["memory_gib"] = round(int(handle.readline().split()[1]) / 2**20, 1)
@@ -44,7 +46,9 @@ def git_commit() -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -58,8 +62,12 @@ def write_result(
     config: dict[str, Any],
     result: dict[str, Any],
     plot: Callable[[dict[str, Any], Any], None] | None = None,
+    num_panels: int = 1,
 ) -> Path:
-    """Write `path` (JSON) and, with `plot`, the PNG beside it; returns the JSON path."""
+    """Write `path` (JSON) and, with `plot`, the PNG beside it; returns the JSON path.
+
+    `plot(result, ax)` draws on one axes, or with `num_panels` > 1 on a list of that
+    many axes side by side."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -78,8 +86,9 @@ def write_result(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        plot(result, ax)
+        width = 7.0 if num_panels == 1 else 6.5 * num_panels
+        fig, axes = plt.subplots(1, num_panels, figsize=(width, 4.5), squeeze=False)
+        plot(result, list(axes[0]) if num_panels > 1 else axes[0][0])
         fig.tight_layout()
         fig.savefig(path.with_suffix(".png"), dpi=110)
         plt.close(fig)

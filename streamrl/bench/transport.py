@@ -51,18 +51,24 @@ async def _send(args: argparse.Namespace) -> None:
         response_tokens=args.response_tokens,
         prompt_tokens=args.prompt_tokens,
     )
-    sender = StreamSender(args.address, sender_id=args.sender_id, resend_after_s=args.resend_after_s)
+    sender = StreamSender(
+        args.address, sender_id=args.sender_id, resend_after_s=args.resend_after_s
+    )
     async with anyio.create_task_group() as tg:
         await tg.start(sender.run)
         index = args.start
         while args.count <= 0 or index < args.count:
             if not await sender.acquire():
                 break
-            group = template if args.reuse_payload else make_group(
-                index,
-                samples_per_group=args.samples_per_group,
-                response_tokens=args.response_tokens,
-                prompt_tokens=args.prompt_tokens,
+            group = (
+                template
+                if args.reuse_payload
+                else make_group(
+                    index,
+                    samples_per_group=args.samples_per_group,
+                    response_tokens=args.response_tokens,
+                    prompt_tokens=args.prompt_tokens,
+                )
             )
             group.group_id, group.prompt_seq = f"g{index}", index
             await sender.send(group)
@@ -87,7 +93,10 @@ async def _measure(args: argparse.Namespace) -> dict:
         last_at = now
         num_groups += 1
         num_bytes_payload += sum(
-            s.prompt_ids.nbytes + s.response_ids.nbytes + s.logprobs.nbytes + s.versions.nbytes
+            s.prompt_ids.nbytes
+            + s.response_ids.nbytes
+            + s.logprobs.nbytes
+            + s.versions.nbytes
             + s.loss_mask.nbytes
             for s in group.samples
         )
@@ -98,10 +107,19 @@ async def _measure(args: argparse.Namespace) -> dict:
         child = spawn(
             "bench-sender",
             streamrl_argv(
-                "bench", "transport-sender", "--address", address, "--count", "0",
-                "--samples-per-group", str(args.samples_per_group),
-                "--response-tokens", str(args.response_tokens),
-                "--prompt-tokens", str(args.prompt_tokens), "--reuse-payload",
+                "bench",
+                "transport-sender",
+                "--address",
+                address,
+                "--count",
+                "0",
+                "--samples-per-group",
+                str(args.samples_per_group),
+                "--response-tokens",
+                str(args.response_tokens),
+                "--prompt-tokens",
+                str(args.prompt_tokens),
+                "--reuse-payload",
             ),
         )
         try:

@@ -37,7 +37,9 @@ def build_backend(cfg: RunConfig, model_path: str, device: torch.device, dtype: 
 
     # Known, harmless notices from torch.distributed and megatron-core 0.16.1 on every step.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
-    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+    warnings.filterwarnings(
+        "ignore", message=r"The \.grad attribute of a Tensor that is not a leaf"
+    )
 
     return MegatronBackend(
         model_path,
@@ -57,20 +59,34 @@ def engine_argv_factory(cfg: RunConfig, model_path: str, version: int):
 
     def embedded(index: int, host: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = streamrl_argv(
-            "--log-level", cfg.logging.level,
-            "engine", "serve",
-            "--model", model_path,
-            "--host", host,
-            "--port", str(port),
-            "--device", engine.device,
-            "--dtype", engine.dtype,
-            "--max-batch-size", str(engine.max_batch_size),
-            "--max-seq-len", str(engine.max_seq_len),
-            "--runner", engine.runner,
-            "--seed", str(cfg.model.seed + index),
-            "--weight-version", str(version),
-            "--num-threads", str(engine.num_threads),
-            "--compile", engine.compile,
+            "--log-level",
+            cfg.logging.level,
+            "engine",
+            "serve",
+            "--model",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--device",
+            engine.device,
+            "--dtype",
+            engine.dtype,
+            "--max-batch-size",
+            str(engine.max_batch_size),
+            "--max-seq-len",
+            str(engine.max_seq_len),
+            "--runner",
+            engine.runner,
+            "--seed",
+            str(cfg.model.seed + index),
+            "--weight-version",
+            str(version),
+            "--num-threads",
+            str(engine.num_threads),
+            "--compile",
+            engine.compile,
         )
         if cfg.model.tokenizer:
             argv += ["--tokenizer", cfg.model.tokenizer]

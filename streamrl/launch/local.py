@@ -51,8 +51,11 @@ def run_command(args) -> int:
     except (RunError, ProcessDied, TimeoutError, ConfigError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 1
-    print(f"streamrl: done: {summary['steps']} steps, version {summary['version']}, "
-          f"run dir {cfg.train.output_dir}", file=sys.stderr)
+    print(
+        f"streamrl: done: {summary['steps']} steps, version {summary['version']}, "
+        f"run dir {cfg.train.output_dir}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -227,7 +230,9 @@ class LocalJob:
                 await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
         finally:
             metrics.close()
-        summary = _summary(cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started)
+        summary = _summary(
+            cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started
+        )
         summary["engine_versions"] = engine_versions
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -245,8 +250,14 @@ class LocalJob:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))
         if world_size > 1:
             self.ranks = start_ranks(
-                streamrl_argv("--log-level", self.cfg.logging.level, "_component", "learner",
-                              "--run-dir", str(self.run_dir)),
+                streamrl_argv(
+                    "--log-level",
+                    self.cfg.logging.level,
+                    "_component",
+                    "learner",
+                    "--run-dir",
+                    str(self.run_dir),
+                ),
                 world_size=world_size,
                 ranks=range(1, world_size),
                 log_dir=self.run_dir / "logs",
@@ -275,8 +286,14 @@ class LocalJob:
         (self.run_dir / "rollout.json").write_text(json.dumps(spec, indent=2) + "\n")
         child = spawn(
             "rollout",
-            streamrl_argv("--log-level", self.cfg.logging.level, "_component", "rollout",
-                          "--run-dir", str(self.run_dir)),
+            streamrl_argv(
+                "--log-level",
+                self.cfg.logging.level,
+                "_component",
+                "rollout",
+                "--run-dir",
+                str(self.run_dir),
+            ),
             log_path=self.run_dir / "logs" / "rollout.log",
         )
         self.children.append(child)

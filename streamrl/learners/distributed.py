@@ -47,7 +47,11 @@ class Command(msgspec.Struct, frozen=True):
 
 def _device() -> torch.device:
     backend = dist.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def announce(command: Command) -> None:
@@ -91,7 +95,11 @@ class Leader:
         )
 
     def train_mini_batch(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
         need_entropy: bool,
     ) -> dict[str, float]:
         announce(Command(Op.TRAIN, temperature=temperature, need_entropy=need_entropy))

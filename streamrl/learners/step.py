@@ -47,8 +47,9 @@ def train_step(
 
     response_mask = _response_tensor(samples, "loss_mask")
     behaviour_by_sample = _response_tensor(samples, "logprobs")
-    advantages = _advantages(cfg, samples, group_size, response_mask, proximal_by_sample,
-                             reference_by_sample)
+    advantages = _advantages(
+        cfg, samples, group_size, response_mask, proximal_by_sample, reference_by_sample
+    )
     metrics = _batch_metrics(samples, response_mask, behaviour_by_sample, proximal_by_sample)
 
     mini_batches = _split(all_indices, cfg.optimizer_steps_per_step)

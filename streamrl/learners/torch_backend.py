@@ -36,7 +36,9 @@ class TorchBackend:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(seed)
         self.device = device
-        self.model, self.tokenizer = load_model(model_path, device=str(device), dtype=dtype, seed=seed)
+        self.model, self.tokenizer = load_model(
+            model_path, device=str(device), dtype=dtype, seed=seed
+        )
         self.model.train()
         self.model.config.use_cache = False
         for parameter in self.model.parameters():
@@ -81,7 +83,8 @@ class TorchBackend:
         model.eval()
         try:
             return [
-                self._forward(model, mb, temperature, False)[1].float().cpu() for mb in micro_batches
+                self._forward(model, mb, temperature, False)[1].float().cpu()
+                for mb in micro_batches
             ]
         finally:
             model.train(was_training)
@@ -97,7 +100,9 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for micro_batch in micro_batches:
-            batch, logprobs, entropy = self._forward(self.model, micro_batch, temperature, need_entropy)
+            batch, logprobs, entropy = self._forward(
+                self.model, micro_batch, temperature, need_entropy
+            )
             loss, metrics = loss_fn(batch, logprobs, entropy)
             loss.backward()
             for key, value in metrics.items():
@@ -133,6 +138,8 @@ class TorchBackend:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
         if missing or unexpected:
-            raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         optimizer_state = torch.load(path / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(optimizer_state)

@@ -154,7 +154,9 @@ class Buffer:
         if len(self._heap) >= self.capacity:
             victim = heapq.heappop(self._heap)
             self.stats.evicted["overflow"] += 1
-            log.warning("buffer full (%d groups): evicted group %s", self.capacity, victim.group.group_id)
+            log.warning(
+                "buffer full (%d groups): evicted group %s", self.capacity, victim.group.group_id
+            )
             self._discard(victim.group, "evicted:overflow")
         oldest = group.oldest_version
         entry = _Entry(-1 if oldest is None else oldest, next(self._arrivals), self._clock(), group)

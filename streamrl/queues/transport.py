@@ -329,7 +329,9 @@ class StreamSender:
             await changed.wait()
 
     async def _hello(self) -> None:
-        await self._socket.send(self._encoder.encode(Hello(self.sender_id, self.session, self.want)))
+        await self._socket.send(
+            self._encoder.encode(Hello(self.sender_id, self.session, self.want))
+        )
 
     def _on_message(self, message: ToSender) -> None:
         if isinstance(message, Credit):
@@ -348,7 +350,9 @@ class StreamSender:
         while True:
             await anyio.sleep(self.resend_after_s / 2)
             now = time.monotonic()
-            stale = [gid for gid, (sent, _) in self._unacked.items() if now - sent > self.resend_after_s]
+            stale = [
+                gid for gid, (sent, _) in self._unacked.items() if now - sent > self.resend_after_s
+            ]
             if stale:
                 log.info("rollout stream: resending %d unacked groups", len(stale))
                 await self._hello()
