@@ -69,6 +69,9 @@ class Trajectory:
     num_turns: int = 0
     num_resumes: int = 0
     """Model turns continued after an abort (weight update) or an engine failure."""
+    prompt_ids: list[int] | None = None
+    """Set when the episode started from other tokens than `prompt.input_ids` (an
+    environment whose first observation is not the prompt); the sample's prompt then."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
@@ -90,6 +93,10 @@ class Trajectory:
 
 
 class GenerateFn(Protocol):
+    """One prompt -> one trajectory. It may also carry `for_group(ctx, prompt, n) ->
+    list[Trajectory]`, which the rollout worker then uses to make a group's n samples at
+    once (the default single-turn function does: one engine call with SGLang's `n`)."""
+
     async def __call__(self, ctx: GenerateContext, prompt: Any) -> Trajectory: ...
 
 
@@ -139,6 +146,61 @@ class GenerateContext:
                 return completion
             # Aborted by a weight update (pause mode "abort"): continue from what we have.
             completion.num_resumes += 1
+
+    async def generate_samples(self, input_ids: list[int], n: int, **overrides: Any) -> list[Completion]:
+        """`n` model turns from the same `input_ids` in one engine call (SGLang's `n`: they share
+        the prefill and one HTTP round trip); a sample a weight update aborted is continued on
+        its own through `generate`. An engine failure falls back to n separate `generate`s."""
+        params = {**self.sampling_params, **overrides}
+        budget = params.get("max_new_tokens", 128)
+        try:
+            results = await self._engine(0).generate_many([input_ids], {**params, "n": n})
+        except EngineError as exc:
+            if exc.status is not None and 400 <= exc.status < 500:
+                raise
+            log.warning("batched engine call failed (%s); generating samples one by one", exc)
+            results = []
+        if len(results) != n:
+            return await self._each(n, lambda: self.generate(input_ids, **overrides))
+        completions = [Completion() for _ in range(n)]
+
+        async def finish(completion: Completion, result: GenerateResult) -> None:
+            completion.num_engine_calls = 1
+            completion.extend(result)
+            if not result.is_aborted:
+                completion.finish_reason = FinishReason(result.finish_reason.type)
+                return
+            remaining = budget - len(completion.output_ids)
+            if remaining <= 0:
+                completion.finish_reason = FinishReason.LENGTH
+                return
+            rest = await self.generate(
+                input_ids + completion.output_ids, **{**overrides, "max_new_tokens": remaining}
+            )
+            completion.output_ids += rest.output_ids
+            completion.logprobs += rest.logprobs
+            completion.versions += rest.versions
+            completion.text += rest.text
+            completion.finish_reason = rest.finish_reason
+            completion.num_engine_calls += rest.num_engine_calls
+            completion.num_resumes += 1 + rest.num_resumes
+
+        async with anyio.create_task_group() as tg:
+            for completion, result in zip(completions, results, strict=True):
+                tg.start_soon(finish, completion, result)
+        return completions
+
+    @staticmethod
+    async def _each(n: int, make) -> list[Completion]:
+        out: list[Completion | None] = [None] * n
+
+        async def one(index: int) -> None:
+            out[index] = await make()
+
+        async with anyio.create_task_group() as tg:
+            for index in range(n):
+                tg.start_soon(one, index)
+        return out
 
     def _engine(self, num_failures: int):
         """The router when there is one (it keeps prefix affinity), else this session's engine;
