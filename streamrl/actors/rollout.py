@@ -208,7 +208,7 @@ class RolloutWorker:
         self.counters.response_tokens += len(trajectory.response_ids)
         self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
         return Sample(
-            prompt_ids=prompt.input_ids,
+            prompt_ids=prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids,
             response_ids=trajectory.response_ids,
             logprobs=trajectory.logprobs,
             versions=trajectory.versions,
