@@ -129,3 +129,10 @@ path = "builtin:arithmetic"
     again = tmp_path / "again.toml"
     again.write_text(dump_toml(cfg))
     assert load_config(again) == cfg
+
+
+def test_the_configuration_page_is_generated_from_the_code():
+    from streamrl.config_doc import render
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == render(), "run: python -m streamrl.config_doc > docs/configuration.md"
