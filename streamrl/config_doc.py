@@ -33,13 +33,14 @@ def field_docs(struct: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     body = tree.body[0].body
     for node, following in zip(body, [*body[1:], None], strict=True):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if (
-                isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(following.value.value.split())
+        is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        is_doc = (
+            isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        )
+        if is_field and is_doc:
+            docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
