@@ -68,7 +68,8 @@ CAPITALS = {
     "Pakistan": "Islamabad", "Afghanistan": "Kabul", "Syria": "Damascus",
     "Lebanon": "Beirut", "Iceland": "Reykjavik",
 }  # fmt: skip
-"""Countries whose capital is undisputed, named unlike the country, and spelt one way."""
+"""Countries whose capital is named unlike the country and spelt one way (the constitutional
+capital: Amsterdam, not The Hague; Bern is the federal city)."""
 
 _CAPITAL_QUESTIONS = (
     "What is the capital of {country}?",
