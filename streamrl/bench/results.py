@@ -62,12 +62,12 @@ def write_result(
     config: dict[str, Any],
     result: dict[str, Any],
     plot: Callable[[dict[str, Any], Any], None] | None = None,
-    num_panels: int = 1,
+    num_panels: int | tuple[int, int] = 1,
 ) -> Path:
     """Write `path` (JSON) and, with `plot`, the PNG beside it; returns the JSON path.
 
-    `plot(result, ax)` draws on one axes, or with `num_panels` > 1 on a list of that
-    many axes side by side."""
+    `plot(result, ax)` draws on one axes; with `num_panels` > 1 (side by side) or
+    (rows, columns) it gets a flat list of that many axes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -86,9 +86,11 @@ def write_result(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        width = 7.0 if num_panels == 1 else 6.5 * num_panels
-        fig, axes = plt.subplots(1, num_panels, figsize=(width, 4.5), squeeze=False)
-        plot(result, list(axes[0]) if num_panels > 1 else axes[0][0])
+        rows, columns = num_panels if isinstance(num_panels, tuple) else (1, num_panels)
+        width = 7.0 if rows * columns == 1 else 6.5 * columns
+        fig, axes = plt.subplots(rows, columns, figsize=(width, 4.5 * rows), squeeze=False)
+        flat = [ax for row in axes for ax in row]
+        plot(result, flat if len(flat) > 1 else flat[0])
         fig.tight_layout()
         fig.savefig(path.with_suffix(".png"), dpi=110)
         plt.close(fig)

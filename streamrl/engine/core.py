@@ -21,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,10 @@ class EngineCore:
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.is_paused = False
+        self.busy_s = 0.0
+        """Seconds the engine thread spent in scheduler steps (it steps only while requests
+        run or wait, so uptime minus this is idle time: paused, or nothing to do)."""
+        self._started_at = time.monotonic()
 
     # -- state read by other threads (plain attribute reads) -------------------
 
@@ -158,11 +163,17 @@ class EngineCore:
     def stats(self) -> dict:
         return dict(self.scheduler.stats)
 
+    @property
+    def uptime_s(self) -> float:
+        """Seconds since `start` (the clock `busy_s` is measured against)."""
+        return time.monotonic() - self._started_at
+
     # -- lifecycle ------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
             return
+        self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="streamrl-engine", daemon=True)
         self._thread.start()
 
@@ -190,7 +201,9 @@ class EngineCore:
                     scheduler.drain()
                     command()
                     continue
+                started = time.perf_counter()
                 scheduler.step()
+                self.busy_s += time.perf_counter() - started
             except Exception as error:
                 logger.exception("engine step failed; aborting every request")
                 scheduler.fail_all(f"engine error: {type(error).__name__}: {error}")

@@ -286,6 +286,10 @@ class EngineServer:
             "is_receiving_weights": self.is_receiving_weights,
             "is_paused": self.core.is_paused,
             "weight_version": self.core.weight_version,
+            # streamrl additions (not in SGLang): the engine's busy clock for benchmarks.
+            "busy_s": self.core.busy_s,
+            "uptime_s": self.core.uptime_s,
+            "generated_tokens": self.core.scheduler.stats["generated_tokens"],
         }
 
     async def server_info(self, request: web.Request) -> web.Response:

@@ -1,0 +1,227 @@
+"""`streamrl bench sync-vs-async`: the same config synchronous and asynchronous, and each stage alone.
+
+    1. async run (eta from --eta or the config, at least 1), recording the batches it trains
+    2. sync run (train.mode = "sync": generation and training alternate)
+    3. generation alone (`stages.generation_only`), as many groups as the async run started
+    4. training alone (`stages.replay` of the recorded batches, in a child process)
+
+Reported: each run's effective training throughput (see `streamrl.bench.runs` for
+the window), async / sync speedup, and pipeline efficiency =
+async throughput / min(generation alone, training alone), all in response tokens
+trained per second. A perfect pipeline hides the faster stage behind the slower one
+(efficiency 1); weight updates, the learner's waits and the two stages competing for
+the same devices lower it. The ideal sync throughput, 1 / (1/gen + 1/train), is
+given for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from streamrl.bench.results import write_result
+from streamrl.bench.runs import BenchError, RunSpec, run_observed, write_run_config
+from streamrl.bench.staleness import run_overrides
+
+
+def sync_async_command(args: argparse.Namespace) -> int:
+    from streamrl.config import load_config
+
+    work_dir = Path(args.work_dir).resolve()
+    base = load_config(args.config, args.overrides)
+    eta = args.eta if args.eta >= 0 else max(base.buffer.max_staleness, 1)
+    record_path = work_dir / "async-groups.msgpack"
+    runs: dict[str, dict[str, Any]] = {}
+    for mode in ("async", "sync"):
+        overrides = run_overrides(
+            work_dir,
+            mode,
+            args.steps,
+            [*args.overrides, f"train.mode='{mode}'", f"buffer.max_staleness={eta}"],
+        )
+        config_path = write_run_config(Path(args.config), overrides, work_dir / f"{mode}.toml")
+        spec = RunSpec(
+            mode, config_path, work_dir / mode, record_path=record_path if mode == "async" else None
+        )
+        runs[mode] = run_observed(spec, timeout_s=args.run_timeout_s, log_level=args.run_log_level)
+        print(
+            f"  {mode}: {runs[mode]['effective_tokens_per_s']:,.1f} trained tok/s, "
+            f"learner idle {runs[mode]['learner_idle_frac']:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    result: dict[str, Any] = {"eta": eta, "runs": runs}
+    async_tps = runs["async"]["effective_tokens_per_s"]
+    sync_tps = runs["sync"]["effective_tokens_per_s"]
+    result["speedup"] = async_tps / sync_tps if sync_tps else None
+    if not args.skip_stages:
+        cfg = load_config(work_dir / "async.toml")
+        model_path = _initial_model(work_dir / "async", cfg)
+        generation = _generation_alone(cfg, work_dir, model_path, eta, args)
+        training = _training_alone(work_dir, model_path, record_path, args)
+        slowest = min(generation["trainable_tokens_per_s"], training["trained_tokens_per_s"])
+        result.update(
+            generation_alone=generation,
+            training_alone=training,
+            bottleneck_tokens_per_s=slowest,
+            pipeline_efficiency=async_tps / slowest if slowest else None,
+            ideal_sync_tokens_per_s=1.0
+            / (1.0 / generation["trainable_tokens_per_s"] + 1.0 / training["trained_tokens_per_s"]),
+        )
+    print(_summary_line(result))
+    if args.json:
+        import torch  # noqa: F401 - machine_info reports the GPUs torch sees
+
+        write_result(
+            args.json,
+            bench="sync-vs-async",
+            config={
+                "config_file": args.config,
+                "eta": eta,
+                "steps": args.steps,
+                "overrides": args.overrides,
+                "resolved": (work_dir / "async.toml").read_text(),
+            },
+            result=result,
+            plot=plot_sync_async,
+            num_panels=2,
+        )
+    return 0
+
+
+def _initial_model(run_dir: Path, cfg) -> str:
+    """The weights the async run started from (its `initial_model` for random models)."""
+    initial = run_dir / "initial_model"
+    return str(initial) if (initial / "config.json").exists() else cfg.model.path
+
+
+def _generation_alone(cfg, work_dir: Path, model_path: str, eta: int, args) -> dict[str, Any]:
+    from streamrl.bench.stages import generation_only
+
+    num_groups = args.steps * cfg.rollout.batch_size
+    result = generation_only(
+        cfg,
+        run_dir=work_dir / "generation-alone",
+        model_path=model_path,
+        num_groups=num_groups,
+        window=(eta + 1) * cfg.rollout.batch_size,
+        timeout_s=args.run_timeout_s,
+    )
+    print(
+        f"  generation alone: {result['trainable_tokens_per_s']:,.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def _training_alone(work_dir: Path, model_path: str, record_path: Path, args) -> dict[str, Any]:
+    from streamrl.launch.process import spawn, streamrl_argv
+
+    out = work_dir / "training-alone.json"
+    out.unlink(missing_ok=True)
+    child = spawn(
+        "replay",
+        streamrl_argv(
+            "--log-level",
+            args.run_log_level,
+            "bench",
+            "replay",
+            str(work_dir / "async.toml"),
+            "--groups",
+            str(record_path),
+            "--model",
+            model_path,
+            "--out",
+            str(out),
+        ),
+        log_path=work_dir / "training-alone.log",
+    )
+    try:
+        code = child.popen.wait(args.run_timeout_s)
+    finally:
+        child.stop()
+    if code != 0 or not out.exists():
+        raise BenchError(f"training alone failed (code {code}):\n{child.log_tail(40)}")
+    result = json.loads(out.read_text())
+    print(
+        f"  training alone: {result['trained_tokens_per_s']:,.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def _summary_line(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    line = (
+        f"sync-vs-async (eta {result['eta']}): async {runs['async']['effective_tokens_per_s']:,.1f}"
+        f" vs sync {runs['sync']['effective_tokens_per_s']:,.1f} trained tok/s "
+        f"= {result['speedup']:.2f}x"
+    )
+    if "pipeline_efficiency" in result:
+        line += (
+            f"; generation alone {result['generation_alone']['trainable_tokens_per_s']:,.1f},"
+            f" training alone {result['training_alone']['trained_tokens_per_s']:,.1f}; "
+            f"pipeline efficiency {result['pipeline_efficiency']:.2f}"
+        )
+    return line
+
+
+def plot_sync_async(result: dict[str, Any], axes) -> None:
+    bars_ax, time_ax = axes
+    runs = result["runs"]
+    labels = ["sync", f"async (eta {result['eta']})"]
+    values = [runs["sync"]["effective_tokens_per_s"], runs["async"]["effective_tokens_per_s"]]
+    colors = ["tab:gray", "tab:blue"]
+    if "generation_alone" in result:
+        labels += ["generation\nalone", "training\nalone"]
+        values += [
+            result["generation_alone"]["trainable_tokens_per_s"],
+            result["training_alone"]["trained_tokens_per_s"],
+        ]
+        colors += ["tab:green", "tab:orange"]
+    bars_ax.bar(labels, values, color=colors)
+    for x, value in enumerate(values):
+        bars_ax.annotate(f"{value:,.0f}", (x, value), ha="center", va="bottom", fontsize=8)
+    if "ideal_sync_tokens_per_s" in result:
+        bars_ax.axhline(
+            result["ideal_sync_tokens_per_s"],
+            color="tab:gray",
+            linestyle=":",
+            label="ideal sync 1/(1/gen+1/train)",
+        )
+        bars_ax.axhline(
+            result["bottleneck_tokens_per_s"],
+            color="tab:red",
+            linestyle="--",
+            label="ideal async min(gen, train)",
+        )
+        bars_ax.legend(fontsize=8)
+    title = f"async/sync {result['speedup']:.2f}x"
+    if result.get("pipeline_efficiency") is not None:
+        title += f", pipeline efficiency {result['pipeline_efficiency']:.2f}"
+    bars_ax.set_title(title)
+    bars_ax.set_ylabel("response tokens trained per second")
+
+    for name, color in (("sync", "tab:gray"), ("async", "tab:blue")):
+        run = runs[name]
+        names = ["learner idle", "learner training", "engine idle"]
+        shares = [
+            run["learner_idle_frac"],
+            run["learner_train_frac"],
+            run.get("engine_idle_frac") or 0.0,
+        ]
+        offset = -0.2 if name == "sync" else 0.2
+        time_ax.bar(
+            [i + offset for i in range(len(names))], shares, width=0.4, color=color, label=name
+        )
+        time_ax.set_xticks(range(len(names)), names)
+    time_ax.set_ylim(0, 1.05)
+    time_ax.set_ylabel("share of the window")
+    time_ax.set_title("Where the time goes")
+    time_ax.legend(fontsize=8)

@@ -1,0 +1,317 @@
+"""`streamrl bench weight-sync`: what one weight update costs, for 1..N real engines.
+
+For each engine count n: start n embedded engines (`streamrl engine serve`
+processes, on GPUs 1..n with NCCL or on the CPU with gloo) holding a random
+model of `--shape`; hold the same shape's weights in this process (the
+learner's side, on `--learner-gpu` or the CPU); publish `1 + --repeats` versions
+through the real `WeightPublisher` over the weight-update group, one after the
+other. The first publish builds the group (its rendezvous is reported apart);
+the others are timed:
+
+- publish latency: `publish(v)` called until `on_published(v)` (every engine
+  serves v);
+- learner stall: until `publish` returns (snapshot of the weights into staging
+  buckets, plus waiting for a previous broadcast: none here);
+- engine pause: pause_generation until continue_generation (the whole broadcast
+  and the in-place copy happen inside it);
+- GB/s: bytes / broadcast time (per receiver: a broadcast sends every byte to each).
+
+With `--load-requests K`, K requests per engine keep generating during the
+publishes, so the pause also waits for a step boundary. `--peak` adds the
+link's two-rank broadcast peak (`streamrl bench collective`) to the result.
+Engines run without CUDA graphs or compilation (they do not change the copy).
+NCCL refuses two ranks on one GPU, so with NCCL n <= number of GPUs - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from streamrl.bench.results import write_result
+
+GB = 1e9
+
+
+def parse_counts(text: str) -> list[int]:
+    """'1..4' -> [1, 2, 3, 4]; '1,2,4' -> [1, 2, 4]."""
+    if ".." in text:
+        low, high = (int(part) for part in text.split(".."))
+        return list(range(low, high + 1))
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def weight_sync_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from streamrl.engine.models import resolve_device, resolve_dtype, save_random_model
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    learner_device = torch.device("cuda", args.learner_gpu) if device.type == "cuda" else device
+    backend = (
+        args.backend if args.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    )
+    counts = parse_counts(args.engines)
+    engine_gpus = (
+        [int(g) for g in args.engine_gpus.split(",")]
+        if args.engine_gpus
+        else [g for g in range(torch.cuda.device_count()) if g != args.learner_gpu]
+        if device.type == "cuda"
+        else []
+    )
+    if backend == "nccl" and max(counts) > len(engine_gpus):
+        print(
+            f"error: NCCL needs one GPU per engine apart from the learner's; "
+            f"{len(engine_gpus)} available for --engines {args.engines}",
+            file=sys.stderr,
+        )
+        return 2
+    work_dir = Path(args.work_dir).resolve()
+    model_dir = work_dir / f"{args.shape}-model"
+    if not (model_dir / "config.json").exists():
+        save_random_model(args.shape, model_dir, seed=0)
+    weights = _learner_weights(model_dir, learner_device, dtype)
+    num_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    setup = {
+        "shape": args.shape,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
+        "bucket_mb": args.bucket_mb,
+        "pause_mode": args.pause_mode,
+        "repeats": args.repeats,
+        "load_requests": args.load_requests,
+        "learner_device": str(learner_device),
+        "engine_gpus": engine_gpus,
+        "num_tensors": len(weights),
+        "bytes": num_bytes,
+    }
+    rows = []
+    for count in counts:
+        row = anyio.run(_measure, args, setup, model_dir, weights, count, work_dir)
+        rows.append(row)
+        print(
+            f"  {count} engine(s): publish {row['publish_s_mean'] * 1e3:,.1f} ms, stall "
+            f"{row['learner_stall_s_mean'] * 1e3:,.1f} ms, pause "
+            f"{row['engine_pause_s_mean'] * 1e3:,.1f} ms, {row['gb_per_s_mean']:.2f} GB/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    result: dict[str, Any] = {"setup": setup, "engines": rows}
+    if args.peak:
+        from streamrl.bench.collective import measure_peak, peak_gib_per_s
+
+        gpus = (args.learner_gpu, engine_gpus[0]) if backend == "nccl" else (0, 1)
+        peak = measure_peak(backend, gpus=gpus, log_dir=work_dir)
+        result["peak"] = peak
+        result["peak_broadcast_gb_per_s"] = peak_gib_per_s(peak) * 2**30 / GB
+    last = rows[-1]
+    line = (
+        f"weight-sync ({args.shape}, {num_bytes / GB:.2f} GB, {backend}): "
+        f"{last['gb_per_s_mean']:.2f} GB/s to {last['num_engines']} engine(s), "
+        f"pause {last['engine_pause_s_mean'] * 1e3:,.0f} ms, "
+        f"stall {last['learner_stall_s_mean'] * 1e3:,.0f} ms"
+    )
+    if "peak_broadcast_gb_per_s" in result:
+        line += f"; link peak {result['peak_broadcast_gb_per_s']:.2f} GB/s"
+    print(line)
+    if args.json:
+        write_result(
+            args.json,
+            bench="weight-sync",
+            config=setup,
+            result=result,
+            plot=plot_weight_sync,
+            num_panels=2,
+        )
+    return 0
+
+
+def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
+    """The model's parameters under HF names (a tied head once, as the embedding), as a
+    learner backend's `hf_weights` yields them."""
+    from streamrl.engine.models import load_model
+
+    model, _ = load_model(str(model_dir), device=str(device), dtype=dtype)
+    return [(name, parameter.detach()) for name, parameter in model.named_parameters()]
+
+
+async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) -> dict[str, Any]:
+    from streamrl.actors.publisher import WeightPublisher
+    from streamrl.engine.client import EngineClient
+
+    engines = _start_engines(args, setup, model_dir, count, work_dir)
+    clients = [EngineClient(url) for url, _ in engines]
+    landed: dict[int, float] = {}
+    landed_event = anyio.Event()
+
+    async def on_published(version: int) -> None:
+        nonlocal landed_event
+        landed[version] = time.perf_counter()
+        landed_event.set()
+        landed_event = anyio.Event()
+
+    publisher = WeightPublisher(
+        weights=lambda: iter(weights),
+        members=lambda: clients,
+        on_published=on_published,
+        bucket_bytes=args.bucket_mb * 2**20,
+        pause_mode=args.pause_mode,
+        group_backend=setup["backend"],
+        staging_device=setup["learner_device"] if setup["backend"] == "nccl" else "cpu",
+    )
+    samples = []
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(publisher.run)
+            for client in clients:
+                for index in range(args.load_requests):
+                    tg.start_soon(_keep_generating, client, index)
+            for version in range(1, args.repeats + 2):
+                started = time.perf_counter()
+                event = landed_event
+                await publisher.publish(version)
+                while version not in landed:
+                    await event.wait()
+                    event = landed_event
+                record = publisher.records[-1]
+                if not record.ok:
+                    raise RuntimeError(f"publish of version {version} failed (see the engine logs)")
+                samples.append({"publish_s": landed[version] - started, **record.as_metrics()})
+            versions = [await client.weight_version() for client in clients]
+            tg.cancel_scope.cancel()
+    finally:
+        for client in clients:
+            await client.aclose()
+        _stop_engines(engines)
+    if versions != [args.repeats + 1] * count:
+        raise RuntimeError(f"engines report versions {versions}, expected {args.repeats + 1}")
+    timed = samples[1:]
+
+    def mean(key: str) -> float:
+        return sum(sample[key] for sample in timed) / len(timed)
+
+    return {
+        "num_engines": count,
+        "first_publish_s": samples[0]["publish_s"],
+        "publish_s_mean": mean("publish_s"),
+        "publish_s_min": min(sample["publish_s"] for sample in timed),
+        "learner_stall_s_mean": mean("weights/learner_stall_s"),
+        "snapshot_s_mean": mean("weights/snapshot_s"),
+        "engine_pause_s_mean": mean("weights/engine_pause_s"),
+        "broadcast_s_mean": mean("weights/broadcast_s"),
+        "gb_per_s_mean": setup["bytes"] / mean("weights/broadcast_s") / GB,
+        "samples": samples,
+    }
+
+
+async def _keep_generating(client, index: int) -> None:
+    """Keep one request in flight on `client` (load during the publishes)."""
+    from streamrl.engine.client import EngineError
+
+    params = {"max_new_tokens": 64, "temperature": 1.0}
+    while True:
+        try:
+            await client.generate([1, 2, 3, 4 + index], params)
+        except EngineError:
+            await anyio.sleep(0.05)
+
+
+def _start_engines(args, setup, model_dir: Path, count: int, work_dir: Path):
+    from streamrl.launch.process import free_port, spawn, streamrl_argv, wait_http_ready
+
+    engines = []
+    for index in range(count):
+        port = free_port()
+        argv = streamrl_argv(
+            "--log-level",
+            "warning",
+            "engine",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--device",
+            setup["device"].split(":")[0],
+            "--dtype",
+            setup["dtype"],
+            "--max-batch-size",
+            "8",
+            "--max-seq-len",
+            "256",
+            "--num-threads",
+            "1",
+            "--no-cuda-graphs",
+            "--compile",
+            "off",
+        )
+        env = {}
+        if setup["engine_gpus"]:
+            env["CUDA_VISIBLE_DEVICES"] = str(setup["engine_gpus"][index])
+        process = spawn(
+            f"engine-{index}",
+            argv,
+            env=env,
+            log_path=work_dir / "logs" / f"engines{count}-{index}.log",
+        )
+        engines.append((f"http://127.0.0.1:{port}", process))
+    try:
+        for url, process in engines:
+            wait_http_ready(url, timeout_s=600, process=process)
+    except BaseException:
+        _stop_engines(engines)
+        raise
+    return engines
+
+
+def _stop_engines(engines) -> None:
+    for _, process in engines:
+        process.signal(signal.SIGTERM)
+    for _, process in engines:
+        process.stop(timeout_s=30)
+
+
+def plot_weight_sync(result: dict[str, Any], axes) -> None:
+    time_ax, rate_ax = axes
+    rows = result["engines"]
+    counts = [row["num_engines"] for row in rows]
+    for key, label in (
+        ("publish_s_mean", "publish latency"),
+        ("engine_pause_s_mean", "engine pause"),
+        ("broadcast_s_mean", "broadcast"),
+        ("learner_stall_s_mean", "learner stall"),
+    ):
+        time_ax.plot(counts, [row[key] * 1e3 for row in rows], "o-", label=label)
+    time_ax.set_xticks(counts)
+    time_ax.set_xlabel("engines")
+    time_ax.set_ylabel("ms per update")
+    setup = result["setup"]
+    time_ax.set_title(
+        f"{setup['shape']} ({setup['bytes'] / GB:.2f} GB {setup['dtype']}), {setup['backend']}"
+    )
+    time_ax.legend(fontsize=8)
+    rate_ax.bar(
+        [str(c) for c in counts],
+        [row["gb_per_s_mean"] for row in rows],
+        color="tab:blue",
+        label="weight broadcast",
+    )
+    if "peak_broadcast_gb_per_s" in result:
+        rate_ax.axhline(
+            result["peak_broadcast_gb_per_s"],
+            color="tab:red",
+            linestyle="--",
+            label=f"two-rank broadcast peak {result['peak_broadcast_gb_per_s']:.1f}",
+        )
+    rate_ax.set_xlabel("engines")
+    rate_ax.set_ylabel("GB/s per receiver")
+    rate_ax.set_title("Broadcast bandwidth")
+    rate_ax.legend(fontsize=8)
