@@ -1,0 +1,236 @@
+"""Conformance: weight updates as streamrl's weight publisher drives them.
+
+What streamrl relies on: `/init_weights_update_group` joins a group that this
+process hosts as rank 0 (built the SGLang way, `streamrl.engine.weight_sync`),
+the engine taking ranks `rank_offset + tp_rank` of `world_size = 1 + tp_size`
+(`streamrl.engine.layout`); `/update_weights_from_distributed` receives one
+broadcast per name, in order, loads them and, with `weight_version`, reports
+that version in `/get_model_info` and in `meta_info`; a request in flight
+across an `in_place` update reports both versions in its `weight_versions`
+spans when the server sends spans; an engine can hold one group per learner
+pipeline stage; `/update_weights_from_disk` loads a checkpoint and sets the
+version; `/destroy_weights_update_group` leaves the group. Every test puts the
+served checkpoint and version back (from disk) before it ends.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import anyio
+import httpx
+import pytest
+import torch
+from conformance_support import (
+    PROMPT,
+    Target,
+    Teacher,
+    assert_matches_teacher,
+    assert_spans_cover,
+    logprob_error,
+    perturbed,
+    wait_running,
+)
+
+from streamrl.engine.client import EngineClient, GenerateResult, parse_version
+from streamrl.engine.layout import WeightGroupLayout, engine_gpu_count, weight_group_layout
+from streamrl.engine.weight_sync import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+from streamrl.launch.process import free_port
+
+pytestmark = pytest.mark.anyio
+
+SAMPLE = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(target) -> dict:
+    """The checkpoint and version the server started with (restored after every test)."""
+    info = httpx.get(f"{target.url}/get_model_info", timeout=30).json()
+    return {"model_path": info["model_path"], "weight_version": info["weight_version"]}
+
+
+@pytest.fixture
+async def engine(target, served):
+    async with EngineClient(target.url, timeout_s=600) as client:
+        try:
+            yield client
+        finally:
+            await client.continue_generation()
+            reply = await client.update_weights_from_disk(
+                served["model_path"], weight_version=served["weight_version"]
+            )
+            assert reply["success"] is True, reply
+
+
+async def _layout(engine: EngineClient) -> WeightGroupLayout:
+    return weight_group_layout([engine_gpu_count(await engine.server_info())])
+
+
+async def _join(engine: EngineClient, target: Target, layout: WeightGroupLayout, name: str):
+    """The engine's init call in flight while this process hosts rank 0 of group `name`."""
+    port = free_port(target.master_address)
+    replies: list[dict] = []
+    handle = None
+
+    async def engine_side() -> None:
+        replies.append(
+            await engine.init_weights_update_group(
+                master_address=target.master_address,
+                master_port=port,
+                rank_offset=layout.rank_offsets[0],
+                world_size=layout.world_size,
+                group_name=name,
+                backend=target.backend,
+            )
+        )
+
+    def trainer_side() -> None:
+        nonlocal handle
+        handle = init_weight_update_group(
+            master_address=target.master_address,
+            master_port=port,
+            rank=0,
+            world_size=layout.world_size,
+            group_name=name,
+            backend=target.backend,
+            timeout_s=120,
+        )
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(engine_side)
+        await anyio.to_thread.run_sync(trainer_side)
+    assert replies[0]["success"] is True, replies
+    return handle
+
+
+async def _send(
+    engine: EngineClient,
+    target: Target,
+    group,
+    name: str,
+    weights: dict[str, torch.Tensor],
+    version: str | None,
+) -> None:
+    """One bucket, as the publisher sends it: the update call in flight during the broadcast."""
+    tensors = [tensor.to(target.device).contiguous() for tensor in weights.values()]
+    replies: list[dict] = []
+
+    async def engine_side() -> None:
+        replies.append(
+            await engine.update_weights_from_distributed(
+                list(weights),
+                [tensor.dtype for tensor in tensors],
+                [tensor.shape for tensor in tensors],
+                group_name=name,
+                weight_version=version,
+                flush_cache=False,
+            )
+        )
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(engine_side)
+        await anyio.to_thread.run_sync(broadcast_tensors, group, tensors)
+    assert replies[0]["success"] is True, replies
+
+
+async def _leave(engine: EngineClient, groups: Sequence[tuple[str, object]]) -> None:
+    for name, handle in groups:
+        reply = await engine.destroy_weights_update_group(name)
+        destroy_weight_update_group(handle)
+        assert reply["success"] is True, reply
+
+
+def _new_weights(target: Target, teacher: Teacher, seed: int) -> dict[str, torch.Tensor]:
+    dtype = getattr(torch, target.weights_dtype)
+    return {n: t.to(dtype) for n, t in perturbed(teacher.parameters(), seed=seed).items()}
+
+
+def _next_version(served: dict, step: int) -> str:
+    return str(parse_version(served["weight_version"]) + step)
+
+
+def _assert_changed(target: Target, teacher: Teacher, result: GenerateResult) -> None:
+    mean, _ = logprob_error(result.logprobs, teacher.logprobs(PROMPT, result.output_ids))
+    assert mean > 10 * target.logprob_tol, "the outputs still follow the served weights"
+
+
+async def test_a_broadcast_update_changes_outputs_and_tags_the_version_even_mid_request(
+    target, teacher, served, engine
+):
+    layout = await _layout(engine)
+    name = f"conformance-{uuid.uuid4().hex[:8]}"
+    group = await _join(engine, target, layout, name)
+    new = _new_weights(target, teacher, seed=11)
+    version = _next_version(served, 7)
+    try:
+        straddling: list[GenerateResult] = []
+        async with anyio.create_task_group() as tasks:
+
+            async def generate() -> None:
+                straddling.append(await engine.generate(PROMPT, target.long_params))
+
+            tasks.start_soon(generate)
+            await anyio.to_thread.run_sync(wait_running, target)
+            await engine.pause("in_place")
+            await _send(engine, target, group, name, new, version)
+            await engine.continue_generation()
+        after = await engine.generate(PROMPT, SAMPLE)
+    finally:
+        await _leave(engine, [(name, group)])
+
+    (request,) = straddling
+    assert request.finish_reason.type == "length" and request.weight_version == int(version)
+    spans = assert_spans_cover(request.meta, len(request.output_ids))
+    if spans is not None:
+        assert [span["version"] for span in spans] == [served["weight_version"], version], spans
+    assert await engine.weight_version() == int(version)
+    assert after.meta["weight_version"] == version and after.versions == [int(version)] * 16
+    assert_matches_teacher(target, teacher, PROMPT, after, new)
+    _assert_changed(target, teacher, after)
+
+
+async def test_update_weights_from_disk_brings_back_the_checkpoint_and_sets_the_version(
+    target, teacher, served, engine
+):
+    name = f"conformance-{uuid.uuid4().hex[:8]}"
+    group = await _join(engine, target, await _layout(engine), name)
+    try:
+        await _send(engine, target, group, name, _new_weights(target, teacher, seed=12), "1")
+    finally:
+        await _leave(engine, [(name, group)])
+    version = _next_version(served, 9)
+    reply = await engine.update_weights_from_disk(served["model_path"], weight_version=version)
+    assert reply["success"] is True, reply
+    result = await engine.generate(PROMPT, SAMPLE)
+    assert result.versions == [int(version)] * 16
+    assert (await engine.model_info())["weight_version"] == version
+    assert_matches_teacher(target, teacher, PROMPT, result)
+
+
+async def test_one_engine_takes_updates_from_two_groups_as_two_pipeline_stages_would(
+    target, teacher, served, engine
+):
+    layout = await _layout(engine)
+    names = [f"conformance-stage{stage}-{uuid.uuid4().hex[:8]}" for stage in (0, 1)]
+    groups = [(name, await _join(engine, target, layout, name)) for name in names]
+    new = _new_weights(target, teacher, seed=13)
+    half = len(new) // 2
+    stages = [dict(list(new.items())[:half]), dict(list(new.items())[half:])]
+    version = _next_version(served, 5)
+    try:
+        await engine.pause("in_place")
+        for (name, group), weights, stage_version in zip(
+            groups, stages, (None, version), strict=True
+        ):
+            await _send(engine, target, group, name, weights, stage_version)
+        await engine.continue_generation()
+    finally:
+        await _leave(engine, groups)
+    result = await engine.generate(PROMPT, SAMPLE)
+    assert result.versions == [int(version)] * 16
+    assert_matches_teacher(target, teacher, PROMPT, result, new)
