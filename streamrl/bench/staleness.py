@@ -72,7 +72,7 @@ def staleness_command(args: argparse.Namespace) -> int:
         for eta in etas:
             if eta == 0 and correction != corrections[0]:
                 continue  # the shared on-policy baseline ran already
-            name = f"eta{eta}" if len(corrections) == 1 else f"eta{eta}-{correction}"
+            name = f"eta{eta}-{correction}"
             overrides = run_overrides(
                 work_dir,
                 name,
@@ -98,29 +98,35 @@ def staleness_command(args: argparse.Namespace) -> int:
             )
             runs.append(result)
             print(_line(result), file=sys.stderr, flush=True)
+            if args.json:  # after every run, so that a part cut short keeps what it measured
+                _write(args, work_dir, etas, corrections, runs)
     summary = {"runs": runs, "baseline": _baseline_throughput(runs)}
     best = max(runs, key=lambda r: r["effective_tokens_per_s"])
     print(
         f"staleness: best {best['effective_tokens_per_s']:,.0f} trained tokens/s at eta "
         f"{best['eta']} ({best['correction']}); eta 0: {summary['baseline']:,.0f}"
     )
-    if args.json:
-        write_result(
-            args.json,
-            bench="staleness",
-            config={
-                "config_file": args.config,
-                "etas": etas,
-                "corrections": corrections,
-                "steps": args.steps,
-                "overrides": args.overrides,
-                "resolved": _resolved(work_dir / f"{runs[0]['name']}.toml"),
-            },
-            result=summary,
-            plot=plot_staleness,
-            num_panels=(2, 2),
-        )
     return 0
+
+
+def _write(args, work_dir: Path, etas, corrections, runs) -> None:
+    import torch  # noqa: F401 - machine_info reports the GPUs torch sees
+
+    write_result(
+        args.json,
+        bench="staleness",
+        config={
+            "config_file": args.config,
+            "etas": etas,
+            "corrections": corrections,
+            "steps": args.steps,
+            "overrides": args.overrides,
+            "resolved": _resolved(work_dir / f"{runs[0]['name']}.toml"),
+        },
+        result={"runs": runs, "baseline": _baseline_throughput(runs)},
+        plot=plot_staleness,
+        num_panels=(2, 2),
+    )
 
 
 def _baseline_throughput(runs: list[dict[str, Any]]) -> float:
