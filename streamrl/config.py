@@ -236,7 +236,9 @@ class ClusterConfig(_Section):
     launcher: Literal["local"] = "local"
     """`local` runs every component as a subprocess of `streamrl run`."""
     engine_gpus: list[int] = []
-    """CUDA devices for engines (one per engine times tp_size); empty shares the learner's."""
+    """CUDA devices for engines (engine i gets entries [i * tp_size, (i + 1) * tp_size)); empty
+    means GPUs 0.. (shared with the learner: weights then travel over gloo, since NCCL refuses
+    two ranks on one GPU; SGLang engines need their own GPUs)."""
     learner_gpus: list[int] = []
     """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1."""
 

@@ -7,8 +7,9 @@
                            ─► on_published(v) (admission lets B more groups start)
 
 The weight-update group is built the way SGLang builds it (see
-`streamrl.engine.weight_sync`): the learner is rank 0 and engine i is rank
-1 + i. It is rebuilt whenever the set of engines changes (an engine restarted),
+`streamrl.engine.weight_sync`): the learner is rank 0 and each engine joins as
+one rank per GPU, from 1 + (GPUs of the engines before it); see
+`streamrl.engine.layout`. It is rebuilt whenever the set of engines changes (an engine restarted),
 and a rebuilt group is brought to the current version at once (`resync`).
 """
 
@@ -24,6 +25,7 @@ import anyio
 import torch
 
 from streamrl.engine.client import EngineClient, EngineError
+from streamrl.engine.layout import engine_gpu_counts, weight_group_layout
 from streamrl.engine.weight_sync import (
     broadcast_tensors,
     destroy_weight_update_group,
@@ -112,6 +114,8 @@ class WeightPublisher:
     group_backend: str = "gloo"
     staging_device: str = "cpu"
     master_address: str = "127.0.0.1"
+    gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
+    """Weight-group ranks (GPUs) of each engine; by default each engine's `/server_info` tp_size."""
     records: list[PublishRecord] = field(default_factory=list)
     _group: _Group | None = None
     _is_stale: bool = False
@@ -264,7 +268,7 @@ class WeightPublisher:
         await self._drop_group()
         name = f"streamrl-{uuid.uuid4().hex[:8]}"
         port = free_port(self.master_address)
-        world_size = 1 + len(engines)
+        layout = weight_group_layout(await self.gpu_counts(engines))
         handle = None
 
         async def host() -> None:
@@ -274,7 +278,7 @@ class WeightPublisher:
                     master_address=self.master_address,
                     master_port=port,
                     rank=0,
-                    world_size=world_size,
+                    world_size=layout.world_size,
                     group_name=name,
                     backend=self.group_backend,
                 )
@@ -282,19 +286,24 @@ class WeightPublisher:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(host)
-            for rank, engine in enumerate(engines, start=1):
+            for engine, rank_offset in zip(engines, layout.rank_offsets, strict=True):
                 tg.start_soon(
-                    lambda e=engine, r=rank: e.init_weights_update_group(
+                    lambda e=engine, r=rank_offset: e.init_weights_update_group(
                         master_address=self.master_address,
                         master_port=port,
                         rank_offset=r,
-                        world_size=world_size,
+                        world_size=layout.world_size,
                         group_name=name,
                         backend=self.group_backend,
                     )
                 )
         self._group = _Group(name, members, handle)
-        log.info("weight-update group %s: learner + %d engines", name, len(engines))
+        log.info(
+            "weight-update group %s: learner + %d engines (world size %d)",
+            name,
+            len(engines),
+            layout.world_size,
+        )
         return self._group
 
     async def _drop_group(self) -> None:

@@ -129,6 +129,14 @@ class RolloutWorker:
         await self.sender.send(group)
         self.counters.groups_sent += 1
 
+    async def run_sample(self, prompt: Any, index: int) -> Sample:
+        """One sample of `prompt` through the generate function and the reward (no group)."""
+        try:
+            result = (await self.generate_fn(self._context(f"{prompt.seq}-{index}"), prompt), None)
+        except Exception as exc:
+            result = self._failed(prompt, index, exc)
+        return await self._to_sample(prompt, index, *result)
+
     def _context(self, session_key: str) -> GenerateContext:
         return GenerateContext(
             engines=self.engines,

@@ -727,6 +727,9 @@ async def _serve(args) -> int:
     else:
         load.cancel()
     logger.info("shutting down")
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the shutdown
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, signal.SIG_IGN)
     await server.close()
     await runner.cleanup()
     return exit_code

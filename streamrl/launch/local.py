@@ -132,6 +132,10 @@ class LocalJob:
         from streamrl.queues.transport import StreamReceiver
 
         cfg = self.cfg
+        if cfg.engine.backend == "sglang":
+            from streamrl.engine.sglang import check_sglang_backend
+
+            check_sglang_backend(cfg)  # before anything starts
         state, model_path = self._prepare_run_dir()
         device, dtype = learner_devices(cfg)
         self._start_learner_ranks(model_path, device)
