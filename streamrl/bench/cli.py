@@ -100,6 +100,9 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure the link's peak (bench collective) in the run",
     )
+    weight_sync.add_argument(
+        "--peak-from", default="", help="take the link's peak from a `bench collective` JSON"
+    )
     weight_sync.add_argument("--work-dir", default="runs/bench/weight-sync")
     weight_sync.add_argument("--json", default="", help="write the result (and a PNG) here")
     weight_sync.set_defaults(entry="streamrl.bench.weight_sync:weight_sync_command")

@@ -26,6 +26,7 @@ NCCL refuses two ranks on one GPU, so with NCCL n <= number of GPUs - 1.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -77,6 +78,8 @@ def weight_sync_command(args: argparse.Namespace) -> int:
     model_dir = work_dir / f"{args.shape}-model"
     if not (model_dir / "config.json").exists():
         save_random_model(args.shape, model_dir, seed=0)
+    if learner_device.type == "cuda":
+        torch.cuda.set_device(learner_device)
     weights = _learner_weights(model_dir, learner_device, dtype)
     num_bytes = sum(t.numel() * t.element_size() for _, t in weights)
     setup = {
@@ -105,13 +108,16 @@ def weight_sync_command(args: argparse.Namespace) -> int:
             flush=True,
         )
     result: dict[str, Any] = {"setup": setup, "engines": rows}
-    if args.peak:
+    if args.peak or args.peak_from:
         from streamrl.bench.collective import measure_peak, peak_gib_per_s
 
-        gpus = (args.learner_gpu, engine_gpus[0]) if backend == "nccl" else (0, 1)
-        peak = measure_peak(backend, gpus=gpus, log_dir=work_dir)
-        result["peak"] = peak
-        result["peak_broadcast_gb_per_s"] = peak_gib_per_s(peak) * 2**30 / GB
+        if args.peak_from:
+            peaks = json.loads(Path(args.peak_from).read_text())["result"]["runs"]
+        else:
+            gpus = (args.learner_gpu, engine_gpus[0]) if backend == "nccl" else (0, 1)
+            peaks = [measure_peak(backend, gpus=gpus, log_dir=work_dir)]
+        result["peak"] = peaks
+        result["peak_broadcast_gb_per_s"] = max(peak_gib_per_s(p) for p in peaks) * 2**30 / GB
     last = rows[-1]
     line = (
         f"weight-sync ({args.shape}, {num_bytes / GB:.2f} GB, {backend}): "

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU benchmarks of issue #8, in parts that each fit a 10-minute command.
+#
+#   bench/gpu/run_benches.sh PART OUT_DIR
+#
+# Run from anywhere on the GPU machine (Python 3.12, torch, transformers, megatron-core,
+# msgspec, pyzmq installed; no network). Each part writes JSON + PNG into OUT_DIR and a
+# log of every run under $WORK_DIR (default /tmp/streamrl-bench). Parts, in the order worth
+# running, with the time each should take on the 2-GPU H200 machine (estimates: a run is
+# ~60-90 s of start-up - engine CUDA graphs and compilation, Megatron build - plus 16 steps
+# of ~2-4 s):
+#
+#   weight-sync           ~3 min  collective peak (NCCL, GPUs visible / isolated) and the
+#                                 weight update to 1 engine, qwen2-0.5b and qwen2-1.5b
+#   sync-vs-async-2gpu    ~8 min  async (eta 1, recorded) + sync runs, generation alone,
+#                                 training alone (Megatron on the recorded batches)
+#   staleness-2gpu        ~7 min  eta 0, 1, 2 (decoupled PPO)
+#   staleness-2gpu-more   ~5 min  eta 4, 8 (decoupled PPO)
+#   cost-2gpu             ~5 min  eta 1, 4 without off-policy correction
+#   merge                 seconds staleness_h200x2.json from the three parts above (CPU)
+#   sync-vs-async-1gpu    ~8 min  the same on one GPU (learner and engine share GPU 0)
+#   staleness-1gpu        ~7 min  eta 0, 1, 2 on one GPU
+#
+# Environment: PYTHON (default python3), WORK_DIR, STEPS (default 16), and BENCH_SET, a
+# space-separated list of extra config overrides for every run, e.g.
+#   BENCH_SET="learner.lr=1e-4 rollout.sampling.max_new_tokens=192" bench/gpu/run_benches.sh ...
+# or LEARNER=torch to use the torch learner instead of Megatron.
+set -euo pipefail
+
+PART=${1:?usage: run_benches.sh PART OUT_DIR}
+OUT=$(mkdir -p "${2:?usage: run_benches.sh PART OUT_DIR}" && cd "$2" && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$REPO"
+PY=${PYTHON:-python3}
+WORK=${WORK_DIR:-/tmp/streamrl-bench}
+STEPS=${STEPS:-16}
+SETS=()
+for item in ${BENCH_SET:-}; do SETS+=(--set "$item"); done
+if [[ -n "${LEARNER:-}" ]]; then SETS+=(--set "learner.backend='$LEARNER'"); fi
+export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+bench() { (set -x; "$PY" -m streamrl --log-level warning bench "$@"); }
+
+staleness() {  # staleness CONFIG NAME ETAS CORRECTIONS
+  bench staleness "bench/configs/$1.toml" --eta "$3" --corrections "$4" --steps "$STEPS" \
+    "${SETS[@]}" --work-dir "$WORK/$2" --json "$OUT/$2.json" --run-timeout-s 400
+}
+
+sync_vs_async() {  # sync_vs_async CONFIG NAME
+  bench sync-vs-async "bench/configs/$1.toml" --eta 1 --steps "$STEPS" "${SETS[@]}" \
+    --work-dir "$WORK/$2" --json "$OUT/$2.json" --run-timeout-s 300
+}
+
+case "$PART" in
+  weight-sync)
+    bench collective --json "$OUT/collective_h200x2.json"
+    num_gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+    for shape in qwen2-0.5b qwen2-1.5b; do
+      bench weight-sync --shape "$shape" --engines "1..$((num_gpus - 1))" --repeats 5 \
+        --load-requests 32 --peak-from "$OUT/collective_h200x2.json" \
+        --work-dir "$WORK/weight-sync" --json "$OUT/weight_sync_${shape}_h200x2.json"
+    done
+    ;;
+  sync-vs-async-2gpu) sync_vs_async gpu_2gpu sync_vs_async_h200x2 ;;
+  staleness-2gpu) staleness gpu_2gpu staleness_h200x2_a 0,1,2 decoupled_ppo ;;
+  staleness-2gpu-more) staleness gpu_2gpu staleness_h200x2_b 4,8 decoupled_ppo ;;
+  cost-2gpu) staleness gpu_2gpu staleness_h200x2_cost 1,4 none ;;
+  merge)
+    parts=()
+    for name in staleness_h200x2_a staleness_h200x2_b staleness_h200x2_cost; do
+      [[ -f "$OUT/$name.json" ]] && parts+=("$OUT/$name.json")
+    done
+    bench merge "${parts[@]}" --json "$OUT/staleness_h200x2.json"
+    ;;
+  sync-vs-async-1gpu) sync_vs_async gpu_1gpu sync_vs_async_h200x1 ;;
+  staleness-1gpu) staleness gpu_1gpu staleness_h200x1 0,1,2 decoupled_ppo ;;
+  cpu-smoke)  # the driver's plumbing on a CPU machine, tiny config, a few minutes
+    STEPS=3
+    SETS+=(--set rollout.batch_size=2 --set rollout.sampling.max_new_tokens=8)
+    bench collective --sizes-mb 1 --json "$OUT/collective_smoke.json"
+    bench weight-sync --shape qwen3-tiny --engines 1 --repeats 1 --work-dir "$WORK/weight-sync" \
+      --json "$OUT/weight_sync_smoke.json"
+    staleness cpu_tiny staleness_smoke 0,1 decoupled_ppo
+    sync_vs_async cpu_tiny sync_vs_async_smoke
+    ;;
+  *)
+    echo "unknown part '$PART' (see the header of $0)" >&2
+    exit 2
+    ;;
+esac
+echo "run_benches.sh $PART: results in $OUT"
