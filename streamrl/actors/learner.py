@@ -64,9 +64,16 @@ class LearnerLoop:
         self._done_seqs: set[int] = set()
         self._trained_tokens = 0
         self._rollout: dict[str, Any] = {}
+        self._generated_reward_sum = 0.0
+        self._generated_reward_count = 0
         self._started_at = time.monotonic()
 
     # ---- callbacks wired by the driver ---------------------------------
+
+    def on_group(self, group: Group) -> None:
+        """Every group that arrives (before filters): the reward of all that was generated."""
+        self._generated_reward_sum += sum(group.rewards)
+        self._generated_reward_count += len(group.samples)
 
     def on_discard(self, group: Group, reason: str) -> None:
         """A filtered or evicted group: its prompt is done for good (not redone on resume)."""
@@ -180,6 +187,12 @@ class LearnerLoop:
             "response_len_generated_mean": stats.generated.mean,
             "response_len_trained_mean": stats.trained.mean,
         }
+        if self._generated_reward_count:
+            # Includes groups the buffer filtered (e.g. zero_std), unlike reward_mean.
+            record["reward_generated_mean"] = (
+                self._generated_reward_sum / self._generated_reward_count
+            )
+            self._generated_reward_sum, self._generated_reward_count = 0.0, 0
         record.update(step_metrics)
         for key in (
             "response_tokens",

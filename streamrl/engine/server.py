@@ -241,11 +241,15 @@ class EngineServer:
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """A one-token generation; while paused it reports healthy without generating."""
+        """A one-token generation; while paused it reports healthy without generating, and
+        while busy a decode step completing is the proof of health (as SGLang does: a full
+        batch would make the probe wait for a free slot, not for a hung engine)."""
         if not self.is_ready or self.is_closing:
             return web.Response(status=503)
         if self.core.is_paused:
             return web.Response(status=200)
+        if self.core.num_running > 0:
+            return web.Response(status=200 if await self._makes_progress() else 503)
         from streamrl.engine.core import Request, SamplingParams
 
         tokenizer = self.core.tokenizer
@@ -260,6 +264,18 @@ class EngineServer:
         except TimeoutError:
             return web.Response(status=503)
         return web.Response(status=200)
+
+    async def _makes_progress(self) -> bool:
+        """True once the core completes a decode step within the health timeout. The counter
+        lives in the engine thread, so this samples it (every 50 ms) rather than awaiting it."""
+        loop = asyncio.get_running_loop()
+        start = self.core.stats["decode_steps"]
+        deadline = loop.time() + HEALTH_GENERATE_TIMEOUT_S
+        while loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            if self.core.stats["decode_steps"] != start or self.core.num_running == 0:
+                return True
+        return False
 
     def _model_info(self) -> dict:
         info = dict(self.core.model_info)

@@ -181,7 +181,7 @@ class LocalJob:
         receiver = StreamReceiver(
             f"tcp://{cfg.buffer.host}:{cfg.buffer.port}",
             credits=admission,
-            on_group=buffer.put,
+            on_group=lambda group: (loop_ref[0].on_group(group), buffer.put(group)),
             on_report=lambda report: loop_ref[0].on_report(report),
         )
         address = receiver.bind()
