@@ -311,6 +311,41 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
     return torch.cat(pieces, dim=1)
 
 
+def logprobs_of_rows(logits: Tensor, targets: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits[i] / temperature)[targets[i]] for flat rows; [N] float32.
+
+    For a learner that ran its output head only on the positions it trains
+    (logits [N, V], one row per predicted token). Same temperature rule and
+    fp32 chunking as `logprobs_from_logits`."""
+    pieces = [
+        chunk.gather(-1, targets[start:end, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
+        for start, end, chunk in _row_chunks(logits, temperature)
+    ]
+    return torch.cat(pieces) if pieces else logits.new_zeros(0, dtype=torch.float32)
+
+
+def entropy_of_rows(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits[i] / temperature) for flat rows; [N] float32."""
+    pieces = []
+    for _, _, chunk in _row_chunks(logits, temperature):
+        log_probs = chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)
+        pieces.append(-(torch.exp(log_probs) * log_probs).sum(-1))
+    return torch.cat(pieces) if pieces else logits.new_zeros(0, dtype=torch.float32)
+
+
+def _row_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[int, int, Tensor]]:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    scale = temperature or 1.0
+    step = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    for start in range(0, logits.shape[0], step):
+        end = min(start + step, logits.shape[0])
+        chunk = logits[start:end].float()
+        yield start, end, chunk if scale == 1.0 else chunk / scale
+
+
 def _check_logits(logits: Tensor, input_ids: Tensor | None) -> None:
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")

@@ -11,9 +11,11 @@ from streamrl import algorithms
 from streamrl.algorithms import (
     aggregate,
     entropy_from_logits,
+    entropy_of_rows,
     group_advantages,
     kl_penalty,
     logprobs_from_logits,
+    logprobs_of_rows,
     masked_mean,
     masked_whiten,
     policy_loss,
@@ -426,3 +428,22 @@ def test_entropy_matches_the_direct_formula(monkeypatch, chunk_elements):
     torch.testing.assert_close(
         entropy_from_logits(logits, temperature=0.8), expected, rtol=1e-6, atol=1e-6
     )
+
+
+def test_row_logprobs_and_entropy_match_the_sequence_forms():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    ids = torch.randint(0, 11, (2, 5))
+    for temperature in (1.0, 0.7, 0.0):
+        full = logprobs_from_logits(logits, ids, temperature=temperature)
+        rows = logprobs_of_rows(
+            logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1), temperature=temperature
+        )
+        torch.testing.assert_close(rows, full[:, 1:].reshape(-1), rtol=1e-6, atol=1e-6)
+        entropy = entropy_from_logits(logits, temperature=temperature)
+        torch.testing.assert_close(
+            entropy_of_rows(logits[:, :-1].reshape(-1, 11), temperature=temperature),
+            entropy[:, 1:].reshape(-1),
+            rtol=1e-6,
+            atol=1e-6,
+        )

@@ -63,13 +63,29 @@ class TorchBackend:
         return True
 
     def _forward(self, model, micro_batch: MicroBatch, temperature: float, need_entropy: bool):
+        """Per-token logprobs (and entropy) on the trained positions only.
+
+        The output head runs only on the hidden states that predict a trained token: the
+        prompt and padding are most positions of a batch, and the vocabulary is large.
+        Other positions hold 0, as the LearnerBackend layout says."""
         batch = micro_batch.to(self.device)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logprobs = algorithms.logprobs_from_logits(logits, batch.input_ids, temperature=temperature)
+        hidden = model.get_decoder()(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).last_hidden_state
+        predicts = batch.loss_mask[:, 1:] > 0  # position p predicts token p + 1
+        logits = model.get_output_embeddings()(hidden[:, :-1][predicts])
+        targets = batch.input_ids[:, 1:][predicts]
+        logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        logprobs[:, 1:][predicts] = algorithms.logprobs_of_rows(
+            logits, targets, temperature=temperature
+        )
         entropy = None
         if need_entropy:
+            entropy = torch.zeros_like(logprobs)
             with torch.no_grad():
-                entropy = algorithms.entropy_from_logits(logits.detach(), temperature=temperature)
+                entropy[:, 1:][predicts] = algorithms.entropy_of_rows(
+                    logits.detach(), temperature=temperature
+                )
         return batch, logprobs, entropy
 
     @torch.no_grad()
