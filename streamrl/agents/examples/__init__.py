@@ -1,0 +1,1 @@
+"""Environments, tools and tasks of the examples under `examples/` (see docs/agents.md)."""
