@@ -1,5 +1,9 @@
 """Evaluation alongside training: every `eval.interval` versions, score each eval data set
-through the same engines (training generation goes on) and report to the learner."""
+through the same engines (training generation goes on) and report to the learner.
+
+Episodes are played by the run's own generate function (`rollout.generate_fn` with
+`rollout.generate_kwargs`), so multi-turn and tool tasks are evaluated as they train;
+only the sampling parameters and the number of samples are the eval data set's."""
 
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ class Evaluator:
         sender: StreamSender,
         default_reward_fn: str,
         reward_timeout_s: float,
+        generate_fn: Any,
+        generate_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        self.generate_fn = generate_fn
+        self.generate_kwargs = generate_kwargs or {}
         self.interval = interval
         self.engines = engines
         self.sender = sender
@@ -86,22 +94,26 @@ class Evaluator:
                     engines=self.engines,
                     tokenizer=self.tokenizer,
                     sampling_params=dict(sampling),
+                    kwargs=self.generate_kwargs,
                     session_key=f"eval-{dataset.name}-{row}-{column}",
                 )
-                completion = await ctx.generate(list(prompt.input_ids))
-            outcome = await score(
-                reward_fn,
-                RewardInput(
-                    prompt=prompt.text,
-                    response=completion.text,
-                    label=prompt.label,
-                    metadata=dict(prompt.metadata),
-                ),
-                timeout_s=self.reward_timeout_s,
-            )
-            rewards[row, column] = outcome.reward
-            lengths[row, column] = len(completion.output_ids)
-            versions.extend(completion.versions[:1])
+                trajectory = await self.generate_fn(ctx, prompt)
+            reward = trajectory.reward
+            if reward is None:
+                outcome = await score(
+                    reward_fn,
+                    RewardInput(
+                        prompt=prompt.text,
+                        response=trajectory.text,
+                        label=prompt.label,
+                        metadata=dict(prompt.metadata),
+                    ),
+                    timeout_s=self.reward_timeout_s,
+                )
+                reward = outcome.reward
+            rewards[row, column] = reward
+            lengths[row, column] = len(trajectory.response_ids)
+            versions.extend(v for v in trajectory.versions[:1] if v >= 0)
 
         async with anyio.create_task_group() as tg:
             for row in range(len(prompts)):

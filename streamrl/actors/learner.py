@@ -193,6 +193,7 @@ class LearnerLoop:
                 self._generated_reward_sum / self._generated_reward_count
             )
             self._generated_reward_sum, self._generated_reward_count = 0.0, 0
+        record.update(_episode_metrics(groups))
         record.update(step_metrics)
         for key in (
             "response_tokens",
@@ -209,3 +210,25 @@ class LearnerLoop:
                 elapsed, 1e-9
             )
         return record
+
+
+def _episode_metrics(groups: list[Group]) -> dict[str, Any]:
+    """Aggregates of what generate functions record per sample (turns, tools, endings)."""
+    samples = [s for g in groups for s in g.samples]
+    turns = [s.metadata.get("num_turns", 0) for s in samples]
+    record: dict[str, Any] = {
+        "episode/turns_mean": float(np.mean(turns)) if turns else 0.0,
+        "episode/turns_max": int(max(turns, default=0)),
+    }
+    for key in ("tool_calls", "tool_errors", "tool_timeouts"):
+        values = [s.metadata[key] for s in samples if key in s.metadata]
+        if values:
+            record[f"episode/{key}"] = int(sum(values))
+    reasons: dict[str, int] = {}
+    for sample in samples:
+        if "end_reason" in sample.metadata:
+            reason = str(sample.metadata["end_reason"])
+            reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in reasons.items():
+        record[f"episode/ended_{reason}"] = count
+    return record

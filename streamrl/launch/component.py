@@ -66,13 +66,14 @@ async def rollout_main(cfg: RunConfig, spec: dict) -> None:
         spec["buffer_address"], sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups
     )
     engines = EngineSet(spec["engine_urls"], router_url=spec["router_url"] or None)
+    generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
     worker = RolloutWorker(
         worker_id="rollout-0",
         source=source,
         sender=sender,
         engines=engines,
         tokenizer=tokenizer,
-        generate_fn=import_object(cfg.rollout.generate_fn, "rollout.generate_fn"),
+        generate_fn=generate_fn,
         reward_fn=load_reward_fn(cfg.rollout.reward_fn),
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
         sampling_params=sampling_params(cfg.rollout.sampling),
@@ -94,6 +95,8 @@ async def rollout_main(cfg: RunConfig, spec: dict) -> None:
                 sender=sender,
                 default_reward_fn=cfg.rollout.reward_fn,
                 reward_timeout_s=cfg.rollout.reward_timeout_s,
+                generate_fn=generate_fn,
+                generate_kwargs=dict(cfg.rollout.generate_kwargs),
             )
             tg.start_soon(evaluator.run)
         await worker.run()

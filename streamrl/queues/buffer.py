@@ -173,11 +173,16 @@ class Buffer:
             entry = heapq.heappop(self._heap)
             self.stats.evicted["stale"] += 1
             num_evicted += 1
+            spanned = entry.group.num_versions_spanned
             log.warning(
-                "group %s evicted: staleness %d > %d",
+                "group %s evicted: staleness %d > %d%s",
                 entry.group.group_id,
                 version - entry.oldest_version,
                 self.max_staleness,
+                f" (its episode spans {spanned} versions: raise buffer.max_staleness above "
+                f"the versions a long episode lives through)"
+                if spanned > self.max_staleness
+                else "",
             )
             self._discard(entry.group, "evicted:stale")
         return num_evicted
