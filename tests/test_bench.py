@@ -156,7 +156,24 @@ def test_training_alone_replays_recorded_batches_through_train_step(
     assert result["trained_tokens_per_s"] > 0
 
 
-# ---------------------------------------------------------------- rewards
+# ---------------------------------------------------------------- configs and rewards
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("bench/configs/*.toml")), ids=lambda p: p.name)
+def test_every_bench_config_loads_and_trains_every_generated_group(path):
+    from streamrl.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.rollout.generate_fn == "streamrl.bench.tasks:generate_scored"
+    assert cfg.buffer.filters == []  # throughput must not depend on what the policy learned
+
+
+def test_the_gpu_driver_names_configs_that_exist():
+    script = (REPO / "bench/gpu/run_benches.sh").read_text()
+    for name in ("gpu_2gpu", "gpu_1gpu", "cpu_tiny"):
+        assert name in script and (REPO / f"bench/configs/{name}.toml").exists()
+    check = subprocess.run(["bash", "-n", str(REPO / "bench/gpu/run_benches.sh")])
+    assert check.returncode == 0
 
 
 def test_synthetic_rewards_read_tokens_and_logprobs_only():
