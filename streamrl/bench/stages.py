@@ -207,6 +207,10 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
         tokens.append(metrics["train/trained_tokens"])
+    if cfg.learner.backend == "megatron":
+        from streamrl.learners.megatron.launch import shutdown
+
+        shutdown()
     skip = WARMUP_STEPS if len(batches) > WARMUP_STEPS else 0
     return {
         "batches": len(batches),
