@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -204,6 +205,9 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
     def mean(key: str) -> float:
         return sum(sample[key] for sample in timed) / len(timed)
 
+    def median(key: str) -> float:
+        return statistics.median(sample[key] for sample in timed)
+
     return {
         "num_engines": count,
         "first_publish_s": samples[0]["publish_s"],
@@ -214,6 +218,13 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
         "engine_pause_s_mean": mean("weights/engine_pause_s"),
         "broadcast_s_mean": mean("weights/broadcast_s"),
         "gb_per_s_mean": setup["bytes"] / mean("weights/broadcast_s") / GB,
+        "median": {
+            "publish_s": median("publish_s"),
+            "learner_stall_s": median("weights/learner_stall_s"),
+            "engine_pause_s": median("weights/engine_pause_s"),
+            "broadcast_s": median("weights/broadcast_s"),
+            "gb_per_s": setup["bytes"] / median("weights/broadcast_s") / GB,
+        },
         "samples": samples,
     }
 
