@@ -181,6 +181,7 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
             for client in clients:
                 for index in range(args.load_requests):
                     tg.start_soon(_keep_generating, client, index)
+            tokens_before = sum([(await c.load())["generated_tokens"] for c in clients])
             for version in range(1, args.repeats + 2):
                 started = time.perf_counter()
                 event = landed_event
@@ -193,6 +194,8 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
                     raise RuntimeError(f"publish of version {version} failed (see the engine logs)")
                 samples.append({"publish_s": landed[version] - started, **record.as_metrics()})
             versions = [await client.weight_version() for client in clients]
+            tokens_during = sum([(await c.load())["generated_tokens"] for c in clients])
+            tokens_during -= tokens_before
             tg.cancel_scope.cancel()
     finally:
         for client in clients:
@@ -211,6 +214,7 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
     return {
         "num_engines": count,
         "first_publish_s": samples[0]["publish_s"],
+        "generated_tokens_during": tokens_during,
         "publish_s_mean": mean("publish_s"),
         "publish_s_min": min(sample["publish_s"] for sample in timed),
         "learner_stall_s_mean": mean("weights/learner_stall_s"),
