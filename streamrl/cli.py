@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_serve_args(serve)
     serve.set_defaults(entry="streamrl.engine.server:serve_command")
 
+    plot = commands.add_parser("plot", help="a run's reward curve as a PNG")
+    plot.add_argument("run_dir", help="the run's train.output_dir")
+    plot.add_argument("--out", default="", help="PNG path (default RUN_DIR/reward.png)")
+    plot.add_argument("--title", default="")
+    plot.set_defaults(entry="streamrl.plot:plot_command")
+
     bench = commands.add_parser("bench", help="benchmarks that write JSON and a plot")
     from streamrl.bench.cli import add_bench_commands  # light: argparse only
 
