@@ -219,6 +219,10 @@ def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path)
     path = write_result(tmp_path / "a.json", bench="sync-vs-async", config={}, result=result,
                         plot=sync_async.plot_sync_async, num_panels=2)  # fmt: skip
     assert path.with_suffix(".png").exists()
+    partial = {"eta": 1, "runs": {"async": run}, "speedup": None}  # a part cut short
+    path = write_result(tmp_path / "p.json", bench="sync-vs-async", config={}, result=partial,
+                        plot=sync_async.plot_sync_async, num_panels=2)  # fmt: skip
+    assert path.with_suffix(".png").exists()
 
 
 def test_merge_joins_staleness_parts_and_a_later_file_wins(tmp_path):

@@ -34,7 +34,8 @@ def sync_async_command(args: argparse.Namespace) -> int:
     base = load_config(args.config, args.overrides)
     eta = args.eta if args.eta >= 0 else max(base.buffer.max_staleness, 1)
     record_path = work_dir / "async-groups.msgpack"
-    runs: dict[str, dict[str, Any]] = {}
+    result: dict[str, Any] = {"eta": eta, "runs": {}, "speedup": None}
+    runs = result["runs"]
     for mode in ("async", "sync"):
         overrides = run_overrides(
             work_dir,
@@ -53,44 +54,52 @@ def sync_async_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        _save(args, work_dir, result)  # after every phase: a part cut short keeps what it has
 
-    result: dict[str, Any] = {"eta": eta, "runs": runs}
     async_tps = runs["async"]["effective_tokens_per_s"]
     sync_tps = runs["sync"]["effective_tokens_per_s"]
     result["speedup"] = async_tps / sync_tps if sync_tps else None
     if not args.skip_stages:
         cfg = load_config(work_dir / "async.toml")
         model_path = _initial_model(work_dir / "async", cfg)
-        generation = _generation_alone(cfg, work_dir, model_path, eta, args)
-        training = _training_alone(work_dir, model_path, record_path, args)
+        generation = result["generation_alone"] = _generation_alone(
+            cfg, work_dir, model_path, eta, args
+        )
+        _save(args, work_dir, result)
+        training = result["training_alone"] = _training_alone(
+            work_dir, model_path, record_path, args
+        )
         slowest = min(generation["trainable_tokens_per_s"], training["trained_tokens_per_s"])
         result.update(
-            generation_alone=generation,
-            training_alone=training,
             bottleneck_tokens_per_s=slowest,
             pipeline_efficiency=async_tps / slowest if slowest else None,
             ideal_sync_tokens_per_s=1.0
             / (1.0 / generation["trainable_tokens_per_s"] + 1.0 / training["trained_tokens_per_s"]),
         )
+    _save(args, work_dir, result)
     print(_summary_line(result))
-    if args.json:
-        import torch  # noqa: F401 - machine_info reports the GPUs torch sees
-
-        write_result(
-            args.json,
-            bench="sync-vs-async",
-            config={
-                "config_file": args.config,
-                "eta": eta,
-                "steps": args.steps,
-                "overrides": args.overrides,
-                "resolved": (work_dir / "async.toml").read_text(),
-            },
-            result=result,
-            plot=plot_sync_async,
-            num_panels=2,
-        )
     return 0
+
+
+def _save(args: argparse.Namespace, work_dir: Path, result: dict[str, Any]) -> None:
+    if not args.json:
+        return
+    import torch  # noqa: F401 - machine_info reports the GPUs torch sees
+
+    write_result(
+        args.json,
+        bench="sync-vs-async",
+        config={
+            "config_file": args.config,
+            "eta": result["eta"],
+            "steps": args.steps,
+            "overrides": args.overrides,
+            "resolved": (work_dir / "async.toml").read_text(),
+        },
+        result=result,
+        plot=plot_sync_async,
+        num_panels=2,
+    )
 
 
 def _initial_model(run_dir: Path, cfg) -> str:
@@ -175,16 +184,19 @@ def _summary_line(result: dict[str, Any]) -> str:
 def plot_sync_async(result: dict[str, Any], axes) -> None:
     bars_ax, time_ax = axes
     runs = result["runs"]
-    labels = ["sync", f"async (eta {result['eta']})"]
-    values = [runs["sync"]["effective_tokens_per_s"], runs["async"]["effective_tokens_per_s"]]
-    colors = ["tab:gray", "tab:blue"]
-    if "generation_alone" in result:
-        labels += ["generation\nalone", "training\nalone"]
-        values += [
-            result["generation_alone"]["trainable_tokens_per_s"],
-            result["training_alone"]["trained_tokens_per_s"],
-        ]
-        colors += ["tab:green", "tab:orange"]
+    bars = [
+        ("sync", runs.get("sync", {}).get("effective_tokens_per_s"), "tab:gray"),
+        (f"async (eta {result['eta']})", runs.get("async", {}).get("effective_tokens_per_s"),
+         "tab:blue"),
+        ("generation\nalone", result.get("generation_alone", {}).get("trainable_tokens_per_s"),
+         "tab:green"),
+        ("training\nalone", result.get("training_alone", {}).get("trained_tokens_per_s"),
+         "tab:orange"),
+    ]  # fmt: skip
+    bars = [bar for bar in bars if bar[1] is not None]
+    labels = [label for label, _, _ in bars]
+    values = [value for _, value, _ in bars]
+    colors = [color for _, _, color in bars]
     bars_ax.bar(labels, values, color=colors)
     for x, value in enumerate(values):
         bars_ax.annotate(f"{value:,.0f}", (x, value), ha="center", va="bottom", fontsize=8)
@@ -202,13 +214,17 @@ def plot_sync_async(result: dict[str, Any], axes) -> None:
             label="ideal async min(gen, train)",
         )
         bars_ax.legend(fontsize=8)
-    title = f"async/sync {result['speedup']:.2f}x"
+    title = (
+        "partial result" if result["speedup"] is None else f"async/sync {result['speedup']:.2f}x"
+    )
     if result.get("pipeline_efficiency") is not None:
         title += f", pipeline efficiency {result['pipeline_efficiency']:.2f}"
     bars_ax.set_title(title)
     bars_ax.set_ylabel("response tokens trained per second")
 
     for name, color in (("sync", "tab:gray"), ("async", "tab:blue")):
+        if name not in runs:
+            continue
         run = runs[name]
         names = ["learner idle", "learner training", "engine idle"]
         shares = [
