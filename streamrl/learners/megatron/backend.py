@@ -62,7 +62,12 @@ def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
     """(HF directory, keep-alive handle) for `model_path`.
 
     `random:<shape>` is written (seeded: the same weights on every rank) into a
-    temporary directory that lives as long as the returned handle."""
+    temporary directory that lives as long as the returned handle; `smollm2` is the
+    dequantised SmolLM2 directory that `streamrl.engine.models` builds once."""
+    if model_path == "smollm2":
+        from streamrl.engine.models import smollm2_model_dir
+
+        return smollm2_model_dir(), None
     if model_path.startswith("random:"):
         from streamrl.engine.models import save_random_model
 
