@@ -14,12 +14,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from streamrl.agents.api import GenerateContext
+from streamrl.agents.api import GenerateContext, score_trajectory
 from streamrl.config import DataConfig, EvalDataset
 from streamrl.data import PromptSource
 from streamrl.engine.client import EngineSet
 from streamrl.queues.transport import StreamSender
-from streamrl.rewards import RewardInput, load_reward_fn, score
+from streamrl.rewards import load_reward_fn
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +100,8 @@ class Evaluator:
                 trajectory = await self.generate_fn(ctx, prompt)
             reward = trajectory.reward
             if reward is None:
-                outcome = await score(
-                    reward_fn,
-                    RewardInput(
-                        prompt=prompt.text,
-                        response=trajectory.text,
-                        label=prompt.label,
-                        metadata=dict(prompt.metadata),
-                    ),
-                    timeout_s=self.reward_timeout_s,
+                outcome = await score_trajectory(
+                    reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
                 )
                 reward = outcome.reward
             rewards[row, column] = reward

@@ -21,10 +21,9 @@ from typing import Any
 
 import anyio
 
-from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory
+from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory, score_trajectory
 from streamrl.engine.client import EngineSet
 from streamrl.queues.transport import StreamSender
-from streamrl.rewards import RewardInput, score
 from streamrl.types import FinishReason, Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -195,15 +194,8 @@ class RolloutWorker:
             metadata["error"] = error
         reward = trajectory.reward
         if reward is None and status is SampleStatus.OK:
-            outcome = await score(
-                self.reward_fn,
-                RewardInput(
-                    prompt=prompt.text,
-                    response=trajectory.text,
-                    label=prompt.label,
-                    metadata=dict(prompt.metadata),
-                ),
-                timeout_s=self.reward_timeout_s,
+            outcome = await score_trajectory(
+                self.reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
             )
             reward = outcome.reward
             metadata.update({f"reward/{k}": v for k, v in outcome.metrics.items()})

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import anyio
 
 from streamrl.engine.client import EngineError, EngineSet, GenerateResult
+from streamrl.rewards import RewardInput, RewardOutcome, score
 from streamrl.types import NO_VERSION, FinishReason
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,9 @@ class GenerateContext:
             # Aborted by a weight update (pause mode "abort"): continue from what we have.
             completion.num_resumes += 1
 
-    async def generate_samples(self, input_ids: list[int], n: int, **overrides: Any) -> list[Completion]:
+    async def generate_samples(
+        self, input_ids: list[int], n: int, **overrides: Any
+    ) -> list[Completion]:
         """`n` model turns from the same `input_ids` in one engine call (SGLang's `n`: they share
         the prefill and one HTTP round trip); a sample a weight update aborted is continued on
         its own through `generate`. An engine failure falls back to n separate `generate`s."""
@@ -209,3 +212,20 @@ class GenerateContext:
             return self.engines.router
         key = self.session_key if num_failures == 0 else f"{self.session_key}#{num_failures}"
         return self.engines.session(key)
+
+
+async def score_trajectory(
+    reward_fn: Any, prompt: Any, trajectory: Trajectory, *, timeout_s: float
+) -> RewardOutcome:
+    """`reward_fn` on the trajectory's text with the prompt's label and metadata (never raises:
+    a failing reward comes back as an outcome with `error` set)."""
+    return await score(
+        reward_fn,
+        RewardInput(
+            prompt=prompt.text,
+            response=trajectory.text,
+            label=prompt.label,
+            metadata=dict(prompt.metadata),
+        ),
+        timeout_s=timeout_s,
+    )

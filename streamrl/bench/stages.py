@@ -181,7 +181,7 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
     """Train on the recorded batches from `model_path`; time each `train_step`."""
     import torch
 
-    from streamrl.launch.builders import build_backend, learner_devices
+    from streamrl.launch.builders import build_backend, learner_devices, pad_token_id
     from streamrl.learners.step import train_step
 
     batches = read_recorded_groups(groups_path)
@@ -198,7 +198,7 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = build_backend(cfg, model_path, device, dtype)
-    pad_id = _pad_id(backend)
+    pad_id = pad_token_id(backend)
     times, tokens = [], []
     for groups in batches:
         started = time.perf_counter()
@@ -219,11 +219,3 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
         "trained_tokens_per_s": sum(tokens[skip:]) / max(sum(times[skip:]), 1e-9),
         "train_s_mean": sum(times[skip:]) / max(len(times) - skip, 1),
     }
-
-
-def _pad_id(backend) -> int:
-    tokenizer = getattr(backend, "tokenizer", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    return int(pad or 0)

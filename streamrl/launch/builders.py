@@ -100,3 +100,12 @@ def engine_argv_factory(cfg: RunConfig, model_path: str, version: int):
 
         return sglang_argv_factory(cfg, model_path, version)
     return embedded
+
+
+def pad_token_id(backend) -> int:
+    """The padding id for micro-batches: the tokenizer's pad token, else its EOS, else 0."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return int(pad or 0)

@@ -125,7 +125,12 @@ class LocalJob:
         from streamrl.actors.fleet import EngineFleet
         from streamrl.actors.learner import LearnerLoop
         from streamrl.actors.publisher import WeightPublisher
-        from streamrl.launch.builders import build_backend, engine_argv_factory, learner_devices
+        from streamrl.launch.builders import (
+            build_backend,
+            engine_argv_factory,
+            learner_devices,
+            pad_token_id,
+        )
         from streamrl.metrics import MetricsWriter
         from streamrl.queues.admission import Admission
         from streamrl.queues.buffer import Buffer
@@ -208,7 +213,7 @@ class LocalJob:
             metrics=metrics,
             run_dir=self.run_dir,
             state=state,
-            pad_id=_pad_id(backend),
+            pad_id=pad_token_id(backend),
         )
         loop_ref.append(loop)
         rollout = self._start_rollout(address, model_path, state)
@@ -331,14 +336,6 @@ def _group_backend(cfg: RunConfig, device) -> str:
     learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
     engine_gpus = set(cfg.cluster.engine_gpus)
     return "nccl" if engine_gpus and not engine_gpus & learner_gpus else "gloo"
-
-
-def _pad_id(backend) -> int:
-    tokenizer = getattr(backend, "tokenizer", None)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    return int(pad or 0)
 
 
 def _summary(cfg, loop, buffer, receiver, admission, fleet, wall_s: float) -> dict[str, Any]:
