@@ -183,6 +183,7 @@ class LearnerLoop:
             "learner_idle_s": idle_s,
             "train_s": train_s,
             "time": elapsed,
+            "unix_time": time.time(),
             "throughput/trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
             "response_len_generated_mean": stats.generated.mean,
             "response_len_trained_mean": stats.trained.mean,
