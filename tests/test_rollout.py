@@ -108,3 +108,38 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     assert len(failed) == reward.calls // 3 > 0
     assert worker.counters.reward_failures == len(failed)
     assert all(s.reward == 0.0 and "flaky reward" in s.metadata["reward_error"] for s in failed)
+
+
+async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_tokens(
+    tiny_model_dir, tmp_path
+):
+    from engine_helpers import engine_load
+
+    from streamrl.agents.api import GenerateContext
+
+    with running_engines(tiny_model_dir, tmp_path) as engines:
+        url = engines[0].url
+        async with EngineSet([url]) as engine_set, anyio.create_task_group() as tg:
+            ctx = GenerateContext(
+                engines=engine_set,
+                tokenizer=None,
+                sampling_params={"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True},
+            )
+            result = {}
+
+            async def generate() -> None:
+                result["completion"] = await ctx.generate([1, 5, 6, 7])
+
+            tg.start_soon(generate)
+            with anyio.fail_after(60):  # readiness: the request is decoding on the engine
+                while not engine_load(url)["num_running_reqs"]:
+                    await anyio.sleep(0.01)
+            client = engine_set.engines[0]
+            await client.pause("abort")  # what the publisher does with pause_mode = "abort"
+            await client.continue_generation()
+    completion = result["completion"]
+    assert completion.num_resumes >= 1
+    assert completion.num_engine_calls >= 2
+    assert len(completion.output_ids) == 400  # the budget counts the tokens kept from before
+    assert str(completion.finish_reason) == "length"
+    assert len(completion.logprobs) == len(completion.versions) == 400
