@@ -6,8 +6,8 @@ import json
 
 import anyio
 import pytest
-
 from engine_helpers import running_engines
+
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
 from streamrl.data import PromptSource
