@@ -18,12 +18,21 @@ def plot_run(run_dir: Path, out: Path, *, title: str = "") -> Path:
     steps = [r for r in records if "kind" not in r]
     evals = [r for r in records if r.get("kind") == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], marker="o",
-            label="train reward (mean of the step's samples)")
+    ax.plot(
+        [r["step"] for r in steps],
+        [r["reward_mean"] for r in steps],
+        marker="o",
+        label="train reward (mean of the step's samples)",
+    )
     for name in sorted({r["dataset"] for r in evals}):
         points = [r for r in evals if r["dataset"] == name]
-        ax.plot([r["version"] for r in points], [r[f"eval/{name}/reward_mean"] for r in points],
-                marker="s", linestyle="--", label=f"eval {name} (at version = step)")
+        ax.plot(
+            [r["version"] for r in points],
+            [r[f"eval/{name}/reward_mean"] for r in points],
+            marker="s",
+            linestyle="--",
+            label=f"eval {name} (at version = step)",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

@@ -65,7 +65,7 @@ def test_overrides_are_validated_like_the_file(tmp_path):
     assert load_config(path, ["model.path=random:qwen3-tiny"]).model.path == "random:qwen3-tiny"
     with pytest.raises(ConfigError, match=r"rollout\.batch_sise: unknown key"):
         load_config(path, ["rollout.batch_sise=3"])
-    with pytest.raises(ConfigError, match="expected section.key=value"):
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         load_config(path, ["rollout.batch_size"])
 
 

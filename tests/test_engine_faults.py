@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_run import write_config
 
 from streamrl.metrics import read_metrics
-from test_run import write_config
 
 pytestmark = pytest.mark.slow
 

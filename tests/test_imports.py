@@ -15,7 +15,9 @@ def loaded_after(code: str) -> set[str]:
 
 
 def test_importing_streamrl_and_its_config_loads_no_heavy_package():
-    loaded = loaded_after("import streamrl, streamrl.config, streamrl.types, streamrl.queues.buffer")
+    loaded = loaded_after(
+        "import streamrl, streamrl.config, streamrl.types, streamrl.queues.buffer"
+    )
     assert not loaded & set(HEAVY)
 
 
