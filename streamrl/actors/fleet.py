@@ -82,6 +82,9 @@ class EngineFleet:
         self.log_dir = run_dir / "logs"
         self.engines: list[Engine] = []
         self.router: Router | None = None
+        self._healing = 0
+        self._settled = anyio.Event()
+        self._settled.set()
         self._router_url = cfg.engine.router_url
         if cfg.engine.urls:
             for index, url in enumerate(cfg.engine.urls):
@@ -214,7 +217,24 @@ class EngineFleet:
                 return "exited"
             return "hung"
 
+    async def wait_settled(self) -> None:
+        """Return once no engine is being restarted or re-synced (at the end of a run, so
+        the engines it leaves behind all serve the final version)."""
+        while self._healing:
+            await self._settled.wait()
+
     async def _heal(self, engine: Engine, publisher: WeightSink, reason: str) -> None:
+        self._healing += 1
+        if self._settled.is_set():
+            self._settled = anyio.Event()
+        try:
+            await self._restart(engine, publisher, reason)
+        finally:
+            self._healing -= 1
+            if not self._healing:
+                self._settled.set()
+
+    async def _restart(self, engine: Engine, publisher: WeightSink, reason: str) -> None:
         engine.state = EngineState.DOWN
         self._event(engine, "down", reason=reason)
         if engine.argv is None:

@@ -230,6 +230,9 @@ class LocalJob:
                 if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
                     await loop.save()
                 watch.cancel()
+                with anyio.fail_after(cfg.engine.startup_timeout_s):
+                    await fleet.wait_settled()  # an engine mid-restart gets the final weights
+                await self._final_resync(publisher, fleet)
                 engine_versions = await fleet.versions()
                 await receiver.stop("training finished")
                 await _wait_exit(rollout, timeout_s=30.0)
@@ -282,6 +285,14 @@ class LocalJob:
             import torch
 
             torch.cuda.set_device(device)
+
+    @staticmethod
+    async def _final_resync(publisher, fleet) -> None:
+        """Engines that came back during the last step hold the version of the snapshot
+        they were synced from; bring every engine to the final one."""
+        versions = await fleet.versions()
+        if len(set(versions.values())) > 1:
+            await publisher.resync()
 
     def _start_rollout(self, address: str, model_path: str, state) -> ChildProcess:
         spec = {
