@@ -160,15 +160,7 @@ class MegatronBackend:
             sequence_parallel=mcfg.sequence_parallel,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
         )
-        convert.load_into_model(
-            model,
-            hf_state,
-            self.shape,
-            tp_rank=layout.tp_rank,
-            tp_size=layout.tp_size,
-            pp_rank=layout.pp_rank,
-            pp_size=layout.pp_size,
-        )
+        convert.load_into_model(model, hf_state, self.shape, **layout.shard)
         return model
 
     def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -480,15 +472,7 @@ class MegatronBackend:
         hf_state = convert.HFCheckpoint(path)
         layout = self.layout
         with self._megatron():
-            convert.load_into_model(
-                self.model,
-                hf_state,
-                self.shape,
-                tp_rank=layout.tp_rank,
-                tp_size=layout.tp_size,
-                pp_rank=layout.pp_rank,
-                pp_size=layout.pp_size,
-            )
+            convert.load_into_model(self.model, hf_state, self.shape, **layout.shard)
             checkpoint.load_optimizer(
                 self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
             )

@@ -44,6 +44,16 @@ class Layout:
         """TP rank 0 of DP replica 0: gathers and yields this PP stage's full tensors."""
         return self.tp_rank == 0 and self.dp_rank == 0
 
+    @property
+    def shard(self) -> dict[str, int]:
+        """This rank's shard coordinates, as `convert`'s functions take them."""
+        return {
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "pp_rank": self.pp_rank,
+            "pp_size": self.pp_size,
+        }
+
     def global_rank(self, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         """Global rank of grid point (tp, dp, pp) under Megatron's `tp-cp-ep-dp-pp` order."""
         return tp_rank + self.tp_size * (dp_rank + self.dp_size * pp_rank)
