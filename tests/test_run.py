@@ -195,3 +195,25 @@ def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {3}
     assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
+
+
+def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):
+    config = write_config(tmp_path, steps=50, eta=1)
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "run", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no step after 240 s"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    assert "interrupted; every process stopped" in process.stderr.read()
+    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
