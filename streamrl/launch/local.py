@@ -20,6 +20,7 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,18 @@ import anyio
 from streamrl import checkpoint
 from streamrl.config import ConfigError, RunConfig, dump_toml, load_config
 from streamrl.launch.process import ChildProcess, ProcessDied, spawn, streamrl_argv
+from streamrl.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parts:
+    admission: Any
+    buffer: Any
+    receiver: Any
+    publisher: Any
+    loop: Any
 
 
 class RunError(RuntimeError):
@@ -122,19 +133,7 @@ class LocalJob:
         return str(target)
 
     async def main(self) -> dict[str, Any]:
-        from streamrl.actors.fleet import EngineFleet
-        from streamrl.actors.learner import LearnerLoop
-        from streamrl.actors.publisher import WeightPublisher
-        from streamrl.launch.builders import (
-            build_backend,
-            engine_argv_factory,
-            learner_devices,
-            pad_token_id,
-        )
-        from streamrl.metrics import MetricsWriter
-        from streamrl.queues.admission import Admission
-        from streamrl.queues.buffer import Buffer
-        from streamrl.queues.transport import StreamReceiver
+        from streamrl.launch.builders import learner_devices
 
         cfg = self.cfg
         if cfg.engine.backend == "sglang":
@@ -144,37 +143,74 @@ class LocalJob:
         state, model_path = self._prepare_run_dir()
         device, dtype = learner_devices(cfg)
         self._start_learner_ranks(model_path, device)
+        backend = await self._start_engines_and_backend(model_path, device, dtype, state.version)
+        metrics = MetricsWriter(
+            self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress
+        )
+        try:
+            parts = self._wire(backend, device, state, metrics)
+            rollout = self._start_rollout(parts.receiver.bind(), model_path, state)
+            started = time.monotonic()
+            engine_versions = await self._train(parts, rollout)
+        finally:
+            metrics.close()
+        summary = _summary(cfg, parts, self.fleet, time.monotonic() - started)
+        summary["engine_versions"] = engine_versions
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    async def _start_engines_and_backend(self, model_path: str, device, dtype, version: int):
+        """Engines (and router) start while the learner loads its model in a thread."""
+        from streamrl.actors.fleet import EngineFleet
+        from streamrl.launch.builders import build_backend, engine_argv_factory
+
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            backend_future = pool.submit(build_backend, cfg, model_path, device, dtype)
+            backend_future = pool.submit(build_backend, self.cfg, model_path, device, dtype)
             self.fleet = EngineFleet(
-                cfg,
+                self.cfg,
                 run_dir=self.run_dir,
-                engine_argv=engine_argv_factory(cfg, model_path, state.version),
+                engine_argv=engine_argv_factory(self.cfg, model_path, version),
             )
-            self.fleet.start()
+            self.fleet.start()  # in the main thread: children die with the thread that forks
             backend = await anyio.to_thread.run_sync(backend_future.result)
-        fleet = self.fleet
         if self.ranks is not None:
             from streamrl.learners.distributed import Leader
 
             backend = self.leader = Leader(backend)
         if self.resume_from is not None:
             await anyio.to_thread.run_sync(backend.load, self.resume_from)
+        return backend
 
-        metrics = MetricsWriter(
-            self.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress
-        )
+    def _wire(self, backend, device, state, metrics) -> _Parts:
+        """Buffer, admission credits, the stream receiver, the publisher and the learner loop,
+        connected: groups arrive -> buffer; discards and new versions -> admission -> credits."""
+        from streamrl.actors.learner import LearnerLoop
+        from streamrl.actors.publisher import WeightPublisher
+        from streamrl.launch.builders import pad_token_id
+        from streamrl.queues.admission import Admission
+        from streamrl.queues.buffer import Buffer
+        from streamrl.queues.transport import StreamReceiver
+
+        cfg = self.cfg
         admission = Admission(
             batch_size=cfg.rollout.batch_size,
             max_staleness=cfg.effective_max_staleness,
             capacity=cfg.buffer_capacity,
             start_version=state.version,
+            num_buffered=lambda: len(buffer),
         )
-        loop_ref: list[LearnerLoop] = []
 
         def on_discard(group, reason: str) -> None:
             admission.discarded()
-            loop_ref[0].on_discard(group, reason)
+            loop.on_discard(group, reason)
+
+        def on_group(group) -> None:
+            loop.on_group(group)
+            buffer.put(group)
+
+        async def on_published(version: int) -> None:
+            admission.set_version(version)
+            await receiver.grant()
 
         buffer = Buffer(
             capacity=cfg.buffer_capacity,
@@ -182,27 +218,21 @@ class LocalJob:
             filters=["generation_failed", *cfg.buffer.filters],
             on_discard=on_discard,
         )
-        admission._num_buffered = lambda: len(buffer)
         receiver = StreamReceiver(
             f"tcp://{cfg.buffer.host}:{cfg.buffer.port}",
             credits=admission,
-            on_group=lambda group: (loop_ref[0].on_group(group), buffer.put(group)),
-            on_report=lambda report: loop_ref[0].on_report(report),
+            on_group=on_group,
+            on_report=lambda report: loop.on_report(report),
         )
-        address = receiver.bind()
-
-        async def on_published(version: int) -> None:
-            admission.set_version(version)
-            await receiver.grant()
-
+        group_backend = _group_backend(cfg, device)
         publisher = WeightPublisher(
             weights=backend.hf_weights,
-            members=fleet.live_clients,
+            members=self.fleet.live_clients,
             on_published=on_published,
             bucket_bytes=cfg.weights.bucket_bytes,
             pause_mode=cfg.weights.pause_mode,
-            group_backend=_group_backend(cfg, device),
-            staging_device=str(device) if _group_backend(cfg, device) == "nccl" else "cpu",
+            group_backend=group_backend,
+            staging_device=str(device) if group_backend == "nccl" else "cpu",
         )
         loop = LearnerLoop(
             cfg,
@@ -215,39 +245,34 @@ class LocalJob:
             state=state,
             pad_id=pad_token_id(backend),
         )
-        loop_ref.append(loop)
-        rollout = self._start_rollout(address, model_path, state)
-        started = time.monotonic()
-        try:
-            async with anyio.create_task_group() as tg:
-                await tg.start(receiver.run)
-                await tg.start(publisher.run)
-                if not cfg.engine.urls:
-                    tg.start_soon(fleet.monitor, publisher)
-                watch = anyio.CancelScope()
-                tg.start_soon(_watch, rollout, watch)
-                await loop.run()
-                if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
-                    await loop.save()
-                watch.cancel()
-                with anyio.fail_after(cfg.engine.startup_timeout_s):
-                    await fleet.wait_settled()  # an engine mid-restart gets the final weights
-                await self._final_resync(publisher, fleet)
-                engine_versions = await fleet.versions()
-                await receiver.stop("training finished")
-                await _wait_exit(rollout, timeout_s=30.0)
-                tg.cancel_scope.cancel()
-            if self.leader is not None:
-                self.leader.close()
-                await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
-        finally:
-            metrics.close()
-        summary = _summary(
-            cfg, loop, buffer, receiver, admission, fleet, time.monotonic() - started
-        )
-        summary["engine_versions"] = engine_versions
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+        return _Parts(admission, buffer, receiver, publisher, loop)
+
+    async def _train(self, parts: _Parts, rollout: ChildProcess) -> dict[str, int | None]:
+        """Run the learner loop to `train.steps` with everything around it; stop in order:
+        final checkpoint, engines settled on the final version, rollout, learner ranks."""
+        cfg, fleet = self.cfg, self.fleet
+        async with anyio.create_task_group() as tg:
+            await tg.start(parts.receiver.run)
+            await tg.start(parts.publisher.run)
+            if not cfg.engine.urls:
+                tg.start_soon(fleet.monitor, parts.publisher)
+            watch = anyio.CancelScope()
+            tg.start_soon(_watch, rollout, watch)
+            await parts.loop.run()
+            if not cfg.train.save_interval or parts.loop.state.step % cfg.train.save_interval:
+                await parts.loop.save()
+            watch.cancel()
+            with anyio.fail_after(cfg.engine.startup_timeout_s):
+                await fleet.wait_settled()  # an engine mid-restart gets the final weights
+            await self._final_resync(parts.publisher, fleet)
+            engine_versions = await fleet.versions()
+            await parts.receiver.stop("training finished")
+            await _wait_exit(rollout, timeout_s=30.0)
+            tg.cancel_scope.cancel()
+        if self.leader is not None:
+            self.leader.close()
+            await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
+        return engine_versions
 
     def _start_learner_ranks(self, model_path: str, device) -> None:
         """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
@@ -349,7 +374,8 @@ def _group_backend(cfg: RunConfig, device) -> str:
     return "nccl" if engine_gpus and not engine_gpus & learner_gpus else "gloo"
 
 
-def _summary(cfg, loop, buffer, receiver, admission, fleet, wall_s: float) -> dict[str, Any]:
+def _summary(cfg, parts: _Parts, fleet, wall_s: float) -> dict[str, Any]:
+    loop, buffer, receiver, admission = parts.loop, parts.buffer, parts.receiver, parts.admission
     stats = buffer.stats
     rollout = loop._rollout
     started = int(rollout.get("groups_started", admission.num_granted))
