@@ -478,15 +478,18 @@ class EngineSet:
         group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "nccl",
     ) -> None:
-        """Engine i joins as rank i + 1 of 1 + len(engines) (TP size 1 each); the trainer
-        must join as rank 0 concurrently (`weight_sync.init_weight_update_group`)."""
-        world_size = 1 + len(self.engines)
+        """Each engine joins with one rank per GPU, from 1 + the GPUs of the engines before
+        it (`streamrl.engine.layout`, GPU counts from each `/server_info`); the trainer must
+        join as rank 0 concurrently (`weight_sync.init_weight_update_group`)."""
+        from streamrl.engine.layout import engine_gpu_counts, weight_group_layout
+
+        layout = weight_group_layout(await engine_gpu_counts(self.engines))
         await self.each(
             lambda engine: engine.init_weights_update_group(
                 master_address=master_address,
                 master_port=master_port,
-                rank_offset=1 + self.engines.index(engine),
-                world_size=world_size,
+                rank_offset=layout.rank_offsets[self.engines.index(engine)],
+                world_size=layout.world_size,
                 group_name=group_name,
                 backend=backend,
             ),

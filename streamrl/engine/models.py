@@ -106,23 +106,6 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         **_SMOLLM2_SPECIAL,
     },
-    "qwen2-0.5b-smolvocab": {
-        # Qwen2-0.5B's body with SmolLM2's 49,152-token vocabulary, so its text decodes with
-        # SmolLM2's tokenizer (the GPU benchmarks' synthetic-reward runs need real text).
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 49152,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        **_SMOLLM2_SPECIAL,
-    },
     "qwen3-0.6b": {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],
@@ -140,6 +123,9 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         **_SMOLLM2_SPECIAL,
     },
 }
+# Qwen2-0.5B's body with SmolLM2's 49,152-token vocabulary, so its text decodes with
+# SmolLM2's tokenizer (the GPU runs with a text-based synthetic reward need real text).
+RANDOM_SHAPES["qwen2-0.5b-smolvocab"] = {**RANDOM_SHAPES["qwen2-0.5b"], "vocab_size": 49152}
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -31,7 +31,7 @@ from streamrl.engine.runner.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-class CompactRunner:
+class CompactRunner(weights.InPlaceWeights):
     name = "compact"
     shares_prefill = True
 
@@ -243,12 +243,3 @@ class CompactRunner:
         return tokens, logprobs
 
     # -- weights ------------------------------------------------------------
-
-    def plan_weights(self, tensors) -> list:
-        return weights.plan_copies(self.targets, tensors)
-
-    @torch.no_grad()
-    def load_weights(self, plan: list) -> None:
-        weights.copy_planned(plan)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

@@ -19,7 +19,7 @@ from streamrl.engine.runner.sampling import SamplingTensors, make_sampling_tenso
 from streamrl.engine.runner.sequence import Sequence
 
 
-class HFRunner:
+class HFRunner(weights.InPlaceWeights):
     name = "hf"
     shares_prefill = False
 
@@ -131,12 +131,3 @@ class HFRunner:
     def collect(self, pending: Pending) -> tuple[list[int], list[float]]:
         tokens, logprobs = pending.handle
         return tokens.tolist(), logprobs.tolist()
-
-    def plan_weights(self, tensors) -> list:
-        return weights.plan_copies(self.targets, tensors)
-
-    @torch.no_grad()
-    def load_weights(self, plan: list) -> None:
-        weights.copy_planned(plan)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

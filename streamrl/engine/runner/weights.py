@@ -83,3 +83,17 @@ def missing_names(targets: dict, names: Iterable[str], *, tied: bool) -> list[st
     present = set(names)
     optional = {"lm_head.weight"} if tied else set()
     return sorted(set(targets) - present - optional)
+
+
+class InPlaceWeights:
+    """Runner mixin: plan copies of Hugging Face tensors onto `self.targets`, then apply them
+    in place (the engine thread calls `load_weights` between steps)."""
+
+    def plan_weights(self, tensors) -> list:
+        return plan_copies(self.targets, tensors)
+
+    @torch.no_grad()
+    def load_weights(self, plan: list) -> None:
+        copy_planned(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
