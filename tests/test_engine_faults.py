@@ -7,12 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from test_run import start_run as start_streamrl_run
 from test_run import write_config
 
 from streamrl.metrics import read_metrics
@@ -42,14 +42,7 @@ def start_run(tmp_path: Path, *, steps: int, timeout_s: float) -> tuple[subproce
         )
     )
     config.write_text(text)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamrl", "run", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[1],
-    )
-    return process, tmp_path / "out"
+    return start_streamrl_run(config), tmp_path / "out"
 
 
 def wait_for(

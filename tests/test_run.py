@@ -65,6 +65,17 @@ def streamrl_run(config: Path, *args: str, timeout: float = 240) -> subprocess.C
     )
 
 
+def start_run(config: Path) -> subprocess.Popen:
+    """`streamrl run CONFIG` in the background, stderr captured (for kill and Ctrl-C tests)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrl", "run", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+
+
 def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_every_group(
     tmp_path,
 ):
@@ -116,13 +127,7 @@ def test_async_with_staleness_and_no_correction_fails_fast_naming_the_options(tm
 def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prompts(tmp_path):
     config = write_config(tmp_path, steps=6, eta=1, save_interval=2)
     out = tmp_path / "out"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamrl", "run", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[1],
-    )
+    process = start_run(config)
     checkpoint = out / "checkpoints" / "step_000002" / "state.json"
     deadline = time.monotonic() + 240
     while not checkpoint.exists():  # readiness: the checkpoint is renamed into place when complete
@@ -200,13 +205,7 @@ def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_
 def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):
     config = write_config(tmp_path, steps=50, eta=1)
     out = tmp_path / "out"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamrl", "run", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[1],
-    )
+    process = start_run(config)
     deadline = time.monotonic() + 240
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert process.poll() is None, process.stderr.read()[-3000:]
