@@ -191,6 +191,8 @@ class AlgorithmConfig(_Section):
 class MegatronConfig(_Section):
     tensor_parallel_size: PositiveInt = 1
     pipeline_parallel_size: PositiveInt = 1
+    """Pipeline stages (layers split evenly: must divide the model's layer count). Each stage
+    publishes its own layers to the engines through its own weight-update group."""
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     attention: Literal["sdpa", "local"] = "sdpa"
@@ -355,18 +357,16 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if cfg.learner.backend == "torch" and cfg.learner.num_gpus > 1:
         problems.append("learner.num_gpus > 1 needs learner.backend = 'megatron'")
     mcfg = cfg.learner.megatron
+    if cfg.learner.backend == "torch":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(mcfg, key) > 1:
+                problems.append(f"learner.megatron.{key} > 1 needs learner.backend = 'megatron'")
     if cfg.learner.backend == "megatron":
         model_parallel = mcfg.tensor_parallel_size * mcfg.pipeline_parallel_size
         if cfg.learner.num_gpus % model_parallel:
             problems.append(
                 f"learner.num_gpus = {cfg.learner.num_gpus} must be a multiple of "
                 f"learner.megatron.tensor_parallel_size * pipeline_parallel_size = {model_parallel}"
-            )
-        if mcfg.pipeline_parallel_size > 1:
-            problems.append(
-                "learner.megatron.pipeline_parallel_size > 1: the backend trains and exports "
-                "pipeline stages, but streamrl run does not yet give each stage its own "
-                "weight-update group; use tensor and data parallelism"
             )
     names = [d.name for d in cfg.eval.datasets]
     if len(set(names)) != len(names):

@@ -102,6 +102,21 @@ def test_derived_values_follow_their_formulas(tmp_path):
         load_config(write(tmp_path, "[learner]\nglobal_batch_size = 7\n"))
 
 
+def test_pipeline_parallelism_is_accepted_for_the_megatron_backend_and_refused_for_torch(
+    tmp_path,
+):
+    megatron = "[learner]\nbackend = 'megatron'\nnum_gpus = 4\n"
+    cfg = load_config(
+        write(tmp_path, megatron + "[learner.megatron]\npipeline_parallel_size = 2\n"),
+        ["learner.megatron.tensor_parallel_size=2"],
+    )
+    assert cfg.learner.megatron.pipeline_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"learner\.num_gpus = 4 must be a multiple"):
+        load_config(write(tmp_path, megatron + "[learner.megatron]\npipeline_parallel_size = 3\n"))
+    with pytest.raises(ConfigError, match=r"learner\.megatron\.pipeline_parallel_size > 1 needs"):
+        load_config(write(tmp_path, "[learner.megatron]\npipeline_parallel_size = 2\n"))
+
+
 @pytest.mark.parametrize(
     "path", sorted([*ROOT.glob("configs/*.toml"), *ROOT.glob("examples/**/*.toml")]), ids=str
 )

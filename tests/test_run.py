@@ -216,3 +216,50 @@ def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):
     assert "interrupted; every process stopped" in process.stderr.read()
     processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
+
+
+def test_streamrl_run_at_pipeline_parallel_2_leaves_the_engine_with_the_final_weights(
+    tmp_path, tiny_model_dir
+):
+    """Each stage broadcasts its own layers: the attached engine, still running after the run,
+    scores fixed tokens exactly like the final checkpoint, and unlike stage 0's half of it."""
+    import httpx
+    from engine_helpers import running_engines, teacher_forced_logprobs
+    from safetensors.torch import load_file
+
+    prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
+    params = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
+    logs = tmp_path / "engine-logs"
+    with running_engines(tiny_model_dir, logs, extra_args=["--weight-version", "0"]) as engines:
+        url = engines[0].url
+        config = write_config(tmp_path, steps=3, eta=1)
+        text = config.read_text().replace('"random:qwen3-tiny"', f'"{tiny_model_dir}"')
+        text = text.replace("[engine]\n", f'[engine]\nurls = ["{url}"]\n')
+        text = text.replace(
+            "[learner]\nlr = 1e-3\nnum_threads = 1",
+            '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
+            "[learner.megatron]\npipeline_parallel_size = 2",
+        )
+        config.write_text(text)
+        result = streamrl_run(config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+        version = httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"]
+
+    out = tmp_path / "out"
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    assert [r["version"] for r in steps] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {3}
+    assert version == "3" and answer["meta_info"]["weight_version"] == "3"
+    assert (out / "logs" / "learner-rank1.log").exists()
+
+    engine_logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+    output_ids = answer["output_ids"]
+    final = out / "checkpoints" / "step_000003"
+    expected = teacher_forced_logprobs(str(final), prompt, output_ids)
+    assert max(abs(a - b) for a, b in zip(engine_logprobs, expected, strict=True)) <= 1e-4
+    stage0_only = load_file(final / "model-00001-of-00002.safetensors")
+    half = teacher_forced_logprobs(tiny_model_dir, prompt, output_ids, stage0_only)
+    assert max(abs(a - b) for a, b in zip(engine_logprobs, half, strict=True)) > 1e-3

@@ -11,6 +11,13 @@ The weight-update group is built the way SGLang builds it (see
 one rank per GPU, from 1 + (GPUs of the engines before it); see
 `streamrl.engine.layout`. It is rebuilt whenever the set of engines changes (an engine restarted),
 and a rebuilt group is brought to the current version at once (`resync`).
+
+With pipeline parallelism (`stages`) every stage has its own group over the
+same engines: stage 0's is this process's, stage s's is hosted by stage s's
+publisher rank, which snapshots and broadcasts its own layers when told
+(`streamrl.actors.stage_publish`). The engines' calls all come from here:
+stage 0's buckets, then each other stage's, and only the very last bucket
+tags the new version.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from streamrl.engine.client import EngineClient, EngineError
-from streamrl.engine.layout import engine_gpu_counts, weight_group_layout
+from streamrl.engine.layout import WeightGroupLayout, engine_gpu_counts, weight_group_layout
 from streamrl.engine.weight_sync import (
     broadcast_tensors,
     destroy_weight_update_group,
@@ -33,6 +41,9 @@ from streamrl.engine.weight_sync import (
     init_weight_update_group,
 )
 from streamrl.launch.process import free_port
+
+if TYPE_CHECKING:
+    from streamrl.actors.stage_publish import BucketSpec, RemoteStages, StagePlan
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,8 @@ class Snapshot:
     version: int
     buckets: list[list[tuple[str, torch.Tensor]]]
     num_bytes: int
+    stages: list[StagePlan] = field(default_factory=list)
+    """Pipeline stages 1..PP-1: their buckets stay staged on their own ranks."""
 
 
 @dataclass
@@ -98,6 +111,8 @@ class _Group:
     name: str
     members: tuple[str, ...]
     handle: object
+    """This process's side of the group (stage 0); None for a group a stage rank hosts."""
+    stage: int = 0
 
 
 @dataclass
@@ -116,8 +131,11 @@ class WeightPublisher:
     master_address: str = "127.0.0.1"
     gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
     """Weight-group ranks (GPUs) of each engine; by default each engine's `/server_info` tp_size."""
+    stages: RemoteStages | None = None
+    """Pipeline stages 1..PP-1, which publish their own layers; None without PP."""
     records: list[PublishRecord] = field(default_factory=list)
-    _group: _Group | None = None
+    _groups: list[_Group] = field(default_factory=list)
+    """One weight-update group per pipeline stage, in stage order."""
     _is_stale: bool = False
     _idle: anyio.Event = field(default_factory=anyio.Event)
     _busy: bool = False
@@ -133,9 +151,12 @@ class WeightPublisher:
                 await anyio.sleep_forever()
         finally:
             self._task_group = None
-            if self._group is not None:
-                await anyio.to_thread.run_sync(destroy_weight_update_group, self._group.handle)
-                self._group = None
+            groups, self._groups = self._groups, []
+            for group in groups:  # stage ranks destroy theirs when they stop
+                if group.handle is not None:
+                    await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
+            if self.stages is not None:
+                self.stages.close()
 
     async def publish(self, version: int) -> PublishRecord:
         """Snapshot the weights as `version` and start broadcasting; returns once the learner
@@ -143,8 +164,15 @@ class WeightPublisher:
         started = time.perf_counter()
         while self._busy:
             await self._idle.wait()
+        # Busy from here: a resync must not re-send the previous version while stage
+        # ranks replace it (they keep only their newest snapshot).
+        self._busy = True
         snapshot_started = time.perf_counter()
-        snapshot = await anyio.to_thread.run_sync(self._snapshot, version)
+        try:
+            snapshot = await anyio.to_thread.run_sync(self._snapshot, version)
+        except BaseException:
+            self._set_idle()
+            raise
         record = PublishRecord(
             version=version,
             snapshot_s=time.perf_counter() - snapshot_started,
@@ -178,13 +206,20 @@ class WeightPublisher:
         self._task_group.start_soon(self._broadcast, snapshot, record)
 
     def _snapshot(self, version: int) -> Snapshot:
+        if self.stages is None:
+            weights = self.weights()
+        else:  # every stage rank stages its own layers at this version too
+            weights = self.stages.snapshot(version, self.bucket_bytes)
         with torch.no_grad():
             tensors = [
                 (name, tensor.detach().to(self.staging_device, copy=True).contiguous())
-                for name, tensor in self.weights()
+                for name, tensor in weights
             ]
         num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
         snapshot = Snapshot(version, make_buckets(tensors, self.bucket_bytes), num_bytes)
+        if self.stages is not None:
+            snapshot.stages = self.stages.plans(version)
+            snapshot.num_bytes += sum(plan.num_bytes for plan in snapshot.stages)
         self._latest = snapshot
         return snapshot
 
@@ -211,20 +246,25 @@ class WeightPublisher:
             else:
                 await self.on_published(snapshot.version)
         finally:
-            self._busy = False
-            self._idle.set()
-            self._idle = anyio.Event()
+            self._set_idle()
+
+    def _set_idle(self) -> None:
+        self._busy = False
+        self._idle.set()
+        self._idle = anyio.Event()
 
     async def _send(self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord):
-        group = await self._ensure_group(engines)
+        groups = await self._ensure_groups(engines, 1 + len(snapshot.stages))
         paused_at = time.perf_counter()
         await _each(engines, lambda e: e.pause(self.pause_mode))
         try:
             broadcast_started = time.perf_counter()
             for index, bucket in enumerate(snapshot.buckets):
-                is_last = index == len(snapshot.buckets) - 1
+                is_last = index == len(snapshot.buckets) - 1 and not snapshot.stages
                 tag = snapshot.version if is_last else None  # the version flips after the last
-                await self._send_bucket(engines, group, bucket, tag)
+                await self._send_bucket(engines, groups[0], bucket, tag)
+            for plan, group in zip(snapshot.stages, groups[1:], strict=True):
+                await self._send_stage(engines, group, plan, is_last=plan is snapshot.stages[-1])
             record.broadcast_s = time.perf_counter() - broadcast_started
         finally:
             await _each(engines, lambda e: e.continue_generation())
@@ -260,19 +300,52 @@ class WeightPublisher:
             tensors = [tensor for _, tensor in bucket]
             await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
 
-    async def _ensure_group(self, engines: list[EngineClient]) -> _Group:
+    async def _send_stage(
+        self, engines: list[EngineClient], group: _Group, plan: StagePlan, *, is_last: bool
+    ) -> None:
+        """A pipeline stage's buckets: the engines' update calls from here, the broadcasts from
+        the stage's rank (one `Send` request per bucket)."""
+        from streamrl.actors.stage_publish import Send
+
+        for index, spec in enumerate(plan.buckets):
+            tag = plan.version if is_last and index == len(plan.buckets) - 1 else None
+            async with anyio.create_task_group() as tg:
+                for engine in engines:
+                    tg.start_soon(_update, engine, group, spec, tag)
+                await self.stages.request(group.stage, Send(group.name, plan.version, index))
+
+    async def _ensure_groups(self, engines: list[EngineClient], num_stages: int) -> list[_Group]:
         members = tuple(engine.url for engine in engines)
-        if self._group is not None and self._group.members == members and not self._is_stale:
-            return self._group
+        is_current = len(self._groups) == num_stages and not self._is_stale
+        if is_current and all(group.members == members for group in self._groups):
+            return self._groups
         self._is_stale = False
         await self._drop_group()
-        name = f"streamrl-{uuid.uuid4().hex[:8]}"
-        port = free_port(self.master_address)
         layout = weight_group_layout(await self.gpu_counts(engines))
+        # One group at a time: an engine joins one group at a time, so engines joining
+        # different groups at once would each wait for the other.
+        for stage in range(num_stages):
+            self._groups.append(await self._create_group(engines, layout, stage))
+        return self._groups
+
+    async def _create_group(
+        self, engines: list[EngineClient], layout: WeightGroupLayout, stage: int
+    ) -> _Group:
+        """A new group over `engines` whose rank 0 is this process (stage 0) or stage's rank."""
+        from streamrl.actors.stage_publish import Host
+
+        name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
+        port = free_port(self.master_address)
         handle = None
 
         async def host() -> None:
             nonlocal handle
+            if stage:
+                request = Host(
+                    name, self.master_address, port, layout.world_size, self.group_backend
+                )
+                await self.stages.request(stage, request)
+                return
             handle = await anyio.to_thread.run_sync(
                 lambda: init_weight_update_group(
                     master_address=self.master_address,
@@ -297,28 +370,54 @@ class WeightPublisher:
                         backend=self.group_backend,
                     )
                 )
-        self._group = _Group(name, members, handle)
         log.info(
-            "weight-update group %s: learner + %d engines (world size %d)",
+            "weight-update group %s: learner stage %d + %d engines (world size %d)",
             name,
+            stage,
             len(engines),
             layout.world_size,
         )
-        return self._group
+        return _Group(name, tuple(engine.url for engine in engines), handle, stage)
 
     async def _drop_group(self) -> None:
-        group, self._group = self._group, None
-        if group is None:
-            return
-        for url in group.members:
-            engine = next((e for e in self.members() if e.url == url), None)
-            if engine is not None:
-                try:
+        """Every stage's group, on the engines and on its rank 0."""
+        from streamrl.actors.stage_publish import Drop
+
+        groups, self._groups = self._groups, []
+        for group in groups:
+            for url in group.members:
+                engine = next((e for e in self.members() if e.url == url), None)
+                if engine is not None:
+                    try:
+                        with anyio.fail_after(DESTROY_TIMEOUT_S):
+                            await engine.destroy_weights_update_group(group.name)
+                    except (EngineError, TimeoutError) as exc:
+                        log.info("could not destroy group on %s: %s", url, exc or "timeout")
+            if group.handle is not None:
+                await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
+            elif group.stage:
+                try:  # the stage destroys it after the broadcast it may still be stuck in
                     with anyio.fail_after(DESTROY_TIMEOUT_S):
-                        await engine.destroy_weights_update_group(group.name)
-                except (EngineError, TimeoutError) as exc:
-                    log.info("could not destroy group on %s: %s", url, exc or "timeout")
-        await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
+                        await self.stages.request(group.stage, Drop(group.name))
+                except (RuntimeError, TimeoutError) as exc:
+                    log.info(
+                        "stage %d kept group %s: %s", group.stage, group.name, exc or "timeout"
+                    )
+
+
+async def _update(
+    engine: EngineClient, group: _Group, spec: BucketSpec, weight_version: int | None
+) -> None:
+    result = await engine.update_weights_from_distributed(
+        spec.names,
+        spec.dtypes,
+        spec.shapes,
+        group_name=group.name,
+        weight_version=weight_version,
+        flush_cache=False,
+    )
+    if not result.get("success", False):
+        raise RuntimeError(f"{engine.url}: {result.get('message')}")
 
 
 async def _each(engines: list[EngineClient], call) -> None:

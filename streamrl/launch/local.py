@@ -233,6 +233,7 @@ class LocalJob:
             pause_mode=cfg.weights.pause_mode,
             group_backend=group_backend,
             staging_device=str(device) if group_backend == "nccl" else "cpu",
+            stages=self._remote_stages(group_backend),
         )
         loop = LearnerLoop(
             cfg,
@@ -246,6 +247,14 @@ class LocalJob:
             pad_id=pad_token_id(backend),
         )
         return _Parts(admission, buffer, receiver, publisher, loop)
+
+    def _remote_stages(self, group_backend: str):
+        """Pipeline stages 1..PP-1 publish from their own ranks (None without PP)."""
+        if self.leader is None or not self.leader.stage_publisher_ranks:
+            return None
+        from streamrl.actors.stage_publish import RemoteStages
+
+        return RemoteStages(self.leader, staging="cuda" if group_backend == "nccl" else "cpu")
 
     async def _train(self, parts: _Parts, rollout: ChildProcess) -> dict[str, int | None]:
         """Run the learner loop to `train.steps` with everything around it; stop in order:

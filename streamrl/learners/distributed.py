@@ -8,6 +8,10 @@ each follower makes the same call in the same order with no data of its own
 
     rank 0:  Leader.train_mini_batch(mbs) ─ announce TRAIN ─► backend.train_mini_batch(mbs)
     rank k:  follow(): receive TRAIN ─────────────────────► backend.train_mini_batch([])
+
+With pipeline parallelism, SNAPSHOT (the weight publisher's snapshot) also makes
+each other stage's publisher stage its layers and send rank 0 its plan; those
+stages then broadcast when rank 0 asks (`streamrl.actors.stage_publish`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Op(enum.StrEnum):
     SAVE = "save"
     LOAD = "load"
     STOP = "stop"
+    SNAPSHOT = "snapshot"
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -43,6 +48,10 @@ class Command(msgspec.Struct, frozen=True):
     reference: bool = False
     need_entropy: bool = False
     path: str = ""
+    version: int = 0
+    bucket_bytes: int = 0
+    staging: str = "cpu"
+    """Device type of the stage publishers' snapshot copies: `cpu` or `cuda` (their own GPU)."""
 
 
 def _device() -> torch.device:
@@ -73,6 +82,23 @@ def receive() -> Command:
     data = frame.cpu().numpy().tobytes()
     size = int.from_bytes(data[:4], "little")
     return msgspec.msgpack.decode(data[4 : 4 + size], type=Command)
+
+
+def send_bytes(payload: bytes, dst: int) -> None:
+    """Point to point over the default group: the size, then the bytes."""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=_device())
+    dist.send(size, dst=dst)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(_device())
+    dist.send(data, dst=dst)
+
+
+def recv_bytes(src: int) -> bytes:
+    """What `send_bytes` sent from `src`."""
+    size = torch.empty(1, dtype=torch.int64, device=_device())
+    dist.recv(size, src=src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())
+    dist.recv(data, src=src)
+    return data.cpu().numpy().tobytes()
 
 
 class Leader:
@@ -111,6 +137,29 @@ class Leader:
         announce(Command(Op.WEIGHTS))
         yield from self.backend.hf_weights()
 
+    @property
+    def stage_publisher_ranks(self) -> list[int]:
+        """Global ranks of the publishers of pipeline stages 1..PP-1 (empty without PP)."""
+        layout = getattr(self.backend, "layout", None)
+        if layout is None:
+            return []
+        return [
+            layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=stage)
+            for stage in range(1, layout.pp_size)
+        ]
+
+    def snapshot(
+        self, version: int, *, bucket_bytes: int, staging: str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like `hf_weights`, and every other stage's publisher stages its layers as `version`
+        (collect their plans with `stage_plans` after exhausting this)."""
+        announce(Command(Op.SNAPSHOT, version=version, bucket_bytes=bucket_bytes, staging=staging))
+        yield from self.backend.hf_weights()
+
+    def stage_plans(self) -> list[bytes]:
+        """The encoded `StagePlan` of stages 1..PP-1, in stage order (after `snapshot`)."""
+        return [recv_bytes(rank) for rank in self.stage_publisher_ranks]
+
     def save(self, path: Path) -> None:
         announce(Command(Op.SAVE, path=str(path)))
         self.backend.save(path)
@@ -124,7 +173,30 @@ class Leader:
 
 
 def follow(backend: LearnerBackend, loss_fn: LossFn) -> None:
-    """Ranks > 0: mirror rank 0's calls until it says stop."""
+    """Ranks > 0: mirror rank 0's calls until it says stop.
+
+    The publisher of a pipeline stage > 0 also serves that stage's broadcasts
+    (a `StageServer` thread) for as long as it follows."""
+    stage = _stage_server(backend)
+    try:
+        _follow(backend, loss_fn, stage)
+    finally:
+        if stage is not None:
+            stage.close()
+
+
+def _stage_server(backend: LearnerBackend):
+    layout = getattr(backend, "layout", None)
+    if layout is None or layout.pp_rank == 0 or not backend.is_publisher:
+        return None
+    from streamrl.actors.stage_publish import StageServer
+
+    stage = StageServer(layout.pp_rank, getattr(backend, "device", torch.device("cpu")))
+    stage.start()
+    return stage
+
+
+def _follow(backend: LearnerBackend, loss_fn: LossFn, stage) -> None:
     while True:
         command = receive()
         log.debug("follower: %s", command)
@@ -138,9 +210,17 @@ def follow(backend: LearnerBackend, loss_fn: LossFn) -> None:
             backend.train_mini_batch(
                 [], loss_fn, temperature=command.temperature, need_entropy=command.need_entropy
             )
-        elif command.op is Op.WEIGHTS:
+        elif command.op is Op.WEIGHTS or (command.op is Op.SNAPSHOT and stage is None):
             for _ in backend.hf_weights():
                 pass
+        elif command.op is Op.SNAPSHOT:
+            plan = stage.take(
+                backend.hf_weights(),
+                version=command.version,
+                bucket_bytes=command.bucket_bytes,
+                staging=command.staging,
+            )
+            send_bytes(msgspec.msgpack.encode(plan), dst=0)
         elif command.op is Op.SAVE:
             backend.save(Path(command.path))
         elif command.op is Op.LOAD:
