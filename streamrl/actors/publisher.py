@@ -151,12 +151,12 @@ class WeightPublisher:
                 await anyio.sleep_forever()
         finally:
             self._task_group = None
+            if self.stages is not None:
+                self.stages.close()  # stage ranks destroy their groups when they stop
             groups, self._groups = self._groups, []
-            for group in groups:  # stage ranks destroy theirs when they stop
+            for group in groups:
                 if group.handle is not None:
                     await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
-            if self.stages is not None:
-                self.stages.close()
 
     async def publish(self, version: int) -> PublishRecord:
         """Snapshot the weights as `version` and start broadcasting; returns once the learner
