@@ -1,10 +1,15 @@
 """The weight publisher: new versions from the learner to every engine, off the learner's path.
 
-    learner step v done ─► publish(v): wait for the previous broadcast (stall), snapshot
-                           the weights into staging buckets (stall), return
+    learner step v done ─► publish(v): wait for the previous broadcast (stall), pack
+                           the weights into flat staging buckets (stall), return
     background:            pause engines ─► per bucket: engines' update call in flight while
                            rank 0 broadcasts ─► last bucket tags weight_version v ─► continue
                            ─► on_published(v) (admission lets B more groups start)
+
+A bucket is one flat uint8 buffer (the staging buffers are allocated once and
+reused); with `flattened = True` it travels as one broadcast (SGLang's
+`load_format = "flattened_bucket"`), otherwise as one broadcast per tensor,
+which every SGLang release accepts.
 
 The weight-update group is built the way SGLang builds it (see
 `streamrl.engine.weight_sync`): the learner is rank 0 and each engine joins as
@@ -27,6 +32,9 @@ import torch
 from streamrl.engine.client import EngineClient, EngineError
 from streamrl.engine.layout import engine_gpu_counts, weight_group_layout
 from streamrl.engine.weight_sync import (
+    FLATTENED_BUCKET,
+    FlatLayout,
+    broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
     dtype_name,
@@ -41,10 +49,30 @@ DESTROY_TIMEOUT_S = 10.0
 
 
 @dataclass
+class Bucket:
+    """Tensors packed back to back into `flat` (a view of a reused staging buffer)."""
+
+    names: list[str]
+    layout: FlatLayout
+    flat: torch.Tensor
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [dtype_name(dtype) for _, dtype in self.layout.specs]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(shape) for shape, _ in self.layout.specs]
+
+
+@dataclass
 class Snapshot:
     version: int
-    buckets: list[list[tuple[str, torch.Tensor]]]
-    num_bytes: int
+    buckets: list[Bucket]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(bucket.layout.num_bytes for bucket in self.buckets)
 
 
 @dataclass
@@ -77,22 +105,6 @@ class PublishRecord:
         }
 
 
-def make_buckets(
-    tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
-    return [bucket for bucket in buckets if bucket]
-
-
 @dataclass
 class _Group:
     name: str
@@ -110,6 +122,8 @@ class WeightPublisher:
     """Engines that should hold the newest weights (the fleet's live engines)."""
     on_published: Callable[[int], Awaitable[None]]
     bucket_bytes: int = 512 * 1024 * 1024
+    flattened: bool = True
+    """One broadcast per bucket (`load_format = "flattened_bucket"`), else one per tensor."""
     pause_mode: str = "in_place"
     group_backend: str = "gloo"
     staging_device: str = "cpu"
@@ -123,6 +137,7 @@ class WeightPublisher:
     _busy: bool = False
     _latest: Snapshot | None = None
     _task_group: anyio.abc.TaskGroup | None = None
+    _staging: list[torch.Tensor] = field(default_factory=list)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the task group that background broadcasts run in; cancel to stop."""
@@ -178,15 +193,38 @@ class WeightPublisher:
         self._task_group.start_soon(self._broadcast, snapshot, record)
 
     def _snapshot(self, version: int) -> Snapshot:
+        """Pack the weights into the staging buffers, a bucket at a time."""
+        buckets: list[Bucket] = []
+        pending: list[tuple[str, torch.Tensor]] = []
+        pending_bytes = 0
         with torch.no_grad():
-            tensors = [
-                (name, tensor.detach().to(self.staging_device, copy=True).contiguous())
-                for name, tensor in self.weights()
-            ]
-        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        snapshot = Snapshot(version, make_buckets(tensors, self.bucket_bytes), num_bytes)
+            for name, tensor in self.weights():
+                nbytes = tensor.numel() * tensor.element_size()
+                if pending and pending_bytes + nbytes > self.bucket_bytes:
+                    buckets.append(self._pack(len(buckets), pending))
+                    pending, pending_bytes = [], 0
+                pending.append((name, tensor))
+                pending_bytes += nbytes
+            if pending:
+                buckets.append(self._pack(len(buckets), pending))
+        if torch.device(self.staging_device).type == "cuda":
+            torch.cuda.synchronize(self.staging_device)  # the stall is the copy's real cost
+        snapshot = Snapshot(version, buckets)
         self._latest = snapshot
         return snapshot
+
+    def _pack(self, index: int, named: list[tuple[str, torch.Tensor]]) -> Bucket:
+        layout = FlatLayout([(tuple(t.shape), t.dtype) for _, t in named])
+        if index == len(self._staging) or self._staging[index].numel() < layout.num_bytes:
+            buffer = torch.empty(
+                max(layout.num_bytes, self.bucket_bytes),
+                dtype=torch.uint8,
+                device=self.staging_device,
+            )
+            self._staging[index : index + 1] = [buffer]
+        flat = self._staging[index][: layout.num_bytes]
+        layout.pack([tensor for _, tensor in named], flat)
+        return Bucket([name for name, _ in named], layout, flat)
 
     async def _broadcast(self, snapshot: Snapshot, record: PublishRecord) -> None:
         failed = False
@@ -231,34 +269,33 @@ class WeightPublisher:
             record.engine_pause_s = time.perf_counter() - paused_at
 
     async def _send_bucket(
-        self,
-        engines: list[EngineClient],
-        group: _Group,
-        bucket: list[tuple[str, torch.Tensor]],
-        weight_version: int | None,
+        self, engines: list[EngineClient], group: _Group, bucket: Bucket, weight_version: int | None
     ) -> None:
-        """Every engine's update call in flight while rank 0 broadcasts the bucket's tensors."""
-        names = [name for name, _ in bucket]
-        dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
-        shapes = [list(tensor.shape) for _, tensor in bucket]
+        """Every engine's update call in flight while rank 0 broadcasts the bucket."""
 
         async def update(engine: EngineClient) -> None:
             result = await engine.update_weights_from_distributed(
-                names,
-                dtypes,
-                shapes,
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
                 group_name=group.name,
                 weight_version=weight_version,
                 flush_cache=False,
+                load_format=FLATTENED_BUCKET if self.flattened else None,
             )
             if not result.get("success", False):
                 raise RuntimeError(f"{engine.url}: {result.get('message')}")
 
+        def send() -> None:
+            if self.flattened:
+                broadcast_flat(group.handle, bucket.flat)
+            else:
+                broadcast_tensors(group.handle, bucket.layout.unpack(bucket.flat))
+
         async with anyio.create_task_group() as tg:
             for engine in engines:
                 tg.start_soon(update, engine)
-            tensors = [tensor for _, tensor in bucket]
-            await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
+            await anyio.to_thread.run_sync(send)
 
     async def _ensure_group(self, engines: list[EngineClient]) -> _Group:
         members = tuple(engine.url for engine in engines)
