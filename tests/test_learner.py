@@ -119,10 +119,12 @@ def test_without_a_proximal_pass_a_step_equals_the_step_with_one(tiny_model_dir,
     for force_pass in (True, False):
         backend, cfg = backend_for(tiny_model_dir, lr=1e-3, micro_batch_tokens=24)
         passes = []
-        original = backend.compute_logprobs
-        monkeypatch.setattr(
-            backend, "compute_logprobs", lambda *a, **k: passes.append(1) or original(*a, **k)
-        )
+
+        def counted(*args, passes=passes, original=backend.compute_logprobs, **kwargs):
+            passes.append(1)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "compute_logprobs", counted)
         monkeypatch.setattr(step_module, "needs_proximal_pass", lambda cfg, f=force_pass: f)
         metrics = train_step(backend, groups, cfg, pad_id=0)
         weights = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
