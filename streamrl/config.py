@@ -226,6 +226,9 @@ class LearnerConfig(_Section):
 class WeightsConfig(_Section):
     bucket_bytes: PositiveInt = 512 * 1024 * 1024
     """Bytes per broadcast bucket (slime --update-weight-buffer-size)."""
+    flattened_buckets: bool = True
+    """Send each bucket as one broadcast (SGLang's `load_format = "flattened_bucket"`); false
+    sends one broadcast per tensor, for SGLang releases without the bucketed path."""
     pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
     """How engines pause for an update: keep KV (`in_place`) or return partials (`abort`)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from streamrl import algorithms
@@ -94,3 +95,61 @@ def test_a_training_step_raises_the_logprob_of_the_rewarded_response(tiny_model_
         assert np.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
     assert logprob(good) > before_good + 1.0
     assert logprob(bad) < before_bad
+
+
+def test_without_a_proximal_pass_a_step_equals_the_step_with_one(tiny_model_dir, monkeypatch):
+    """One optimizer step per step: pi_prox is the training forward's own detached logprobs,
+    so skipping the separate proximal pass changes neither the update nor the metrics."""
+    import streamrl.learners.step as step_module
+
+    rng = np.random.default_rng(0)
+    samples = [
+        Sample(
+            prompt_ids=[1, 5, 6, 7],
+            response_ids=list(rng.integers(10, 300, size=4 + i)),
+            logprobs=list(rng.uniform(-6.0, -4.0, size=4 + i)),
+            versions=[0] * (4 + i),
+            loss_mask=[1] * (4 + i),
+            reward=float(i % 2),
+        )
+        for i in range(4)
+    ]
+    groups = [Group(group_id="g", prompt_seq=0, prompt_index=0, samples=samples)]
+    results = []
+    for force_pass in (True, False):
+        backend, cfg = backend_for(tiny_model_dir, lr=1e-3, micro_batch_tokens=24)
+        passes = []
+
+        def counted(*args, passes=passes, original=backend.compute_logprobs, **kwargs):
+            passes.append(1)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "compute_logprobs", counted)
+        monkeypatch.setattr(step_module, "needs_proximal_pass", lambda cfg, f=force_pass: f)
+        metrics = train_step(backend, groups, cfg, pad_id=0)
+        weights = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+        results.append((len(passes), metrics, weights))
+    (passes_with, with_pass, weights_with), (passes_without, without, weights_without) = results
+    assert (passes_with, passes_without) == (1, 0)
+    for name, tensor in weights_with.items():
+        torch.testing.assert_close(weights_without[name], tensor, atol=1e-6, rtol=1e-5)
+    for key in ("loss", "logprob_abs_diff_mean", "mismatch_kl", "importance_ess", "grad_norm"):
+        assert without[f"train/{key}"] == pytest.approx(with_pass[f"train/{key}"], rel=1e-4), key
+    assert "train/logprob_abs_diff_max" not in without
+    assert without["train/logprob_abs_diff_mean"] > 1.0  # behaviour logprobs are far off
+
+
+def test_a_proximal_pass_is_made_only_when_pi_prox_differs_from_the_training_forward():
+    from streamrl.learners.step import needs_proximal_pass
+
+    def cfg(**sections):
+        base = {"data": {"path": "x"}, "model": {"path": "m"}}
+        base["rollout"] = {"batch_size": 2, "n_samples_per_prompt": 4}
+        return config_from_dict({**base, **sections})
+
+    assert not needs_proximal_pass(cfg())
+    assert needs_proximal_pass(cfg(learner={"global_batch_size": 4}))  # two optimizer steps
+    assert needs_proximal_pass(
+        cfg(algorithm={"advantage_estimator": "reinforce_plus_plus", "kl_loss_coef": 0.01})
+    )
+    assert not needs_proximal_pass(cfg(algorithm={"kl_loss_coef": 0.01}))  # KL in the loss only

@@ -292,11 +292,11 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
     monkeypatch, tp_size, rank_offsets
 ):
     hosted: list[dict] = []
-    sent: list[list[torch.Tensor]] = []
+    sent: list[torch.Tensor] = []
     monkeypatch.setattr(
         publisher_module, "init_weight_update_group", lambda **kwargs: hosted.append(kwargs)
     )
-    monkeypatch.setattr(publisher_module, "broadcast_tensors", lambda group, ts: sent.append(ts))
+    monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: sent.append(flat))
     monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
     engines = [RecordingEngine(f"http://engine-{i}") for i in range(3)]
     published: list[int] = []
@@ -331,5 +331,8 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
         "update_weights_from_distributed",
         "continue_generation",
     ]
-    assert dict(engines[0].calls)["update_weights_from_distributed"]["weight_version"] == 3
+    update = dict(engines[0].calls)["update_weights_from_distributed"]
+    assert update["weight_version"] == 3 and update["load_format"] == "flattened_bucket"
+    # One broadcast: the bucket's bytes (4 fp32 ones).
     assert published == [3] and len(sent) == 1
+    assert torch.equal(sent[0].view(torch.float32), torch.ones(4))

@@ -70,8 +70,9 @@ def stage_server():
     server.close()
 
 
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened", "per-tensor"])
 async def test_two_stage_groups_bring_every_layer_to_a_live_engine(
-    tiny_model_dir, tmp_path, stage_server
+    tiny_model_dir, tmp_path, stage_server, flattened
 ):
     from engine_helpers import running_engines, teacher_forced_logprobs
 
@@ -92,6 +93,7 @@ async def test_two_stage_groups_bring_every_layer_to_a_live_engine(
                 members=lambda: [client],
                 on_published=on_published,
                 bucket_bytes=256 * 1024,  # several buckets per stage
+                flattened=flattened,
                 stages=RemoteStages(leader),
             )
             async with anyio.create_task_group() as tasks:
@@ -168,7 +170,7 @@ def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
     from streamrl.actors import publisher as publisher_module
 
     monkeypatch.setattr(publisher_module, "init_weight_update_group", lambda **kw: kw["group_name"])
-    monkeypatch.setattr(publisher_module, "broadcast_tensors", lambda group, tensors: None)
+    monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: None)
     monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
 
     async def one_gpu_each(clients) -> list[int]:

@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 
 from streamrl.engine.weight_sync import (
+    FLATTENED_BUCKET,
+    FlatLayout,
+    broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
     dtype_name,
@@ -25,13 +28,15 @@ _RECEIVER = textwrap.dedent(
     import torch
     from streamrl.engine.weight_sync import (
         destroy_weight_update_group, init_weight_update_group, receive_tensors)
-    port_list, group_name, spec_path, out_path = sys.argv[1:5]
+    port_list, group_name, spec_path, out_path, load_format = sys.argv[1:6]
     spec = json.load(open(spec_path))
     rounds = []
     for port in port_list.split(","):  # one group per round, same name each time
         group = init_weight_update_group(master_address="127.0.0.1", master_port=int(port),
             rank=1, world_size=2, group_name=group_name, backend="gloo", timeout_s=60)
-        rounds.append(dict(receive_tensors(group, spec["names"], spec["dtypes"], spec["shapes"], "cpu")))
+        received = receive_tensors(group, spec["names"], spec["dtypes"], spec["shapes"], "cpu",
+            load_format or None)
+        rounds.append({name: tensor.clone() for name, tensor in received})  # views of one buffer
         destroy_weight_update_group(group)
     torch.save(rounds, out_path)
     """
@@ -50,9 +55,15 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _send_to_child(
-    tmp_path, free_port, tensors: dict[str, torch.Tensor], group_name: str, rounds: int = 1
+    tmp_path,
+    free_port,
+    tensors: dict[str, torch.Tensor],
+    group_name: str,
+    rounds: int = 1,
+    load_format: str = "",
 ) -> list[dict]:
-    """Broadcast `tensors` to a child process `rounds` times, re-creating the group each time."""
+    """Broadcast `tensors` to a child process `rounds` times, re-creating the group each time
+    (one broadcast per tensor, or one flat one with `load_format = "flattened_bucket"`)."""
     spec = {
         "names": list(tensors),
         "dtypes": [
@@ -67,7 +78,7 @@ def _send_to_child(
     ports = [free_port() for _ in range(rounds)]
     out_path = tmp_path / "received.pt"
     argv = [sys.executable, str(tmp_path / "receiver.py"), ",".join(map(str, ports)), group_name]
-    argv += [str(tmp_path / "spec.json"), str(out_path)]
+    argv += [str(tmp_path / "spec.json"), str(out_path), load_format]
     child = spawn("receiver", argv, log_path=tmp_path / "receiver.log")
     try:
         for port in ports:
@@ -80,7 +91,13 @@ def _send_to_child(
                 backend="gloo",
                 timeout_s=60,
             )
-            broadcast_tensors(group, list(tensors.values()))
+            if load_format == FLATTENED_BUCKET:
+                layout = FlatLayout([(tuple(t.shape), t.dtype) for t in tensors.values()])
+                flat = torch.empty(layout.num_bytes, dtype=torch.uint8)
+                layout.pack(list(tensors.values()), flat)
+                broadcast_flat(group, flat)
+            else:
+                broadcast_tensors(group, list(tensors.values()))
             destroy_weight_update_group(group)
         assert child.popen.wait(60) == 0, child.log_tail()
     finally:
@@ -94,6 +111,21 @@ def test_a_broadcast_over_the_named_group_arrives_intact_in_another_process(tmp_
     assert list(received) == list(tensors)
     for name, tensor in tensors.items():
         assert received[name].dtype == tensor.dtype
+        assert torch.equal(received[name], tensor), name
+
+
+def test_a_flattened_bucket_of_mixed_dtypes_arrives_intact_as_one_broadcast(tmp_path, free_port):
+    tensors = _tensors()
+    # Offsets 0, 140, 150, 290: the fp32 and int64 tensors after the 10-byte bf16 one are
+    # misaligned for their dtype, so the receiver must copy rather than view them.
+    layout = FlatLayout([(tuple(t.shape), t.dtype) for t in tensors.values()])
+    assert layout.offsets == [0, 140, 150, 290] and layout.num_bytes == 298
+    (received,) = _send_to_child(
+        tmp_path, free_port, tensors, "flat_group", load_format=FLATTENED_BUCKET
+    )
+    assert list(received) == list(tensors)
+    for name, tensor in tensors.items():
+        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
         assert torch.equal(received[name], tensor), name
 
 

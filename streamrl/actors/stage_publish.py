@@ -32,7 +32,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -40,11 +40,14 @@ import zmq
 import zmq.asyncio
 
 from streamrl.engine.weight_sync import (
+    broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
-    dtype_name,
     init_weight_update_group,
 )
+
+if TYPE_CHECKING:
+    from streamrl.actors.publisher import Bucket, Staging
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +82,13 @@ class Host(msgspec.Struct, frozen=True, tag=True):
 
 
 class Send(msgspec.Struct, frozen=True, tag=True):
-    """Broadcast bucket `index` of the staged snapshot `version` into `group_name`."""
+    """Broadcast bucket `index` of the staged snapshot `version` into `group_name`: as one
+    flat uint8 tensor (`load_format = "flattened_bucket"`) or one broadcast per tensor."""
 
     group_name: str
     version: int
     index: int
+    is_flattened: bool = True
 
 
 class Drop(msgspec.Struct, frozen=True, tag=True):
@@ -103,19 +108,7 @@ class StageReply(msgspec.Struct, frozen=True):
 @dataclass
 class _Staged:
     version: int
-    buckets: list[list[tuple[str, torch.Tensor]]]
-
-
-def bucket_specs(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[BucketSpec]:
-    """Names, dtypes and shapes of staged buckets."""
-    return [
-        BucketSpec(
-            names=[name for name, _ in bucket],
-            dtypes=[dtype_name(tensor.dtype) for _, tensor in bucket],
-            shapes=[list(tensor.shape) for _, tensor in bucket],
-        )
-        for bucket in buckets
-    ]
+    buckets: list[Bucket]
 
 
 class StageServer:
@@ -136,6 +129,7 @@ class StageServer:
         self._stop_address = f"inproc://stage-{stage}-stop-{id(self)}"
         self._stop_receiver = self._context.socket(zmq.PAIR)
         self._stop_receiver.bind(self._stop_address)
+        self._staging: Staging | None = None
         self._staged: _Staged | None = None
         self._lock = threading.Lock()
         self._groups: dict[str, Any] = {}
@@ -171,20 +165,27 @@ class StageServer:
         bucket_bytes: int,
         staging: str,
     ) -> StagePlan:
-        """Copy this stage's tensors into staging buckets as `version`; the plan for rank 0."""
-        from streamrl.actors.publisher import make_buckets
+        """Pack this stage's tensors into its staging buffers as `version` (the way rank 0
+        packs stage 0's); the plan for rank 0.
 
-        device = self.device if staging == "cuda" else torch.device("cpu")
-        with torch.no_grad():
-            tensors = [
-                (name, tensor.detach().to(device, copy=True).contiguous())
-                for name, tensor in weights
-            ]
-        buckets = make_buckets(tensors, bucket_bytes)
-        with self._lock:  # a broadcast in flight keeps its own reference to the old buckets
+        Rank 0 asks for no broadcast while a snapshot is taken, so no broadcast reads
+        the buffers while they are overwritten."""
+        from streamrl.actors.publisher import Staging
+
+        device = str(self.device) if staging == "cuda" else "cpu"
+        if self._staging is None or (self._staging.bucket_bytes, self._staging.device) != (
+            bucket_bytes,
+            device,
+        ):
+            self._staging = Staging(bucket_bytes, device)
+        with self._lock:
+            self._staged = None  # until packed: a Send now is refused, not served half-written
+        buckets = self._staging.pack(weights)
+        with self._lock:
             self._staged = _Staged(version, buckets)
-        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        return StagePlan(self.stage, version, self.address, bucket_specs(buckets), num_bytes)
+        specs = [BucketSpec(bucket.names, bucket.dtypes, bucket.shapes) for bucket in buckets]
+        num_bytes = sum(bucket.layout.num_bytes for bucket in buckets)
+        return StagePlan(self.stage, version, self.address, specs, num_bytes)
 
     # ---- the serving thread ------------------------------------------------
 
@@ -230,7 +231,11 @@ class StageServer:
             group = self._groups.get(request.group_name)
             if group is None:
                 return StageReply(False, f"stage {self.stage} holds no {request.group_name}")
-            broadcast_tensors(group, [tensor for _, tensor in staged.buckets[request.index]])
+            bucket = staged.buckets[request.index]
+            if request.is_flattened:
+                broadcast_flat(group, bucket.flat)
+            else:
+                broadcast_tensors(group, bucket.layout.unpack(bucket.flat))
             return StageReply(True)
         self._drop(request.group_name)
         return StageReply(True)

@@ -86,6 +86,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     weight_sync.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     weight_sync.add_argument("--bucket-mb", type=int, default=512)
     weight_sync.add_argument(
+        "--per-tensor",
+        action="store_true",
+        help="one broadcast per tensor instead of one per flattened bucket",
+    )
+    weight_sync.add_argument(
         "--pause-mode", default="in_place", choices=["in_place", "abort", "retract"]
     )
     weight_sync.add_argument("--repeats", type=int, default=5, help="timed publishes per count")

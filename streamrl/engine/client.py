@@ -331,11 +331,13 @@ class EngineClient:
         weight_version: str | int | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
         timeout_s: float = 600.0,
     ) -> dict:
         """Blocks until the engine has received every broadcast and loaded the tensors.
 
-        `dtypes` may be torch dtypes or names ("bfloat16", "torch.bfloat16")."""
+        `dtypes` may be torch dtypes or names ("bfloat16", "torch.bfloat16");
+        `load_format = "flattened_bucket"`: the tensors come as one flat broadcast."""
         body = {
             "names": list(names),
             "dtypes": [str(dtype).removeprefix("torch.") for dtype in dtypes],
@@ -345,6 +347,8 @@ class EngineClient:
             "abort_all_requests": abort_all_requests,
             "weight_version": None if weight_version is None else str(weight_version),
         }
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._json(
             "POST", "/update_weights_from_distributed", body, timeout_s=timeout_s
         )
@@ -506,6 +510,7 @@ class EngineSet:
         group_name: str = DEFAULT_GROUP_NAME,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> None:
         """Every engine receives the same broadcasts; the trainer broadcasts concurrently."""
         await self.each(
@@ -517,6 +522,7 @@ class EngineSet:
                 weight_version=weight_version,
                 flush_cache=flush_cache,
                 abort_all_requests=abort_all_requests,
+                load_format=load_format,
             ),
             what="update_weights_from_distributed",
         )

@@ -584,7 +584,11 @@ class EngineServer:
         return _weight_result(True, f"joined weight-update group {group_name!r}")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        from streamrl.engine.weight_sync import DEFAULT_GROUP_NAME, receive_tensors
+        from streamrl.engine.weight_sync import (
+            DEFAULT_GROUP_NAME,
+            FLATTENED_BUCKET,
+            receive_tensors,
+        )
 
         body = await _read_json(request)
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
@@ -594,8 +598,9 @@ class EngineServer:
             or not isinstance(shapes, list)
         ):
             return _weight_result(False, "names, dtypes and shapes must be lists")
-        if body.get("load_format") not in (None, "auto"):
-            return _weight_result(False, f"load_format {body['load_format']!r} is not supported")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", FLATTENED_BUCKET):
+            return _weight_result(False, f"load_format {load_format!r} is not supported")
         group_name = body.get("group_name") or DEFAULT_GROUP_NAME
         async with self._weight_lock:
             if group_name not in self._groups:
@@ -607,7 +612,7 @@ class EngineServer:
             self.is_receiving_weights = True
             try:
                 tensors = await asyncio.to_thread(
-                    receive_tensors, group, names, dtypes, shapes, device
+                    receive_tensors, group, names, dtypes, shapes, device, load_format
                 )
             except Exception as exc:
                 logger.exception("receiving weights failed")

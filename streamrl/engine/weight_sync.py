@@ -11,7 +11,15 @@ a trainer must build its side the same way or the two never meet:
 The group is not torch's default group: a trainer may keep its own default
 group (data parallel, Megatron) next to it, and an engine needs none. Rank 0
 is the trainer; engines are ranks 1.. (`rank_offset` of
-`/init_weights_update_group`). One `broadcast(src=0)` per tensor, in order.
+`/init_weights_update_group`). Two wire formats for one update call's tensors:
+
+    load_format = null                one broadcast(src=0) per tensor, in order
+    load_format = "flattened_bucket"  one broadcast of a uint8 tensor: each tensor's
+                                      bytes (C order) back to back, in order
+
+The second is SGLang's bucketed path: one collective per bucket instead of one
+per tensor (a 0.5B model has ~290 tensors), which is what lets a broadcast run
+near the link's bandwidth.
 
 All private torch.distributed API use in streamrl lives in this module:
 `_new_process_group_helper`, `_world.pg_group_ranks` and `Tensor._use_count`.
@@ -37,6 +45,8 @@ from torch.distributed import distributed_c10d as c10d
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+FLATTENED_BUCKET = "flattened_bucket"
+"""`load_format` of an update call whose tensors travel as one flat byte broadcast."""
 
 
 def init_weight_update_group(
@@ -135,27 +145,83 @@ def broadcast_tensors(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor])
     _wait_until_released(group, sent, baselines)
 
 
+def broadcast_flat(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
+    """Rank 0: send one flattened bucket (see `FlatBucket`) in a single broadcast."""
+    baseline = flat._use_count()
+    dist.broadcast(flat, src=0, group=group)
+    _wait_until_released(group, [flat], [baseline])
+
+
 def receive_tensors(
     group: dist.ProcessGroup,
     names: Sequence[str],
     dtypes: Sequence[str],
     shapes: Sequence[Sequence[int]],
     device: torch.device | str,
+    load_format: str | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Ranks >= 1: receive one broadcast per name, in order, into fresh tensors on `device`."""
+    """Ranks >= 1: receive one update call's tensors into fresh tensors on `device`, one
+    broadcast per name or, with `load_format = "flattened_bucket"`, one for them all."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
         )
-    tensors = [
-        torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
-        for dtype, shape in zip(dtypes, shapes, strict=True)
+    specs = [
+        (tuple(shape), torch_dtype(dtype)) for dtype, shape in zip(dtypes, shapes, strict=True)
     ]
+    if load_format == FLATTENED_BUCKET:
+        layout = FlatLayout(specs)
+        flat = torch.empty(layout.num_bytes, dtype=torch.uint8, device=device)
+        baselines = [flat._use_count()]
+        dist.broadcast(flat, src=0, group=group)
+        _wait_until_released(group, [flat], baselines)
+        return list(zip(names, layout.unpack(flat), strict=True))
+    if load_format not in (None, "auto"):
+        raise ValueError(f"load_format {load_format!r} is not supported")
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     baselines = [tensor._use_count() for tensor in tensors]
     for tensor in tensors:
         dist.broadcast(tensor, src=0, group=group)
     _wait_until_released(group, tensors, baselines)
     return list(zip(names, tensors, strict=True))
+
+
+class FlatLayout:
+    """Byte offsets of tensors packed back to back into one uint8 tensor (C order each)."""
+
+    def __init__(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.specs = list(specs)
+        self.offsets: list[int] = []
+        offset = 0
+        for shape, dtype in self.specs:
+            self.offsets.append(offset)
+            offset += _num_bytes(shape, dtype)
+        self.num_bytes = offset
+
+    def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        """Copy `tensors` (matching the specs) into `out`, a uint8 tensor of `num_bytes`."""
+        for tensor, offset, (shape, dtype) in zip(tensors, self.offsets, self.specs, strict=True):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"tensor {tuple(tensor.shape)} {tensor.dtype} != {shape} {dtype}")
+            source = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            out[offset : offset + source.numel()].copy_(source, non_blocking=True)
+
+    def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` as the packed tensors (a copy where an offset is misaligned)."""
+        tensors = []
+        for offset, (shape, dtype) in zip(self.offsets, self.specs, strict=True):
+            raw = flat[offset : offset + _num_bytes(shape, dtype)]
+            if offset % dtype.itemsize:
+                raw = raw.clone()
+            tensors.append(raw.view(dtype).view(shape))
+        return tensors
+
+
+def _num_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
 
 
 def _wait_until_released(

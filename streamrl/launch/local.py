@@ -230,6 +230,7 @@ class LocalJob:
             members=self.fleet.live_clients,
             on_published=on_published,
             bucket_bytes=cfg.weights.bucket_bytes,
+            flattened=cfg.weights.flattened_buckets,
             pause_mode=cfg.weights.pause_mode,
             group_backend=group_backend,
             staging_device=str(device) if group_backend == "nccl" else "cpu",

@@ -1,7 +1,8 @@
 """One training step over a batch of groups, for any LearnerBackend.
 
     samples ─► micro-batches (token budget)
-            ─► proximal logprobs (weights before this step: decoupled PPO's pi_prox)
+            ─► proximal logprobs (weights before this step: decoupled PPO's pi_prox;
+               a forward pass of its own only when needed, see `needs_proximal_pass`)
             ─► reference logprobs (only with a KL loss)
             ─► advantages (group-relative or REINFORCE++, on response tokens)
             ─► for each mini-batch (learner.global_batch_size samples): forward, loss,
@@ -38,8 +39,10 @@ def train_step(
     budget = cfg.learner.micro_batch_tokens
     step_batches = pack_micro_batches(samples, all_indices, token_budget=budget, pad_id=pad_id)
 
-    proximal = backend.compute_logprobs(step_batches, temperature=temperature)
-    proximal_by_sample = gather_responses(samples, step_batches, proximal)
+    proximal_by_sample = None
+    if needs_proximal_pass(cfg):
+        proximal = backend.compute_logprobs(step_batches, temperature=temperature)
+        proximal_by_sample = gather_responses(samples, step_batches, proximal)
     reference_by_sample = None
     if algo.kl_loss_coef > 0:
         reference = backend.compute_logprobs(step_batches, temperature=temperature, reference=True)
@@ -60,9 +63,10 @@ def train_step(
         micro_batches = pack_micro_batches(samples, indices, token_budget=budget, pad_id=pad_id)
         for micro_batch in micro_batches:
             micro_batch.advantages = scatter_responses(samples, micro_batch, advantages)
-            micro_batch.proximal_logprobs = scatter_responses(
-                samples, micro_batch, proximal_by_sample
-            )
+            if proximal_by_sample is not None:
+                micro_batch.proximal_logprobs = scatter_responses(
+                    samples, micro_batch, proximal_by_sample
+                )
             if reference_by_sample is not None:
                 micro_batch.reference_logprobs = scatter_responses(
                     samples, micro_batch, reference_by_sample
@@ -73,8 +77,29 @@ def train_step(
         for key, value in result.items():
             sums[key] = sums.get(key, 0.0) + value
     metrics.update({f"train/{k}": v / len(mini_batches) for k, v in sums.items()})
+    if proximal_by_sample is None:  # the mismatch moments came from the training forward
+        w_mean, w2_mean = (
+            metrics.pop("train/importance_w_mean"),
+            metrics.pop("train/importance_w2_mean"),
+        )
+        metrics["train/importance_ess"] = w_mean**2 / w2_mean if w2_mean > 0 else 0.0
     metrics["train/optimizer_steps"] = len(mini_batches)
     return metrics
+
+
+def needs_proximal_pass(cfg: RunConfig) -> bool:
+    """Whether pi_prox needs a forward pass before training.
+
+    pi_prox is the policy before this step. With one optimizer step per step
+    every micro-batch's training forward runs on exactly those weights, so its
+    detached logprobs are pi_prox (u = 1 in value, the gradient unchanged) and
+    the extra pass (a third of the step's compute) is skipped. A separate pass
+    is needed with several optimizer steps per step (later mini-batches run on
+    updated weights) and for REINFORCE++'s KL term in the advantages, which is
+    computed before training."""
+    algo = cfg.algorithm
+    kl_in_advantages = algo.advantage_estimator == "reinforce_plus_plus" and algo.kl_loss_coef > 0
+    return cfg.optimizer_steps_per_step > 1 or kl_in_advantages
 
 
 def make_loss_fn(cfg: RunConfig):
@@ -114,6 +139,8 @@ def make_loss_fn(cfg: RunConfig):
             "clip_fraction": reduce(parts["clipped"]).detach(),
             "behaviour_weight": reduce(parts["behaviour_weight"]).detach(),
         }
+        if micro_batch.proximal_logprobs is None:
+            metrics.update(_mismatch_moments(micro_batch, logprobs.detach()))
         loss_per_token = per_token
         if kl_in_loss:
             kl = algorithms.kl_penalty(logprobs, micro_batch.reference_logprobs, algo.kl_loss_type)
@@ -135,7 +162,7 @@ def _advantages(
     samples: list[Sample],
     group_size: int,
     mask: torch.Tensor,
-    proximal: torch.Tensor,
+    proximal: torch.Tensor | None,
     reference: torch.Tensor | None,
 ) -> torch.Tensor:
     algo = cfg.algorithm
@@ -164,21 +191,47 @@ def _response_tensor(samples: list[Sample], field: str) -> torch.Tensor:
 
 
 def _batch_metrics(
-    samples: list[Sample], mask: torch.Tensor, behaviour: torch.Tensor, proximal: torch.Tensor
+    samples: list[Sample],
+    mask: torch.Tensor,
+    behaviour: torch.Tensor,
+    proximal: torch.Tensor | None,
 ) -> dict[str, Any]:
-    """Engine-vs-learner mismatch and importance-weight health of the batch."""
+    """Engine-vs-learner mismatch and importance-weight health of the batch (without a
+    proximal pass these come from the training forward, `_mismatch_moments`; no max then)."""
     on = mask > 0
+    metrics = {
+        "train/trained_tokens": float(on.sum()),
+        "train/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+    }
+    if proximal is None:
+        return metrics
     diff = (proximal - behaviour)[on]
     weights = torch.exp(diff.clamp(-20, 20))
     num = max(int(on.sum()), 1)
     ess = float(weights.sum() ** 2 / (num * (weights**2).sum())) if len(weights) else 1.0
+    metrics.update(
+        {
+            "train/logprob_abs_diff_mean": float(diff.abs().mean()) if len(diff) else 0.0,
+            "train/logprob_abs_diff_max": float(diff.abs().max()) if len(diff) else 0.0,
+            "train/mismatch_kl": float((-diff).mean()) if len(diff) else 0.0,
+            "train/importance_ess": ess if math.isfinite(ess) else 0.0,
+        }
+    )
+    return metrics
+
+
+def _mismatch_moments(micro_batch: MicroBatch, current: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This micro-batch's share of the mini-batch's token means of |log pi - log mu|,
+    log mu - log pi, w and w^2 (w = pi / mu): the batch metrics, from the training forward."""
+    on = micro_batch.loss_mask > 0
+    diff = torch.where(on, current - micro_batch.behaviour_logprobs, 0.0)
+    weights = torch.where(on, torch.exp(diff.clamp(-20, 20)), 0.0)
+    num_tokens = max(micro_batch.num_tokens_in_mini_batch, 1.0)
     return {
-        "train/logprob_abs_diff_mean": float(diff.abs().mean()) if len(diff) else 0.0,
-        "train/logprob_abs_diff_max": float(diff.abs().max()) if len(diff) else 0.0,
-        "train/mismatch_kl": float((-diff).mean()) if len(diff) else 0.0,
-        "train/importance_ess": ess if math.isfinite(ess) else 0.0,
-        "train/trained_tokens": float(on.sum()),
-        "train/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        "logprob_abs_diff_mean": diff.abs().sum() / num_tokens,
+        "mismatch_kl": -diff.sum() / num_tokens,
+        "importance_w_mean": weights.sum() / num_tokens,
+        "importance_w2_mean": (weights**2).sum() / num_tokens,
     }
 
 

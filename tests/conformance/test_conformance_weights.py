@@ -36,6 +36,8 @@ from conformance_support import (
 from streamrl.engine.client import EngineClient, GenerateResult, parse_version
 from streamrl.engine.layout import WeightGroupLayout, engine_gpu_count, weight_group_layout
 from streamrl.engine.weight_sync import (
+    FLATTENED_BUCKET,
+    broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
@@ -115,8 +117,10 @@ async def _send(
     name: str,
     weights: dict[str, torch.Tensor],
     version: str | None,
+    load_format: str | None = None,
 ) -> None:
-    """One bucket, as the publisher sends it: the update call in flight during the broadcast."""
+    """One bucket, as the publisher sends it: the update call in flight during the broadcast
+    (one broadcast per tensor, or one of their bytes back to back with "flattened_bucket")."""
     tensors = [tensor.to(target.device).contiguous() for tensor in weights.values()]
     replies: list[dict] = []
 
@@ -129,12 +133,20 @@ async def _send(
                 group_name=name,
                 weight_version=version,
                 flush_cache=False,
+                load_format=load_format,
             )
         )
 
+    def trainer_side() -> None:
+        if load_format == FLATTENED_BUCKET:
+            flat = torch.cat([tensor.reshape(-1).view(torch.uint8) for tensor in tensors])
+            broadcast_flat(group, flat)
+        else:
+            broadcast_tensors(group, tensors)
+
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(engine_side)
-        await anyio.to_thread.run_sync(broadcast_tensors, group, tensors)
+        await anyio.to_thread.run_sync(trainer_side)
     assert replies[0]["success"] is True, replies
 
 
@@ -192,6 +204,23 @@ async def test_a_broadcast_update_changes_outputs_and_tags_the_version_even_mid_
     assert after.meta["weight_version"] == version and after.versions == [int(version)] * 16
     assert_matches_teacher(target, teacher, PROMPT, after, new)
     _assert_changed(target, teacher, after)
+
+
+async def test_a_flattened_bucket_update_loads_the_same_weights(target, teacher, served, engine):
+    name = f"conformance-{uuid.uuid4().hex[:8]}"
+    group = await _join(engine, target, await _layout(engine), name)
+    new = _new_weights(target, teacher, seed=14)
+    version = _next_version(served, 3)
+    try:
+        await engine.pause("in_place")
+        await _send(engine, target, group, name, new, version, load_format=FLATTENED_BUCKET)
+        await engine.continue_generation()
+    finally:
+        await _leave(engine, [(name, group)])
+    result = await engine.generate(PROMPT, SAMPLE)
+    assert result.versions == [int(version)] * 16
+    assert_matches_teacher(target, teacher, PROMPT, result, new)
+    _assert_changed(target, teacher, result)
 
 
 async def test_update_weights_from_disk_brings_back_the_checkpoint_and_sets_the_version(
