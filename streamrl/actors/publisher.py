@@ -225,8 +225,8 @@ class WeightPublisher:
         started = time.perf_counter()
         while self._busy:
             await self._idle.wait()
-        # Busy from here: a resync must not re-send the previous version while stage
-        # ranks replace it (they keep only their newest snapshot).
+        # Busy from here: a resync must not send the previous snapshot while its staging
+        # buffers (here and on stage ranks) are being overwritten by this one.
         self._busy = True
         snapshot_started = time.perf_counter()
         try:
@@ -253,7 +253,7 @@ class WeightPublisher:
                 await self._idle.wait()
 
     def invalidate(self) -> None:
-        """An engine left: rebuild the group before the next broadcast."""
+        """An engine left: rebuild the groups before the next broadcast."""
         self._is_stale = True
 
     async def wait_idle(self) -> None:
@@ -298,7 +298,7 @@ class WeightPublisher:
             record.ok = not failed
             self.records.append(record)
             if failed:
-                await self._drop_group()
+                await self._drop_groups()
             else:
                 await self.on_published(snapshot.version)
         finally:
@@ -383,7 +383,7 @@ class WeightPublisher:
         if is_current and all(group.members == members for group in self._groups):
             return self._groups
         self._is_stale = False
-        await self._drop_group()
+        await self._drop_groups()
         layout = weight_group_layout(await self.gpu_counts(engines))
         # One group at a time: an engine joins one group at a time, so engines joining
         # different groups at once would each wait for the other.
@@ -442,7 +442,7 @@ class WeightPublisher:
         )
         return _Group(name, tuple(engine.url for engine in engines), handle, stage)
 
-    async def _drop_group(self) -> None:
+    async def _drop_groups(self) -> None:
         """Every stage's group, on the engines and on its rank 0."""
         from streamrl.actors.stage_publish import Drop
 
