@@ -22,8 +22,9 @@ The serving thread runs next to the follower's training loop and touches only
 the stage's own weight-update group, never the learner's groups.
 
 Everything runs on one machine for `streamrl run`: the control socket binds
-to 127.0.0.1 and rank 0 hosts each stage's group rendezvous at its own
-`master_address`.
+to 127.0.0.1, and rank 0 picks each stage group's rendezvous address (its own
+`master_address`) and a free port there, which the stage rank then hosts;
+stage ranks on other hosts would need their own address here.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class _Staged:
 class StageServer:
     """A stage publisher's side (stage >= 1): stages snapshots, serves rank 0's requests.
 
-    `stage()` runs in the follower's main thread (inside the announced SNAPSHOT
+    `take()` runs in the follower's main thread (inside the announced SNAPSHOT
     call); requests are served by one thread owned by this object, from
     `start()` to `close()`."""
 
