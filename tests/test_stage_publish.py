@@ -23,6 +23,7 @@ from streamrl.actors.stage_publish import (
     RemoteStages,
     Send,
     StagePlan,
+    StageReply,
     StageServer,
 )
 
@@ -259,3 +260,47 @@ async def test_a_stage_refuses_a_version_it_does_not_hold_and_a_group_it_has_not
             stages.plans(6)
     finally:
         stages.close()
+
+
+async def test_a_cancelled_request_leaves_the_channel_usable_and_its_late_answer_is_dropped():
+    """Rank 0 stops waiting for a stage (an engine failed); the stage's late answer to that
+    request must not be taken for the answer to the next one."""
+    import threading
+
+    import zmq
+
+    context = zmq.Context()
+    server = context.socket(zmq.REP)
+    server.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    release = threading.Event()
+    received: list[str] = []
+
+    def answer_late() -> None:
+        for reply in (StageReply(False, "the late answer"), StageReply(True)):
+            received.append(msgspec.msgpack.decode(server.recv(), type=Drop).group_name)
+            if len(received) == 1:
+                release.wait(timeout=30)
+            server.send(msgspec.msgpack.encode(reply))
+
+    class PlanOnly:
+        def stage_plans(self) -> list[bytes]:
+            return [msgspec.msgpack.encode(StagePlan(1, 3, address, [], num_bytes=0))]
+
+    thread = threading.Thread(target=answer_late)
+    thread.start()
+    stages = RemoteStages(PlanOnly())
+    try:
+        stages.plans(3)
+        with anyio.move_on_after(0.2) as scope:
+            await stages.request(1, Drop("first"))
+        assert scope.cancelled_caught
+        release.set()
+        await stages.request(1, Drop("second"))  # the first's failure answer is dropped
+        assert received == ["first", "second"]
+    finally:
+        release.set()
+        thread.join()
+        stages.close()
+        server.close()
+        context.term()
