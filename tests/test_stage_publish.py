@@ -278,10 +278,11 @@ async def test_a_cancelled_request_leaves_the_channel_usable_and_its_late_answer
 
     def answer_late() -> None:
         for reply in (StageReply(False, "the late answer"), StageReply(True)):
-            received.append(msgspec.msgpack.decode(server.recv(), type=Drop).group_name)
+            *request_id, payload = server.recv_multipart()
+            received.append(msgspec.msgpack.decode(payload, type=Drop).group_name)
             if len(received) == 1:
                 release.wait(timeout=30)
-            server.send(msgspec.msgpack.encode(reply))
+            server.send_multipart([*request_id, msgspec.msgpack.encode(reply)])
 
     class PlanOnly:
         def stage_plans(self) -> list[bytes]:
@@ -292,7 +293,7 @@ async def test_a_cancelled_request_leaves_the_channel_usable_and_its_late_answer
     stages = RemoteStages(PlanOnly())
     try:
         stages.plans(3)
-        with anyio.move_on_after(0.2) as scope:
+        with anyio.move_on_after(0.5) as scope:
             await stages.request(1, Drop("first"))
         assert scope.cancelled_caught
         release.set()

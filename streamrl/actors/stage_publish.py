@@ -11,7 +11,7 @@ and broadcast, when rank 0 tells them to:
     publish(v), training paused:
       announce SNAPSHOT v ──default group──────►   hf_weights() -> staging buckets (version v)
       StagePlan of stage s ◄──default group─────   bucket names, dtypes, shapes; control address
-    behind the next training step (ZeroMQ REQ/REP, one request at a time per stage):
+    behind the next training step (ZeroMQ DEALER -> REP, one request at a time per stage):
       Host(group, port) + engines' init calls ─►   host the stage's group as its rank 0
       Send(group, v, i) + engines' update calls ►   broadcast bucket i of version v
       Drop(group) ─────────────────────────────►   destroy the group (engine set changed)
@@ -29,6 +29,7 @@ stage ranks on other hosts would need their own address here.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -200,13 +201,13 @@ class StageServer:
             ready = dict(poller.poll())
             if self._stop_receiver in ready:
                 return
+            *request_id, payload = self._socket.recv_multipart()
             try:
-                request = self._decoder.decode(self._socket.recv())
-                reply = self._handle(request)
+                reply = self._handle(self._decoder.decode(payload))
             except Exception as exc:  # the reply carries it to rank 0, which fails the update
                 log.exception("stage %d: request failed", self.stage)
                 reply = StageReply(is_ok=False, message=f"{type(exc).__name__}: {exc}")
-            self._socket.send(self._encoder.encode(reply))
+            self._socket.send_multipart([*request_id, self._encoder.encode(reply)])
 
     def _handle(self, request: StageRequest) -> StageReply:
         if isinstance(request, Host):
@@ -259,6 +260,7 @@ class RemoteStages:
         self.staging = staging
         self._context = zmq.asyncio.Context()
         self._addresses: dict[int, str] = {}
+        self._request_ids = itertools.count()
         self._sockets: dict[int, tuple[str, zmq.asyncio.Socket]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StageReply)
@@ -285,11 +287,18 @@ class RemoteStages:
         """Send `request` to `stage`'s publisher and wait for its answer; RuntimeError if it
         failed. Needs a plan of that stage first (its address).
 
-        Cancelling the wait is safe: the socket drops the late answer, and the
-        stage serves the next request once the current one has finished."""
+        Cancelling the wait is safe: each request carries an id, the answer to a
+        request nobody waits for any more is dropped, and the stage serves the
+        next request once the current one has finished."""
         socket = self._socket(stage)
-        await socket.send(self._encoder.encode(request))
-        reply = self._decoder.decode(await socket.recv())
+        request_id = next(self._request_ids).to_bytes(8, "little")
+        await socket.send_multipart([b"", request_id, self._encoder.encode(request)])
+        while True:
+            *envelope, payload = await socket.recv_multipart()
+            if envelope == [b"", request_id]:
+                break
+            log.info("pipeline stage %d: dropped the answer to an abandoned request", stage)
+        reply = self._decoder.decode(payload)
         if not reply.is_ok:
             raise RuntimeError(f"pipeline stage {stage}: {reply.message}")
 
@@ -301,10 +310,8 @@ class RemoteStages:
             if socket is not None:
                 socket.close()
             address = self._addresses[stage]
-            socket = self._context.socket(zmq.REQ)
+            socket = self._context.socket(zmq.DEALER)  # never stuck on an unanswered request
             socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.REQ_RELAXED, 1)  # a new request may follow an unanswered one
-            socket.setsockopt(zmq.REQ_CORRELATE, 1)  # ... and its late answer is dropped
             socket.connect(address)
             self._sockets[stage] = (address, socket)
         return socket
