@@ -305,3 +305,22 @@ async def test_a_cancelled_request_leaves_the_channel_usable_and_its_late_answer
         stages.close()
         server.close()
         context.term()
+
+
+def test_stage_publishers_are_tp_rank_0_of_dp_replica_0_of_each_later_stage():
+    from types import SimpleNamespace
+
+    from streamrl.learners.distributed import Leader
+    from streamrl.learners.megatron.parallel import Layout
+
+    def layout(tp: int, dp: int, pp: int) -> Layout:
+        return Layout(tp * dp * pp, 0, tp, pp, dp, tp_rank=0, pp_rank=0, dp_rank=0)
+
+    def ranks(tp: int, dp: int, pp: int) -> list[int]:
+        return Leader(SimpleNamespace(layout=layout(tp, dp, pp))).stage_publisher_ranks
+
+    assert ranks(2, 1, 1) == []
+    assert ranks(1, 1, 2) == [1]
+    assert ranks(2, 2, 2) == [4]  # rank = tp + TP * (dp + DP * pp)
+    assert ranks(1, 1, 4) == [1, 2, 3]
+    assert Leader(SimpleNamespace()).stage_publisher_ranks == []  # the torch backend
