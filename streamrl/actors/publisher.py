@@ -215,9 +215,13 @@ class WeightPublisher:
             if self.stages is not None:
                 self.stages.close()  # stage ranks destroy their groups when they stop
             groups, self._groups = self._groups, []
-            for group in groups:
-                if group.handle is not None:
-                    await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
+            # Cancelled (that is how run() stops), so the cleanup is shielded and bounded.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(DESTROY_TIMEOUT_S):
+                for group in groups:
+                    if group.handle is not None:
+                        await anyio.to_thread.run_sync(
+                            destroy_weight_update_group, group.handle, abandon_on_cancel=True
+                        )
 
     async def publish(self, version: int) -> PublishRecord:
         """Snapshot the weights as `version` and start broadcasting; returns once the learner
