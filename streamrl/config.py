@@ -231,8 +231,10 @@ class WeightsConfig(_Section):
     sends one broadcast per tensor, for SGLang releases without the bucketed path."""
     pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
     """How engines pause for an update: keep KV (`in_place`) or return partials (`abort`)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Weight-update group backend; `auto` is NCCL when learner and engines are on CUDA."""
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
+    """Weight-update group backend; `auto` is NCCL when learner and engines are on different
+    GPUs, gloo otherwise. `ipc`: engines on the learner's own device map its weights by CUDA
+    IPC handle (SGLang's /update_weights_from_tensor) instead of joining a group."""
     master_port: Port = 0
     """Rendezvous port of the weight-update group; 0 picks a free one."""
 
@@ -371,9 +373,31 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
                 f"learner.num_gpus = {cfg.learner.num_gpus} must be a multiple of "
                 f"learner.megatron.tensor_parallel_size * pipeline_parallel_size = {model_parallel}"
             )
+    if cfg.weights.backend == "ipc":
+        problems += _ipc_problems(cfg)
     names = [d.name for d in cfg.eval.datasets]
     if len(set(names)) != len(names):
         problems.append(f"eval.datasets names must be unique, got {names}")
+    return problems
+
+
+def _ipc_problems(cfg: RunConfig) -> list[str]:
+    """Weights by reference need every engine on the learner's (single) device."""
+    problems = []
+    if cfg.learner.num_gpus > 1:
+        problems.append("weights.backend = 'ipc' needs learner.num_gpus = 1")
+    devices = (cfg.engine.device, cfg.learner.device)
+    if cfg.engine.backend == "embedded" and "auto" not in devices and len(set(devices)) > 1:
+        problems.append(
+            f"weights.backend = 'ipc' needs the engines on the learner's device "
+            f"(engine.device = {devices[0]!r}, learner.device = {devices[1]!r})"
+        )
+    learner_gpus = cfg.cluster.learner_gpus[:1] or [0]
+    if cfg.cluster.engine_gpus and set(cfg.cluster.engine_gpus) != set(learner_gpus):
+        problems.append(
+            f"weights.backend = 'ipc' needs every engine on the learner's GPU: "
+            f"cluster.engine_gpus = {cfg.cluster.engine_gpus}, learner GPU {learner_gpus[0]}"
+        )
     return problems
 
 

@@ -9,7 +9,9 @@
 A bucket is one flat uint8 buffer (the staging buffers are allocated once and
 reused); with `flattened = True` it travels as one broadcast (SGLang's
 `load_format = "flattened_bucket"`), otherwise as one broadcast per tensor,
-which every SGLang release accepts.
+which every SGLang release accepts. An engine on the learner's own device
+(`group_backend = "ipc"`) joins no group: it maps each bucket by CUDA IPC handle
+through `/update_weights_from_tensor` and copies it in (`streamrl.engine.tensor_ipc`).
 
 The weight-update group is built the way SGLang builds it (see
 `streamrl.engine.weight_sync`): the learner is rank 0 and each engine joins as
@@ -40,6 +42,7 @@ import torch
 
 from streamrl.engine.client import EngineClient, EngineError
 from streamrl.engine.layout import WeightGroupLayout, engine_gpu_counts, weight_group_layout
+from streamrl.engine.tensor_ipc import serialize_named_tensors
 from streamrl.engine.weight_sync import (
     FLATTENED_BUCKET,
     FlatLayout,
@@ -57,6 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DESTROY_TIMEOUT_S = 10.0
+IPC = "ipc"
+"""`group_backend` for engines on the learner's own device: no group, weights by reference."""
 """A member that does not confirm leaving the old group within this is left behind."""
 
 
@@ -313,8 +318,20 @@ class WeightPublisher:
         self._idle.set()
         self._idle = anyio.Event()
 
+    @property
+    def by_reference(self) -> bool:
+        """Engines on this process's device map the staging buffers (`weights.backend = "ipc"`)
+        instead of joining a group."""
+        return self.group_backend == IPC
+
     async def _send(self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord):
-        groups = await self._ensure_groups(engines, 1 + len(snapshot.stages))
+        if self.by_reference and snapshot.stages:
+            raise RuntimeError("weights by reference (ipc) cannot carry pipeline stages")
+        groups, gpu_counts = [], []
+        if self.by_reference:
+            gpu_counts = await self.gpu_counts(engines)
+        else:
+            groups = await self._ensure_groups(engines, 1 + len(snapshot.stages))
         paused_at = time.perf_counter()
         await _each(engines, lambda e: e.pause(self.pause_mode))
         try:
@@ -322,7 +339,10 @@ class WeightPublisher:
             for index, bucket in enumerate(snapshot.buckets):
                 is_last = index == len(snapshot.buckets) - 1 and not snapshot.stages
                 tag = snapshot.version if is_last else None  # the version flips after the last
-                await self._send_bucket(engines, groups[0], bucket, tag)
+                if self.by_reference:
+                    await self._hand_over(engines, gpu_counts, bucket, tag)
+                else:
+                    await self._send_bucket(engines, groups[0], bucket, tag)
             for plan, group in zip(snapshot.stages, groups[1:], strict=True):
                 await self._send_stage(engines, group, plan, is_last=plan is snapshot.stages[-1])
             record.broadcast_s = time.perf_counter() - broadcast_started
@@ -367,6 +387,30 @@ class WeightPublisher:
                 await anyio.to_thread.run_sync(send)
             else:
                 await broadcast()
+
+    async def _hand_over(
+        self,
+        engines: list[EngineClient],
+        gpu_counts: list[int],
+        bucket: Bucket,
+        weight_version: int | None,
+    ) -> None:
+        """Every engine maps the bucket from this process's memory and copies it in (one
+        payload entry per engine GPU); the staging buffer stays untouched until they answer."""
+        tensors = bucket.layout.unpack(bucket.flat)  # views (copies only where misaligned)
+        payload = serialize_named_tensors(list(zip(bucket.names, tensors, strict=True)))
+
+        async def update(engine: EngineClient, num_gpus: int) -> None:
+            result = await engine.update_weights_from_tensor(
+                [payload] * num_gpus, weight_version=weight_version, flush_cache=False
+            )
+            if not result.get("success", False):
+                raise RuntimeError(f"{engine.url}: {result.get('message')}")
+
+        async with anyio.create_task_group() as tg:
+            for engine, num_gpus in zip(engines, gpu_counts, strict=True):
+                tg.start_soon(update, engine, num_gpus)
+        del tensors
 
     async def _send_stage(
         self, engines: list[EngineClient], group: _Group, plan: StagePlan, *, is_last: bool

@@ -83,7 +83,12 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     weight_sync.add_argument(
         "--engine-gpus", default="", help="comma-separated GPUs for engines (default: 1, 2, ...)"
     )
-    weight_sync.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    weight_sync.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl", "ipc"],
+        help="ipc: engines on the learner's device, weights by reference (no group)",
+    )
     weight_sync.add_argument("--bucket-mb", type=int, default=512)
     weight_sync.add_argument(
         "--per-tensor",

@@ -61,13 +61,14 @@ def weight_sync_command(args: argparse.Namespace) -> int:
         args.backend if args.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     )
     counts = parse_counts(args.engines)
-    engine_gpus = (
-        [int(g) for g in args.engine_gpus.split(",")]
-        if args.engine_gpus
-        else [g for g in range(torch.cuda.device_count()) if g != args.learner_gpu]
-        if device.type == "cuda"
-        else []
-    )
+    if args.engine_gpus:
+        engine_gpus = [int(g) for g in args.engine_gpus.split(",")]
+    elif device.type != "cuda":
+        engine_gpus = []
+    elif backend == "ipc":  # engines on the learner's own GPU
+        engine_gpus = [args.learner_gpu] * max(counts)
+    else:
+        engine_gpus = [g for g in range(torch.cuda.device_count()) if g != args.learner_gpu]
     if backend == "nccl" and max(counts) > len(engine_gpus):
         print(
             f"error: NCCL needs one GPU per engine apart from the learner's; "
@@ -174,7 +175,7 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
         flattened=not args.per_tensor,
         pause_mode=args.pause_mode,
         group_backend=setup["backend"],
-        staging_device=setup["learner_device"] if setup["backend"] == "nccl" else "cpu",
+        staging_device=setup["learner_device"] if setup["backend"] != "gloo" else "cpu",
     )
     samples = []
     try:

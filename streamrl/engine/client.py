@@ -362,6 +362,26 @@ class EngineClient:
         }
         return await self._json("POST", "/update_weights_from_disk", body)
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Weights by reference, for an engine on the caller's own device: one entry per engine
+        GPU, each from `streamrl.engine.tensor_ipc.serialize_named_tensors`."""
+        body = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": None,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return await self._json("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
+
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         return await self._json("POST", "/destroy_weights_update_group", {"group_name": group_name})
 

@@ -209,6 +209,7 @@ class EngineServer:
             ("/init_weights_update_group", self.init_weights_update_group),
             ("/update_weights_from_distributed", self.update_weights_from_distributed),
             ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/update_weights_from_tensor", self.update_weights_from_tensor),
             ("/destroy_weights_update_group", self.destroy_weights_update_group),
         ]
         for path, handler in get:
@@ -637,6 +638,30 @@ class EngineServer:
             if result.status == 200:
                 self._server_args["model_path"] = str(model_path)
             return result
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Tensors handed over by reference (CUDA IPC or shared memory; see
+        `streamrl.engine.tensor_ipc`): entry 0 of `serialized_named_tensors` (one GPU)."""
+        from streamrl.engine.tensor_ipc import deserialize_named_tensors
+
+        body = await _read_json(request)
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            return _weight_result(False, "serialized_named_tensors must be a non-empty list")
+        if body.get("load_format") not in (None, "auto"):
+            return _weight_result(False, f"load_format {body['load_format']!r} is not supported")
+        async with self._weight_lock:
+            if body.get("abort_all_requests"):
+                self._abort(None)
+            try:
+                tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
+            except Exception as exc:
+                logger.exception("update_weights_from_tensor: bad payload")
+                return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
+            try:
+                return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
+            finally:
+                del tensors  # release the sender's memory once copied
 
     async def _apply(self, tensors: list, body: dict, what: str) -> web.Response:
         version = body.get("weight_version")

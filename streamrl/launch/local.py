@@ -233,7 +233,7 @@ class LocalJob:
             flattened=cfg.weights.flattened_buckets,
             pause_mode=cfg.weights.pause_mode,
             group_backend=group_backend,
-            staging_device=str(device) if group_backend == "nccl" else "cpu",
+            staging_device=str(device) if group_backend in ("nccl", "ipc") else "cpu",
             stages=self._remote_stages(group_backend),
         )
         loop = LearnerLoop(
