@@ -235,8 +235,12 @@ class WeightsConfig(_Section):
     """Weight-update group backend; `auto` is NCCL when learner and engines are on different
     GPUs, gloo otherwise. `ipc`: engines on the learner's own device map its weights by CUDA
     IPC handle (SGLang's /update_weights_from_tensor) instead of joining a group."""
+    master_address: str = "127.0.0.1"
+    """Address the engines reach the learner at to join the weight-update group; set this
+    machine's address when attached engines (`engine.urls`) run on other machines."""
     master_port: Port = 0
-    """Rendezvous port of the weight-update group; 0 picks a free one."""
+    """Rendezvous port of the weight-update group (pipeline stage s uses master_port + s); 0
+    picks a free port each time a group is built."""
 
 
 class ClusterConfig(_Section):

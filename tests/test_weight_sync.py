@@ -322,3 +322,58 @@ async def test_b_after_a_gloo_broadcast_the_engine_generates_from_the_new_weight
         finally:
             await engines.destroy_weights_update_group("wg_test")
             destroy_weight_update_group(group)
+
+
+@pytest.mark.anyio
+async def test_a_fixed_master_port_serves_a_rebuilt_group_again(
+    tiny_model_dir, tmp_path, free_port
+):
+    """`weights.master_port`: every group (also the one rebuilt after the engine set changed)
+    meets at that port, so a firewall can let exactly it through."""
+    import anyio
+    from engine_helpers import running_engines, teacher_forced_logprobs
+
+    from streamrl.actors.publisher import WeightPublisher
+    from streamrl.engine.client import EngineClient
+    from streamrl.engine.models import build_random_model
+
+    prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
+    params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
+    port = free_port()
+    weights: dict[str, torch.Tensor] = {}
+    hosted_ports: list[int] = []
+
+    async def on_published(version: int) -> None:
+        pass
+
+    with running_engines(tiny_model_dir, tmp_path, extra_args=["--weight-version", "0"]) as (
+        engine,
+    ):
+        async with EngineClient(engine.url, timeout_s=120) as client:
+
+            async def init_group(**kwargs) -> dict:
+                hosted_ports.append(kwargs["master_port"])
+                return await EngineClient.init_weights_update_group(client, **kwargs)
+
+            client.init_weights_update_group = init_group
+            publisher = WeightPublisher(
+                weights=lambda: iter(weights.items()),
+                members=lambda: [client],
+                on_published=on_published,
+                master_port=port,
+            )
+            async with anyio.create_task_group() as tasks:
+                await tasks.start(publisher.run)
+                for version in (1, 2):
+                    model = build_random_model("qwen3-tiny", seed=20 + version)
+                    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    await publisher.publish(version)
+                    await publisher.wait_idle()
+                    publisher.invalidate()  # the next publish builds a new group
+                after = await client.generate(prompt, params)
+                tasks.cancel_scope.cancel()
+    assert hosted_ports == [port, port]
+    assert all(record.ok for record in publisher.records) and len(publisher.records) == 2
+    assert after.meta["weight_version"] == "2"
+    expected = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids, weights)
+    assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4

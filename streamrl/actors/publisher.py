@@ -191,6 +191,8 @@ class WeightPublisher:
     group_backend: str = "gloo"
     staging_device: str = "cpu"
     master_address: str = "127.0.0.1"
+    master_port: int = 0
+    """Rendezvous port of stage 0's group (stage s: + s); 0 picks a free one per group."""
     gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
     """Weight-group ranks (GPUs) of each engine; by default each engine's `/server_info` tp_size."""
     stages: RemoteStages | None = None
@@ -446,7 +448,7 @@ class WeightPublisher:
         from streamrl.actors.stage_publish import Host
 
         name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
-        port = free_port(self.master_address)
+        port = self.master_port + stage if self.master_port else free_port(self.master_address)
         handle = None
 
         async def host() -> None:
