@@ -53,7 +53,11 @@ def run_command(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Both signals raise KeyboardInterrupt in the main thread. Left to asyncio, Ctrl-C would
+    # cancel the main task instead, and a cancellation absorbed on its way out (a shielded
+    # scope finishing cleanup) can end the run as if it had completed: exit 0, not 130.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         summary = anyio.run(run, cfg, args.resume)
     except KeyboardInterrupt:
