@@ -60,9 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DESTROY_TIMEOUT_S = 10.0
+"""A member that does not confirm leaving the old group within this is left behind."""
 IPC = "ipc"
 """`group_backend` for engines on the learner's own device: no group, weights by reference."""
-"""A member that does not confirm leaving the old group within this is left behind."""
 
 
 @dataclass
