@@ -238,9 +238,6 @@ class WeightsConfig(_Section):
     master_address: str = "127.0.0.1"
     """Address the engines reach the learner at to join the weight-update group; set this
     machine's address when attached engines (`engine.urls`) run on other machines."""
-    master_port: Port = 0
-    """Rendezvous port of the weight-update group (pipeline stage s uses master_port + s); 0
-    picks a free port each time a group is built."""
 
 
 class ClusterConfig(_Section):

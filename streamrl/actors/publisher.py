@@ -191,8 +191,6 @@ class WeightPublisher:
     group_backend: str = "gloo"
     staging_device: str = "cpu"
     master_address: str = "127.0.0.1"
-    master_port: int = 0
-    """Rendezvous port of stage 0's group (stage s: + s); 0 picks a free one per group."""
     gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
     """Weight-group ranks (GPUs) of each engine; by default each engine's `/server_info` tp_size."""
     stages: RemoteStages | None = None
@@ -448,7 +446,7 @@ class WeightPublisher:
         from streamrl.actors.stage_publish import Host
 
         name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
-        port = self.master_port + stage if self.master_port else free_port(self.master_address)
+        port = free_port(self.master_address)
         handle = None
 
         async def host() -> None:
@@ -459,6 +457,8 @@ class WeightPublisher:
                 )
                 await self.stages.request(stage, request)
                 return
+            # Abandoned if an engine's join fails (it died before joining): the rendezvous
+            # would otherwise hold this update until it times out.
             handle = await anyio.to_thread.run_sync(
                 lambda: init_weight_update_group(
                     master_address=self.master_address,
@@ -467,7 +467,8 @@ class WeightPublisher:
                     world_size=layout.world_size,
                     group_name=name,
                     backend=self.group_backend,
-                )
+                ),
+                abandon_on_cancel=True,
             )
 
         async with anyio.create_task_group() as tg:

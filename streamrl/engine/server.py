@@ -23,8 +23,10 @@ choices where SGLang leaves room:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -100,6 +102,33 @@ def _error(message: str, status: int = 400) -> web.Response:
     return _json_response({"error": {"message": message}}, status)
 
 
+async def _in_daemon_thread(fn, /, **kwargs):
+    """`fn(**kwargs)` in a daemon thread: a join stuck until its rendezvous times out must not
+    keep the server from exiting (the default executor's threads are waited for at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: BaseException | None, result=None) -> None:
+        if not future.done():
+            if outcome is None:
+                future.set_result(result)
+            else:
+                future.set_exception(outcome)
+
+    def target() -> None:
+        try:
+            result = fn(**kwargs)
+        except Exception as exc:
+            outcome, result = exc, None
+        else:
+            outcome = None
+        with contextlib.suppress(RuntimeError):  # the server has exited meanwhile
+            loop.call_soon_threadsafe(settle, outcome, result)
+
+    threading.Thread(target=target, name=f"{fn.__name__}", daemon=True).start()
+    return await future
+
+
 def _weight_result(success: bool, message: str) -> web.Response:
     return _json_response({"success": success, "message": message}, 200 if success else 400)
 
@@ -164,6 +193,7 @@ class EngineServer:
         self._flights: dict[str, _Flight] = {}
         self._weight_lock = asyncio.Lock()
         self._groups: dict[str, tuple[Any, str]] = {}  # group_name -> (group, backend)
+        self._joining: set[str] = set()
         self._warned_keys: set[str] = set()
         self.num_finished_reqs = 0  # samples answered by /generate since start
         self.is_receiving_weights = False  # inside update_weights_from_distributed's receive
@@ -566,21 +596,27 @@ class EngineServer:
         group_name = body.get("group_name") or DEFAULT_GROUP_NAME
         backend = body.get("backend") or "nccl"
         async with self._weight_lock:
-            if group_name in self._groups:
+            if group_name in self._groups or group_name in self._joining:
                 return _weight_result(False, f"weight-update group {group_name!r} already exists")
-            try:
-                group = await asyncio.to_thread(
-                    init_weight_update_group,
-                    master_address=str(body["master_address"]),
-                    master_port=int(body["master_port"]),
-                    rank=int(body.get("rank_offset", 1)),
-                    world_size=int(body["world_size"]),
-                    group_name=group_name,
-                    backend=backend,
-                )
-            except Exception as exc:
-                logger.exception("init_weights_update_group failed")
-                return _weight_result(False, f"failed to join {group_name!r}: {exc}")
+            self._joining.add(group_name)
+        # Joined outside the lock: a join whose trainer gave up (a member died before it
+        # joined) blocks until the rendezvous times out, and must not hold up the next group.
+        try:
+            group = await _in_daemon_thread(
+                init_weight_update_group,
+                master_address=str(body["master_address"]),
+                master_port=int(body["master_port"]),
+                rank=int(body.get("rank_offset", 1)),
+                world_size=int(body["world_size"]),
+                group_name=group_name,
+                backend=backend,
+            )
+        except Exception as exc:
+            logger.exception("init_weights_update_group failed")
+            return _weight_result(False, f"failed to join {group_name!r}: {exc}")
+        finally:
+            self._joining.discard(group_name)
+        async with self._weight_lock:
             self._groups[group_name] = (group, backend)
         return _weight_result(True, f"joined weight-update group {group_name!r}")
 

@@ -238,7 +238,6 @@ class LocalJob:
             pause_mode=cfg.weights.pause_mode,
             group_backend=group_backend,
             master_address=cfg.weights.master_address,
-            master_port=cfg.weights.master_port,
             staging_device=str(device) if group_backend in ("nccl", "ipc") else "cpu",
             stages=self._remote_stages(group_backend),
         )
