@@ -293,9 +293,11 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
 ):
     hosted: list[dict] = []
     sent: list[torch.Tensor] = []
-    monkeypatch.setattr(
-        publisher_module, "init_weight_update_group", lambda **kwargs: hosted.append(kwargs)
-    )
+
+    async def host(**kwargs) -> None:
+        hosted.append(kwargs)
+
+    monkeypatch.setattr(publisher_module, "join_in_daemon_thread", host)
     monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: sent.append(flat))
     monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
     engines = [RecordingEngine(f"http://engine-{i}") for i in range(3)]

@@ -170,7 +170,10 @@ class RecordingStages:
 def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
     from streamrl.actors import publisher as publisher_module
 
-    monkeypatch.setattr(publisher_module, "init_weight_update_group", lambda **kw: kw["group_name"])
+    async def host(**kwargs) -> str:
+        return kwargs["group_name"]
+
+    monkeypatch.setattr(publisher_module, "join_in_daemon_thread", host)
     monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: None)
     monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
 

@@ -50,7 +50,7 @@ from streamrl.engine.weight_sync import (
     broadcast_tensors,
     destroy_weight_update_group,
     dtype_name,
-    init_weight_update_group,
+    join_in_daemon_thread,
 )
 from streamrl.launch.process import free_port
 
@@ -459,16 +459,13 @@ class WeightPublisher:
                 return
             # Abandoned if an engine's join fails (it died before joining): the rendezvous
             # would otherwise hold this update until it times out.
-            handle = await anyio.to_thread.run_sync(
-                lambda: init_weight_update_group(
-                    master_address=self.master_address,
-                    master_port=port,
-                    rank=0,
-                    world_size=layout.world_size,
-                    group_name=name,
-                    backend=self.group_backend,
-                ),
-                abandon_on_cancel=True,
+            handle = await join_in_daemon_thread(
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=layout.world_size,
+                group_name=name,
+                backend=self.group_backend,
             )
 
         async with anyio.create_task_group() as tg:

@@ -23,10 +23,8 @@ choices where SGLang leaves room:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -100,33 +98,6 @@ def _json_response(payload: Any, status: int = 200) -> web.Response:
 
 def _error(message: str, status: int = 400) -> web.Response:
     return _json_response({"error": {"message": message}}, status)
-
-
-async def _in_daemon_thread(fn, /, **kwargs):
-    """`fn(**kwargs)` in a daemon thread: a join stuck until its rendezvous times out must not
-    keep the server from exiting (the default executor's threads are waited for at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(outcome: BaseException | None, result=None) -> None:
-        if not future.done():
-            if outcome is None:
-                future.set_result(result)
-            else:
-                future.set_exception(outcome)
-
-    def target() -> None:
-        try:
-            result = fn(**kwargs)
-        except Exception as exc:
-            outcome, result = exc, None
-        else:
-            outcome = None
-        with contextlib.suppress(RuntimeError):  # the server has exited meanwhile
-            loop.call_soon_threadsafe(settle, outcome, result)
-
-    threading.Thread(target=target, name=f"{fn.__name__}", daemon=True).start()
-    return await future
 
 
 def _weight_result(success: bool, message: str) -> web.Response:
@@ -587,7 +558,7 @@ class EngineServer:
 
     # ---- weights ---------------------------------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from streamrl.engine.weight_sync import DEFAULT_GROUP_NAME, init_weight_update_group
+        from streamrl.engine.weight_sync import DEFAULT_GROUP_NAME, join_in_daemon_thread
 
         body = await _read_json(request)
         missing = [k for k in ("master_address", "master_port", "world_size") if k not in body]
@@ -602,8 +573,7 @@ class EngineServer:
         # Joined outside the lock: a join whose trainer gave up (a member died before it
         # joined) blocks until the rendezvous times out, and must not hold up the next group.
         try:
-            group = await _in_daemon_thread(
-                init_weight_update_group,
+            group = await join_in_daemon_thread(
                 master_address=str(body["master_address"]),
                 master_port=int(body["master_port"]),
                 rank=int(body.get("rank_offset", 1)),

@@ -34,10 +34,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -115,6 +119,33 @@ def _no_split_from_default_group() -> Iterator[None]:
         yield
     finally:
         default.bound_device_id = bound
+
+
+async def join_in_daemon_thread(**kwargs) -> dist.ProcessGroup:
+    """`init_weight_update_group(**kwargs)` from async code, in a daemon thread.
+
+    A join whose group will never complete (a member died before joining) blocks
+    until the rendezvous times out (minutes). Cancelling this call abandons the
+    thread, and being a daemon it keeps neither the caller nor the process from
+    exiting, as a worker thread of the event loop's executor would."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["group"] = init_weight_update_group(**kwargs)
+        except Exception as exc:
+            outcome["error"] = exc
+        with contextlib.suppress(RuntimeError):  # the event loop has exited meanwhile
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    name = f"join-{kwargs.get('group_name', DEFAULT_GROUP_NAME)}"
+    threading.Thread(target=target, name=name, daemon=True).start()
+    await done.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["group"]
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
