@@ -410,7 +410,6 @@ class WeightPublisher:
         async with anyio.create_task_group() as tg:
             for engine, num_gpus in zip(engines, gpu_counts, strict=True):
                 tg.start_soon(update, engine, num_gpus)
-        del tensors
 
     async def _send_stage(
         self, engines: list[EngineClient], group: _Group, plan: StagePlan, *, is_last: bool
