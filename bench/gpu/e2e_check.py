@@ -2,10 +2,12 @@
 embedded engine over the weight-update group, and `streamrl run` with the megatron backend.
 
     python bench/gpu/e2e_check.py push --out DIR     # ~2 min on the 2-GPU H200 machine
+    python bench/gpu/e2e_check.py push --backend ipc --out DIR   # one GPU, by CUDA IPC handle
     python bench/gpu/e2e_check.py run  --out DIR     # `streamrl run` of configs/gpu/megatron_synthetic.toml
 
 `push`: learner (megatron-core, bf16) on GPU 0, `streamrl engine serve` on GPU 1 (NCCL; with
-one GPU both share it and the group is gloo). The engine generates, the learner takes two
+one GPU both share it and the group is gloo; `--backend ipc`: both on GPU 0, the engine maps
+the learner's staging buffers through `/update_weights_from_tensor`). The engine generates, the learner takes two
 optimizer steps, the real WeightPublisher pushes each new version; afterwards the engine's
 logprobs of its own new tokens are compared with the learner's on the same tokens, and the
 engine log shows whether decode graphs were captured again. Writes DIR/push.json.
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-def push(out: Path, smoke: bool = False) -> dict:
+def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     import anyio
     import numpy as np
     import torch
@@ -48,8 +50,10 @@ def push(out: Path, smoke: bool = False) -> dict:
     device = "cpu" if smoke else "cuda"
     result: dict = {"shape": shape}
     num_gpus = torch.cuda.device_count()
-    engine_gpu = 1 if num_gpus > 1 else 0
-    group_backend = "nccl" if num_gpus > 1 and not smoke else "gloo"
+    engine_gpu = 1 if num_gpus > 1 and backend != "ipc" else 0
+    if backend == "auto":
+        backend = "nccl" if num_gpus > 1 and not smoke else "gloo"
+    group_backend = backend
     result.update(num_gpus=num_gpus, engine_gpu=engine_gpu, group_backend=group_backend)
     model_dir = Path(tempfile.mkdtemp(prefix="push-model-"))
     save_random_model(shape, model_dir, seed=0)
@@ -117,14 +121,14 @@ def push(out: Path, smoke: bool = False) -> dict:
                 publisher = WeightPublisher(
                     weights=backend.hf_weights, members=lambda: [client], on_published=published,
                     group_backend=group_backend,
-                    staging_device="cuda:0" if group_backend == "nccl" else "cpu",
+                    staging_device="cpu" if group_backend == "gloo" or smoke else "cuda:0",
                 )
                 await tg.start(publisher.run)
                 records = []
                 for version in (1, 2):
                     train_once()
                     started = time.perf_counter()
-                    record = await publisher.publish(version)
+                    await publisher.publish(version)
                     await publisher.wait_idle()
                     records.append({**publisher.records[-1].as_metrics(),
                                     "ok": publisher.records[-1].ok,
@@ -194,12 +198,14 @@ def main() -> None:
     parser.add_argument("section", choices=["push", "run"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "ipc"],
+                        help="push: how weights reach the engine (auto: nccl with 2 GPUs, else gloo)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     record = {"section": args.section, "commit": os.environ.get("STREAMRL_COMMIT", "")}
     try:
-        record.update(push(args.out, args.cpu_smoke) if args.section == "push" else run(args.out))
+        record.update(push(args.out, args.cpu_smoke, args.backend) if args.section == "push" else run(args.out))
     except Exception:
         record["error"] = traceback.format_exc()
     text = json.dumps(record, indent=1, default=str)

@@ -36,6 +36,7 @@ from typing import Any
 import anyio
 import httpx
 
+from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.launch.process import ChildProcess, spawn, streamrl_argv
 
 POLL_S = 0.1
@@ -78,8 +79,11 @@ def write_run_config(base: Path, overrides: list[str], target: Path) -> Path:
     return target
 
 
-def run_observed(spec: RunSpec, *, timeout_s: float, log_level: str = "warning") -> dict[str, Any]:
-    """Run `spec` to completion in a child process; returns `summarize(...)` of it."""
+def run_observed(
+    spec: RunSpec, *, timeout_s: float, log_level: str = "warning", gpus: GpuMonitor | None = None
+) -> dict[str, Any]:
+    """Run `spec` to completion in a child process; returns `summarize(...)` of it, with each
+    GPU's busy share over the window when `gpus` watches them."""
     argv = streamrl_argv("--log-level", log_level, "bench", "run-one", str(spec.config_path))
     if spec.record_path is not None:
         argv += ["--record", str(spec.record_path)]
@@ -95,6 +99,9 @@ def run_observed(spec: RunSpec, *, timeout_s: float, log_level: str = "warning")
             f"{child.log_tail(40)}"
         )
     result = {"name": spec.name, **summarize(spec.run_dir, spec.readings)}
+    if gpus is not None:
+        span = _window_span(spec.readings, result["warmup_steps"], result["steps"])
+        result["gpu_busy"] = gpus.busy(*span) if span else {}
     (spec.run_dir / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -234,12 +241,31 @@ def _mean_of(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, 
     return out
 
 
-def _engine_window(readings: list[EngineReading], first: int, last: int) -> dict[str, Any]:
-    """Engine busy share and generated tokens/s between the readings at steps first and last."""
+def _window_readings(
+    readings: list[EngineReading], first: int, last: int
+) -> tuple[EngineReading, EngineReading] | None:
+    """The readings taken right after steps first and last (None when there are none)."""
     start = next((r for r in readings if r.step >= first), None)
     end = next((r for r in reversed(readings) if r.step >= last), None)
     if start is None or end is None or end is start or len(start.busy_s) != len(end.busy_s):
+        return None
+    return start, end
+
+
+def _window_span(
+    readings: list[EngineReading], first: int, last: int
+) -> tuple[float, float] | None:
+    """The window on this process's monotonic clock, from its edge readings."""
+    edges = _window_readings(readings, first, last)
+    return (edges[0].seen_s, edges[1].seen_s) if edges else None
+
+
+def _engine_window(readings: list[EngineReading], first: int, last: int) -> dict[str, Any]:
+    """Engine busy share and generated tokens/s between the readings at steps first and last."""
+    edges = _window_readings(readings, first, last)
+    if edges is None:
         return {"engine_idle_frac": None, "generated_tokens_per_s": None}
+    start, end = edges
     busy = sum(end.busy_s) - sum(start.busy_s)
     uptime = sum(end.uptime_s) - sum(start.uptime_s)
     per_engine_s = uptime / len(end.uptime_s)

@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 
+from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.bench.runs import BenchError, read_recorded_groups
 
 WARMUP_STEPS = 1
@@ -43,7 +44,14 @@ def _trained_tokens(group) -> int:
 
 
 def generation_only(
-    cfg, *, run_dir: Path, model_path: str, num_groups: int, window: int, timeout_s: float
+    cfg,
+    *,
+    run_dir: Path,
+    model_path: str,
+    num_groups: int,
+    window: int,
+    timeout_s: float,
+    gpus: GpuMonitor | None = None,
 ) -> dict[str, Any]:
     """Generate `num_groups` groups with `window` in flight; see the module docstring."""
     from streamrl.actors.fleet import EngineFleet
@@ -55,9 +63,14 @@ def generation_only(
     fleet = EngineFleet(cfg, run_dir=run_dir, engine_argv=engine_argv_factory(cfg, model_path, 0))
     try:
         fleet.start()  # main thread: the engines die with it
-        return anyio.run(_generate, cfg, fleet, run_dir, model_path, num_groups, window, timeout_s)
+        result = anyio.run(
+            _generate, cfg, fleet, run_dir, model_path, num_groups, window, timeout_s
+        )
     finally:
         fleet.stop()
+    if gpus is not None:
+        result["gpu_busy"] = gpus.busy(*result["window_monotonic"])
+    return result
 
 
 async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout_s):
@@ -148,6 +161,7 @@ def _generation_result(arrivals, readings, *, skip: int, window: int) -> dict[st
         "window_groups": window,
         "warmup_groups": skip,
         "window_s": window_s,
+        "window_monotonic": [start_s, arrivals[-1][0]],
         "trainable_tokens_per_s": kept_tokens / window_s,
         "groups_per_s": len(measured) / window_s,
         "engine_idle_frac": max(0.0, 1.0 - (end["busy_s"] - start["busy_s"]) / uptime)
@@ -199,14 +213,16 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
         torch.cuda.set_device(device)
     backend = build_backend(cfg, model_path, device, dtype)
     pad_id = pad_token_id(backend)
-    times, tokens = [], []
+    times, tokens, started_at = [], [], []
     for groups in batches:
+        started_at.append(time.monotonic())
         started = time.perf_counter()
         metrics = train_step(backend, groups, cfg, pad_id=pad_id)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
         tokens.append(metrics["train/trained_tokens"])
+    ended_at = time.monotonic()
     if cfg.learner.backend == "megatron":
         from streamrl.learners.megatron.launch import shutdown
 
@@ -218,4 +234,6 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
         "train_s": times,
         "trained_tokens_per_s": sum(tokens[skip:]) / max(sum(times[skip:]), 1e-9),
         "train_s_mean": sum(times[skip:]) / max(len(times) - skip, 1),
+        # Timed batches on CLOCK_MONOTONIC, which the parent's GPU monitor reads too.
+        "window_monotonic": [started_at[skip], ended_at],
     }

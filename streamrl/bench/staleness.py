@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import RunSpec, run_observed, write_run_config
 
@@ -57,6 +58,11 @@ def final_reward(curve: list[dict[str, Any]], fraction: float = 0.25) -> float:
 
 
 def staleness_command(args: argparse.Namespace) -> int:
+    with GpuMonitor() as gpus:
+        return _staleness(args, gpus)
+
+
+def _staleness(args: argparse.Namespace, gpus: GpuMonitor) -> int:
     etas = parse_int_list(args.eta)
     corrections = [c.strip() for c in args.corrections.split(",") if c.strip()]
     unknown = [c for c in corrections if c not in CORRECTION_OVERRIDES]
@@ -89,6 +95,7 @@ def staleness_command(args: argparse.Namespace) -> int:
                 RunSpec(name, config_path, work_dir / name),
                 timeout_s=args.run_timeout_s,
                 log_level=args.run_log_level,
+                gpus=gpus,
             )
             result.update(
                 eta=eta,

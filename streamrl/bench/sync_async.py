@@ -12,6 +12,12 @@ trained per second. A perfect pipeline hides the faster stage behind the slower 
 (efficiency 1); weight updates, the learner's waits and the two stages competing for
 the same devices lower it. The ideal sync throughput, 1 / (1/gen + 1/train), is
 given for comparison.
+
+Where `nvidia-smi` exists, every phase also reports each GPU's busy share over its
+window (`gpu_monitor`). When learner and engines share a GPU, their kernels take
+turns on it, and the stages' busy shares alone give the most both can reach
+together: `shared_gpu_bound_tokens_per_s` (`gpu_monitor.shared_device_bound`),
+with the async run's share of it.
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from streamrl.bench.gpu_monitor import GpuMonitor, shared_device_bound
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import BenchError, RunSpec, run_observed, write_run_config
 from streamrl.bench.staleness import run_overrides
 
 
 def sync_async_command(args: argparse.Namespace) -> int:
+    with GpuMonitor() as gpus:
+        return _sync_async(args, gpus)
+
+
+def _sync_async(args: argparse.Namespace, gpus: GpuMonitor) -> int:
     from streamrl.config import load_config
 
     work_dir = Path(args.work_dir).resolve()
@@ -47,7 +59,9 @@ def sync_async_command(args: argparse.Namespace) -> int:
         spec = RunSpec(
             mode, config_path, work_dir / mode, record_path=record_path if mode == "async" else None
         )
-        runs[mode] = run_observed(spec, timeout_s=args.run_timeout_s, log_level=args.run_log_level)
+        runs[mode] = run_observed(
+            spec, timeout_s=args.run_timeout_s, log_level=args.run_log_level, gpus=gpus
+        )
         print(
             f"  {mode}: {runs[mode]['effective_tokens_per_s']:,.1f} trained tok/s, "
             f"learner idle {runs[mode]['learner_idle_frac']:.0%}",
@@ -63,12 +77,13 @@ def sync_async_command(args: argparse.Namespace) -> int:
         cfg = load_config(work_dir / "async.toml")
         model_path = _initial_model(work_dir / "async", cfg)
         generation = result["generation_alone"] = _generation_alone(
-            cfg, work_dir, model_path, eta, args
+            cfg, work_dir, model_path, eta, args, gpus
         )
         _save(args, work_dir, result)
         training = result["training_alone"] = _training_alone(
             work_dir, model_path, record_path, args
         )
+        training["gpu_busy"] = gpus.busy(*training["window_monotonic"])
         slowest = min(generation["trainable_tokens_per_s"], training["trained_tokens_per_s"])
         result.update(
             bottleneck_tokens_per_s=slowest,
@@ -76,6 +91,7 @@ def sync_async_command(args: argparse.Namespace) -> int:
             ideal_sync_tokens_per_s=1.0
             / (1.0 / generation["trainable_tokens_per_s"] + 1.0 / training["trained_tokens_per_s"]),
         )
+        result.update(_shared_gpu_bound(cfg, generation, training, async_tps))
     _save(args, work_dir, result)
     print(_summary_line(result))
     return 0
@@ -102,13 +118,39 @@ def _save(args: argparse.Namespace, work_dir: Path, result: dict[str, Any]) -> N
     )
 
 
+def _shared_gpu_bound(cfg, generation, training, async_tps: float) -> dict[str, Any]:
+    """The time-slicing bound when learner and engines share exactly one GPU (else {})."""
+    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
+    shared = learner_gpus & set(cfg.cluster.engine_gpus)
+    if len(shared) != 1 or cfg.engine.device == "cpu":
+        return {}
+    (gpu,) = shared
+    generation_busy = generation.get("gpu_busy", {}).get(gpu)
+    training_busy = training.get("gpu_busy", {}).get(gpu)
+    if not generation_busy or not training_busy:
+        return {}  # no nvidia-smi readings for that GPU
+    bound = shared_device_bound(
+        generation["trainable_tokens_per_s"],
+        generation_busy,
+        training["trained_tokens_per_s"],
+        training_busy,
+    )
+    return {
+        "shared_gpu": gpu,
+        "shared_gpu_bound_tokens_per_s": bound,
+        "async_share_of_shared_gpu_bound": async_tps / bound,
+    }
+
+
 def _initial_model(run_dir: Path, cfg) -> str:
     """The weights the async run started from (its `initial_model` for random models)."""
     initial = run_dir / "initial_model"
     return str(initial) if (initial / "config.json").exists() else cfg.model.path
 
 
-def _generation_alone(cfg, work_dir: Path, model_path: str, eta: int, args) -> dict[str, Any]:
+def _generation_alone(
+    cfg, work_dir: Path, model_path: str, eta: int, args, gpus: GpuMonitor
+) -> dict[str, Any]:
     from streamrl.bench.stages import generation_only
 
     num_groups = args.steps * cfg.rollout.batch_size
@@ -119,6 +161,7 @@ def _generation_alone(cfg, work_dir: Path, model_path: str, eta: int, args) -> d
         num_groups=num_groups,
         window=(eta + 1) * cfg.rollout.batch_size,
         timeout_s=args.run_timeout_s,
+        gpus=gpus,
     )
     print(
         f"  generation alone: {result['trainable_tokens_per_s']:,.1f} tok/s",
@@ -178,6 +221,11 @@ def _summary_line(result: dict[str, Any]) -> str:
             f" training alone {result['training_alone']['trained_tokens_per_s']:,.1f}; "
             f"pipeline efficiency {result['pipeline_efficiency']:.2f}"
         )
+    if "shared_gpu_bound_tokens_per_s" in result:
+        line += (
+            f"; shared GPU {result['shared_gpu']}: bound {result['shared_gpu_bound_tokens_per_s']:,.1f}"
+            f" tok/s, async at {result['async_share_of_shared_gpu_bound']:.2f} of it"
+        )
     return line
 
 
@@ -213,6 +261,13 @@ def plot_sync_async(result: dict[str, Any], axes) -> None:
             linestyle="--",
             label="ideal async min(gen, train)",
         )
+        if "shared_gpu_bound_tokens_per_s" in result:
+            bars_ax.axhline(
+                result["shared_gpu_bound_tokens_per_s"],
+                color="tab:purple",
+                linestyle="-.",
+                label="one GPU, time-sliced: bound from busy shares",
+            )
         bars_ax.legend(fontsize=8)
     title = (
         "partial result" if result["speedup"] is None else f"async/sync {result['speedup']:.2f}x"
