@@ -232,9 +232,10 @@ class WeightsConfig(_Section):
     pause_mode: Literal["in_place", "abort", "retract"] = "in_place"
     """How engines pause for an update: keep KV (`in_place`) or return partials (`abort`)."""
     backend: Literal["auto", "gloo", "nccl", "ipc"] = "auto"
-    """Weight-update group backend; `auto` is NCCL when learner and engines are on different
-    GPUs, gloo otherwise. `ipc`: engines on the learner's own device map its weights by CUDA
-    IPC handle (SGLang's /update_weights_from_tensor) instead of joining a group."""
+    """How weights reach the engines. `nccl`/`gloo`: a weight-update group. `ipc`: engines on
+    the learner's own GPU map its weights by CUDA IPC handle (SGLang's
+    /update_weights_from_tensor), no group. `auto`: NCCL when learner and engines are on
+    different GPUs, ipc when embedded engines share the learner's one GPU, gloo otherwise."""
     master_address: str = "127.0.0.1"
     """Address the engines reach the learner at to join the weight-update group; set this
     machine's address when attached engines (`engine.urls`) run on other machines."""
@@ -245,8 +246,9 @@ class ClusterConfig(_Section):
     """`local` runs every component as a subprocess of `streamrl run`."""
     engine_gpus: list[int] = []
     """CUDA devices for engines (engine i gets entries [i * tp_size, (i + 1) * tp_size)); empty
-    means GPUs 0.. (shared with the learner: weights then travel over gloo, since NCCL refuses
-    two ranks on one GPU; SGLang engines need their own GPUs)."""
+    means GPUs 0.. (shared with the learner: an embedded engine then takes weights by CUDA IPC
+    handle, since NCCL refuses two ranks on one GPU; SGLang engines need their own GPUs unless
+    weights.backend = "ipc")."""
     learner_gpus: list[int] = []
     """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1."""
 
@@ -380,6 +382,39 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if len(set(names)) != len(names):
         problems.append(f"eval.datasets names must be unique, got {names}")
     return problems
+
+
+def weight_backend(cfg: RunConfig, learner_device_type: str) -> str:
+    """`weights.backend` resolved: `auto` becomes NCCL when learner and engines are on
+    different GPUs; ipc when embedded engines started here share the learner's one GPU
+    (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
+    bench/results/gpu/*_h200x1_ipc.json); gloo otherwise (CPU, mixed placements, and
+    SGLang on a shared GPU, whose /update_weights_from_tensor pairing has not been run)."""
+    if cfg.weights.backend != "auto":
+        return cfg.weights.backend
+    if learner_device_type != "cuda" or cfg.engine.device == "cpu":
+        return "gloo"
+    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
+    engine_gpus = set(cfg.cluster.engine_gpus)
+    if engine_gpus and not engine_gpus & learner_gpus:
+        return "nccl"
+    return "ipc" if _embedded_engine_on_learner_gpu(cfg) and not _ipc_problems(cfg) else "gloo"
+
+
+def _embedded_engine_on_learner_gpu(cfg: RunConfig) -> bool:
+    """One embedded engine, started here, on the one GPU the learner trains on."""
+    from streamrl.engine.layout import engine_gpu_ids
+
+    if cfg.engine.backend != "embedded" or cfg.engine.urls or cfg.learner.num_gpus != 1:
+        return False
+    try:
+        placement = engine_gpu_ids(
+            cfg.engine.num_engines, cfg.engine.tp_size, cfg.cluster.engine_gpus
+        )
+    except ValueError:
+        return False  # the fleet reports the bad placement
+    learner_gpu = (cfg.cluster.learner_gpus or [0])[0]
+    return {gpu for gpus in placement for gpu in gpus} == {learner_gpu}
 
 
 def _ipc_problems(cfg: RunConfig) -> list[str]:

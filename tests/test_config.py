@@ -151,3 +151,24 @@ def test_the_configuration_page_is_generated_from_the_code():
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert page == render(), "run: python -m streamrl.config_doc > docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    ("device", "settings", "expected"),
+    [
+        ("cpu", {}, "gloo"),
+        ("cuda", {"cluster": {"engine_gpus": [1]}}, "nccl"),
+        ("cuda", {}, "ipc"),  # one embedded engine on GPU 0, the learner's
+        ("cuda", {"cluster": {"learner_gpus": [3], "engine_gpus": [3]}}, "ipc"),
+        ("cuda", {"engine": {"num_engines": 2}}, "gloo"),  # engines on GPUs 0 and 1
+        ("cuda", {"engine": {"backend": "sglang"}}, "gloo"),  # SGLang pairing not run
+        ("cuda", {"engine": {"urls": ["http://other:30000"]}}, "gloo"),  # attached elsewhere
+        ("cuda", {"engine": {"device": "cpu"}}, "gloo"),
+        ("cuda", {"weights": {"backend": "gloo"}}, "gloo"),  # an explicit choice stands
+    ],
+)
+def test_auto_weight_backend_follows_where_learner_and_engines_are(device, settings, expected):
+    from streamrl.config import config_from_dict, weight_backend
+
+    cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": "x"}, **settings})
+    assert weight_backend(cfg, device) == expected

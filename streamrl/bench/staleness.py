@@ -109,9 +109,11 @@ def _staleness(args: argparse.Namespace, gpus: GpuMonitor) -> int:
                 _write(args, work_dir, etas, corrections, runs)
     summary = {"runs": runs, "baseline": _baseline_throughput(runs)}
     best = max(runs, key=lambda r: r["effective_tokens_per_s"])
+    baseline = summary["baseline"]
     print(
         f"staleness: best {best['effective_tokens_per_s']:,.0f} trained tokens/s at eta "
-        f"{best['eta']} ({best['correction']}); eta 0: {summary['baseline']:,.0f}"
+        f"{best['eta']} ({best['correction']}); "
+        + (f"eta 0: {baseline:,.0f}" if baseline is not None else "no eta 0 run")
     )
     return 0
 
@@ -136,9 +138,10 @@ def _write(args, work_dir: Path, etas, corrections, runs) -> None:
     )
 
 
-def _baseline_throughput(runs: list[dict[str, Any]]) -> float:
+def _baseline_throughput(runs: list[dict[str, Any]]) -> float | None:
+    """The on-policy (eta 0) run's throughput; None when the sweep left eta 0 out."""
     zero = [r["effective_tokens_per_s"] for r in runs if r["eta"] == 0]
-    return zero[0] if zero else 0.0
+    return zero[0] if zero else None
 
 
 def _resolved(path: Path) -> str:

@@ -121,6 +121,8 @@ def _check_disjoint_from_learner(cfg: RunConfig, engine_gpus: list[list[int]]) -
             f"0..num_engines*tp_size-1); the weight-update group cannot put two ranks on one "
             f"GPU: give the engines other devices, e.g. cluster.engine_gpus = "
             f"{list(range(len(learner), len(learner) + cfg.engine.num_engines * cfg.engine.tp_size))}"
+            f", or share the GPU with weights.backend = 'ipc' (one learner GPU; weights by CUDA "
+            f"IPC handle)"
         )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from streamrl import checkpoint
-from streamrl.config import ConfigError, RunConfig, dump_toml, load_config
+from streamrl.config import ConfigError, RunConfig, dump_toml, load_config, weight_backend
 from streamrl.launch.process import ChildProcess, ProcessDied, spawn, streamrl_argv
 from streamrl.metrics import MetricsWriter
 
@@ -228,7 +228,7 @@ class LocalJob:
             on_group=on_group,
             on_report=lambda report: loop.on_report(report),
         )
-        group_backend = _group_backend(cfg, device)
+        group_backend = weight_backend(cfg, device.type)
         publisher = WeightPublisher(
             weights=backend.hf_weights,
             members=self.fleet.live_clients,
@@ -375,18 +375,6 @@ async def _watch(child: ChildProcess, scope: anyio.CancelScope) -> None:
 async def _wait_exit(child: ChildProcess, *, timeout_s: float) -> None:
     with anyio.move_on_after(timeout_s):
         await anyio.to_thread.run_sync(child.popen.wait, abandon_on_cancel=True)
-
-
-def _group_backend(cfg: RunConfig, device) -> str:
-    """`weights.backend`, or for `auto`: NCCL when learner and engines are on different GPUs,
-    gloo otherwise (NCCL refuses two ranks on one GPU, and CPU engines need gloo)."""
-    if cfg.weights.backend != "auto":
-        return cfg.weights.backend
-    if device.type != "cuda" or cfg.engine.device == "cpu":
-        return "gloo"
-    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
-    engine_gpus = set(cfg.cluster.engine_gpus)
-    return "nccl" if engine_gpus and not engine_gpus & learner_gpus else "gloo"
 
 
 def _summary(cfg, parts: _Parts, fleet, wall_s: float) -> dict[str, Any]:
