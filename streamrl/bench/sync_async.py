@@ -248,26 +248,16 @@ def plot_sync_async(result: dict[str, Any], axes) -> None:
     bars_ax.bar(labels, values, color=colors)
     for x, value in enumerate(values):
         bars_ax.annotate(f"{value:,.0f}", (x, value), ha="center", va="bottom", fontsize=8)
-    if "ideal_sync_tokens_per_s" in result:
-        bars_ax.axhline(
-            result["ideal_sync_tokens_per_s"],
-            color="tab:gray",
-            linestyle=":",
-            label="ideal sync 1/(1/gen+1/train)",
-        )
-        bars_ax.axhline(
-            result["bottleneck_tokens_per_s"],
-            color="tab:red",
-            linestyle="--",
-            label="ideal async min(gen, train)",
-        )
-        if "shared_gpu_bound_tokens_per_s" in result:
-            bars_ax.axhline(
-                result["shared_gpu_bound_tokens_per_s"],
-                color="tab:purple",
-                linestyle="-.",
-                label="one GPU, time-sliced: bound from busy shares",
-            )
+    lines = [
+        ("ideal_sync_tokens_per_s", "tab:gray", ":", "ideal sync 1/(1/gen+1/train)"),
+        ("bottleneck_tokens_per_s", "tab:red", "--", "ideal async min(gen, train)"),
+        ("shared_gpu_bound_tokens_per_s", "tab:purple", "-.",
+         "one GPU, time-sliced: bound from busy shares"),
+    ]  # fmt: skip
+    drawn = [line for line in lines if result.get(line[0]) is not None]
+    for key, color, style, label in drawn:
+        bars_ax.axhline(result[key], color=color, linestyle=style, label=label)
+    if drawn:
         bars_ax.legend(fontsize=8)
     title = (
         "partial result" if result["speedup"] is None else f"async/sync {result['speedup']:.2f}x"
@@ -287,6 +277,9 @@ def plot_sync_async(result: dict[str, Any], axes) -> None:
             run["learner_train_frac"],
             run.get("engine_idle_frac") or 0.0,
         ]
+        if run.get("gpu_busy"):  # the mean over GPUs, from nvidia-smi
+            names.append("GPU busy")
+            shares.append(sum(run["gpu_busy"].values()) / len(run["gpu_busy"]))
         offset = -0.2 if name == "sync" else 0.2
         time_ax.bar(
             [i + offset for i in range(len(names))], shares, width=0.4, color=color, label=name
