@@ -154,6 +154,8 @@ def test_training_alone_replays_recorded_batches_through_train_step(
     result = stages.replay(cfg, model_path=tiny_model_dir, groups_path=path)
     assert result["batches"] == 2 and result["batches_timed"] == 1
     assert result["trained_tokens_per_s"] > 0
+    start, end = result["window_monotonic"]  # the timed batch, on the GPU monitor's clock
+    assert end - start >= result["train_s"][1] > 0
 
 
 # ---------------------------------------------------------------- configs and rewards

@@ -216,11 +216,10 @@ def replay(cfg, *, model_path: str, groups_path: Path) -> dict[str, Any]:
     times, tokens, started_at = [], [], []
     for groups in batches:
         started_at.append(time.monotonic())
-        started = time.perf_counter()
         metrics = train_step(backend, groups, cfg, pad_id=pad_id)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
+        times.append(time.monotonic() - started_at[-1])
         tokens.append(metrics["train/trained_tokens"])
     ended_at = time.monotonic()
     if cfg.learner.backend == "megatron":
