@@ -211,13 +211,19 @@ def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path)
     assert path.with_suffix(".png").stat().st_size > 10_000
     record = json.loads(path.read_text())
     assert record["bench"] == "staleness" and "commit" in record and "machine" in record
+    on_gpus = _staleness_result()
+    for run in on_gpus["runs"]:
+        run["gpu_busy"] = {"0": 0.9}  # a third bar beside the idle shares
+    path = write_result(tmp_path / "g.json", bench="staleness", config={}, result=on_gpus,
+                        plot=staleness.plot_staleness, num_panels=(2, 2))  # fmt: skip
+    assert path.with_suffix(".png").stat().st_size > 10_000
     run = {"effective_tokens_per_s": 90.0, "learner_idle_frac": 0.1, "learner_train_frac": 0.8,
-           "engine_idle_frac": 0.3}  # fmt: skip
+           "engine_idle_frac": 0.3, "gpu_busy": {"0": 0.95}}  # fmt: skip
     result = {"eta": 1, "runs": {"async": run, "sync": run}, "speedup": 1.0,
               "generation_alone": {"trainable_tokens_per_s": 150.0},
               "training_alone": {"trained_tokens_per_s": 100.0},
               "bottleneck_tokens_per_s": 100.0, "pipeline_efficiency": 0.9,
-              "ideal_sync_tokens_per_s": 60.0}  # fmt: skip
+              "ideal_sync_tokens_per_s": 60.0, "shared_gpu_bound_tokens_per_s": 70.0}  # fmt: skip
     path = write_result(tmp_path / "a.json", bench="sync-vs-async", config={}, result=result,
                         plot=sync_async.plot_sync_async, num_panels=2)  # fmt: skip
     assert path.with_suffix(".png").exists()

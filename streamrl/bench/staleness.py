@@ -241,24 +241,23 @@ def plot_staleness(result: dict[str, Any], axes) -> None:
     throughput_ax.set_title(f"Throughput ({corrections[0]})")
     throughput_ax.legend(fontsize=8)
 
-    width = 0.38
-    idle_ax.bar(
-        [i - width / 2 for i in x],
-        [100 * r["learner_idle_frac"] for r in first],
-        width=width,
-        label="learner idle",
-    )
-    idle_ax.bar(
-        [i + width / 2 for i in x],
-        [100 * (r.get("engine_idle_frac") or 0) for r in first],
-        width=width,
-        label="engine idle",
-    )
+    shares = [
+        ("learner idle", [r["learner_idle_frac"] for r in first]),
+        ("engine idle", [r.get("engine_idle_frac") or 0.0 for r in first]),
+    ]
+    if all(r.get("gpu_busy") for r in first):  # GPU runs: nvidia-smi's busy share, mean of GPUs
+        shares.append(
+            ("GPU busy", [sum(r["gpu_busy"].values()) / len(r["gpu_busy"]) for r in first])
+        )
+    width = 0.8 / len(shares)
+    for index, (label, values) in enumerate(shares):
+        offset = (index - (len(shares) - 1) / 2) * width
+        idle_ax.bar([i + offset for i in x], [100 * v for v in values], width=width, label=label)
     idle_ax.set_xticks(x, [str(e) for e in etas])
     idle_ax.set_xlabel("max staleness eta")
     idle_ax.set_ylabel("% of the window")
     idle_ax.set_ylim(0, 100)
-    idle_ax.set_title("Idle time")
+    idle_ax.set_title("Idle time" if len(shares) == 2 else "Idle and busy time")
     idle_ax.legend(fontsize=8)
 
     styles = {c: s for c, s in zip(corrections, ["-", "--", ":"], strict=False)}
