@@ -386,7 +386,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
 
 def weight_backend(cfg: RunConfig, learner_device_type: str) -> str:
     """`weights.backend` resolved: `auto` becomes NCCL when learner and engines are on
-    different GPUs; ipc when embedded engines started here share the learner's one GPU
+    different GPUs; ipc when one embedded engine started here shares the learner's one GPU
     (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
     bench/results/gpu/*_h200x1_ipc.json); gloo otherwise (CPU, mixed placements, and
     SGLang on a shared GPU, whose /update_weights_from_tensor pairing has not been run)."""
@@ -394,27 +394,35 @@ def weight_backend(cfg: RunConfig, learner_device_type: str) -> str:
         return cfg.weights.backend
     if learner_device_type != "cuda" or cfg.engine.device == "cpu":
         return "gloo"
-    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
-    engine_gpus = set(cfg.cluster.engine_gpus)
-    if engine_gpus and not engine_gpus & learner_gpus:
+    learner = learner_gpus(cfg)
+    engines = engine_gpus(cfg)
+    if engines and not engines & learner:
         return "nccl"
-    return "ipc" if _embedded_engine_on_learner_gpu(cfg) and not _ipc_problems(cfg) else "gloo"
+    is_local_embedded = cfg.engine.backend == "embedded" and not cfg.engine.urls
+    if is_local_embedded and len(learner) == 1 and engines == learner and not _ipc_problems(cfg):
+        return "ipc"
+    return "gloo"
 
 
-def _embedded_engine_on_learner_gpu(cfg: RunConfig) -> bool:
-    """One embedded engine, started here, on the one GPU the learner trains on."""
+def learner_gpus(cfg: RunConfig) -> set[int]:
+    """The CUDA devices of the learner ranks (`cluster.learner_gpus`, or 0..num_gpus-1)."""
+    return set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
+
+
+def engine_gpus(cfg: RunConfig) -> set[int]:
+    """The CUDA devices the started engines use (empty for attached engines, `engine.urls`,
+    or a placement the fleet will refuse)."""
     from streamrl.engine.layout import engine_gpu_ids
 
-    if cfg.engine.backend != "embedded" or cfg.engine.urls or cfg.learner.num_gpus != 1:
-        return False
+    if cfg.engine.urls:
+        return set()
     try:
         placement = engine_gpu_ids(
             cfg.engine.num_engines, cfg.engine.tp_size, cfg.cluster.engine_gpus
         )
     except ValueError:
-        return False  # the fleet reports the bad placement
-    learner_gpu = (cfg.cluster.learner_gpus or [0])[0]
-    return {gpu for gpus in placement for gpu in gpus} == {learner_gpu}
+        return set()
+    return {gpu for gpus in placement for gpu in gpus}
 
 
 def _ipc_problems(cfg: RunConfig) -> list[str]:
@@ -428,11 +436,14 @@ def _ipc_problems(cfg: RunConfig) -> list[str]:
             f"weights.backend = 'ipc' needs the engines on the learner's device "
             f"(engine.device = {devices[0]!r}, learner.device = {devices[1]!r})"
         )
-    learner_gpus = cfg.cluster.learner_gpus[:1] or [0]
-    if cfg.cluster.engine_gpus and set(cfg.cluster.engine_gpus) != set(learner_gpus):
+    learner_gpu = (cfg.cluster.learner_gpus or [0])[0]
+    engines = engine_gpus(cfg)
+    if engines and engines != {learner_gpu}:
         problems.append(
-            f"weights.backend = 'ipc' needs every engine on the learner's GPU: "
-            f"cluster.engine_gpus = {cfg.cluster.engine_gpus}, learner GPU {learner_gpus[0]}"
+            f"weights.backend = 'ipc' needs every engine on the learner's GPU: the engines "
+            f"would use GPU(s) {sorted(engines)} (cluster.engine_gpus = "
+            f"{cfg.cluster.engine_gpus}, engine.num_engines = {cfg.engine.num_engines}, "
+            f"engine.tp_size = {cfg.engine.tp_size}), the learner GPU {learner_gpu}"
         )
     return problems
 

@@ -158,6 +158,7 @@ def test_the_configuration_page_is_generated_from_the_code():
     [
         ("cpu", {}, "gloo"),
         ("cuda", {"cluster": {"engine_gpus": [1]}}, "nccl"),
+        ("cuda", {"cluster": {"learner_gpus": [1]}}, "nccl"),  # the engine defaults to GPU 0
         ("cuda", {}, "ipc"),  # one embedded engine on GPU 0, the learner's
         ("cuda", {"cluster": {"learner_gpus": [3], "engine_gpus": [3]}}, "ipc"),
         ("cuda", {"engine": {"num_engines": 2}}, "gloo"),  # engines on GPUs 0 and 1

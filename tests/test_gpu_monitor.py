@@ -75,6 +75,7 @@ def test_sync_vs_async_reports_the_bound_only_for_one_shared_gpu():
     assert shared["shared_gpu"] == 0
     assert shared["shared_gpu_bound_tokens_per_s"] == pytest.approx(bound)
     assert shared["async_share_of_shared_gpu_bound"] == pytest.approx(30.0 / bound)
+    assert sync_async._shared_gpu_bound(_cfg([0], []), generation, training, 30.0) == shared
     assert sync_async._shared_gpu_bound(_cfg([0], [1]), generation, training, 30.0) == {}
     no_readings = {"trainable_tokens_per_s": 80.0, "gpu_busy": {}}
     assert sync_async._shared_gpu_bound(_cfg([0], [0]), no_readings, training, 30.0) == {}

@@ -107,5 +107,7 @@ def test_weights_by_reference_need_the_engines_on_the_learners_gpu():
     config_from_dict({**base, "cluster": {"engine_gpus": [0], "learner_gpus": [0]}})
     with pytest.raises(ConfigError, match="every engine on the learner's GPU"):
         config_from_dict({**base, "cluster": {"engine_gpus": [1], "learner_gpus": [0]}})
+    with pytest.raises(ConfigError, match=r"GPU\(s\) \[0, 1\]"):  # two engines: GPUs 0 and 1
+        config_from_dict({**base, "engine": {"num_engines": 2}})
     with pytest.raises(ConfigError, match=r"learner\.num_gpus = 1"):
         config_from_dict({**base, "learner": {"backend": "megatron", "num_gpus": 2}, "cluster": {}})

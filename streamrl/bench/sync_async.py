@@ -120,8 +120,9 @@ def _save(args: argparse.Namespace, work_dir: Path, result: dict[str, Any]) -> N
 
 def _shared_gpu_bound(cfg, generation, training, async_tps: float) -> dict[str, Any]:
     """The time-slicing bound when learner and engines share exactly one GPU (else {})."""
-    learner_gpus = set(cfg.cluster.learner_gpus or range(cfg.learner.num_gpus))
-    shared = learner_gpus & set(cfg.cluster.engine_gpus)
+    from streamrl.config import engine_gpus, learner_gpus
+
+    shared = learner_gpus(cfg) & engine_gpus(cfg)
     if len(shared) != 1 or cfg.engine.device == "cpu":
         return {}
     (gpu,) = shared

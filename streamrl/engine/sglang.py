@@ -26,7 +26,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
-from streamrl.config import ConfigError, RunConfig
+from streamrl.config import ConfigError, RunConfig, learner_gpus
 from streamrl.engine.layout import engine_gpu_ids
 
 INSTALL_HINT = 'pip install "sglang[all]"  (SGLang\'s own install guide lists the CUDA builds)'
@@ -112,8 +112,8 @@ def _check_disjoint_from_learner(cfg: RunConfig, engine_gpus: list[list[int]]) -
     )
     if not is_nccl:
         return
-    learner = list(cfg.cluster.learner_gpus) or list(range(cfg.learner.num_gpus))
-    shared = sorted(set(learner) & {gpu for gpus in engine_gpus for gpu in gpus})
+    learner = learner_gpus(cfg)
+    shared = sorted(learner & {gpu for gpus in engine_gpus for gpu in gpus})
     if shared:
         raise ConfigError(
             f"GPU(s) {shared} would hold both the learner (cluster.learner_gpus, default "
