@@ -252,11 +252,12 @@ class ClusterConfig(_Section):
     the rollout process in Ray actors, placed by one placement group (docs/ray.md). The
     learner stays in `streamrl run` either way."""
     ray_address: str = ""
-    """Ray cluster to join (`ray.init(address=...)`, e.g. `auto` or `ray://head:10001`); empty
+    """Ray cluster to join (`ray.init(address=...)`, e.g. `auto` or `10.0.0.1:6379`); empty
     starts a Ray instance on this machine for the run and shuts it down at the end."""
     ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the bundles (one per engine, one for rollout) over nodes: `PACK` fills
-    few nodes, `SPREAD` spreads them, `STRICT_*` fails the run if that cannot be done."""
+    few nodes, `SPREAD` spreads them, both best effort; the `STRICT_` forms insist (the run
+    fails after `engine.startup_timeout_s` when Ray cannot place them so)."""
     engine_gpus: list[int] = []
     """CUDA devices for engines (engine i gets entries [i * tp_size, (i + 1) * tp_size)); empty
     means GPUs 0.. (shared with the learner: an embedded engine then takes weights by CUDA IPC

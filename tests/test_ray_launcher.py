@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_run import streamrl_run, write_config
+from test_engine_faults import (
+    FLEET,
+    check_finished_run,
+    engine_zero,
+    events,
+    step_records,
+    wait_for,
+)
+from test_run import start_run, streamrl_run, write_config
 
 from streamrl.config import ConfigError, config_from_dict, weight_backend
 
@@ -228,5 +236,39 @@ def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans
     assert "tests.nowhere" in result.stderr  # the tail of its log
     placed = json.loads((tmp_path / "out" / "ray.json").read_text())
     pids = [p["pid"] for p in placed["processes"].values()]
+    pids += [n["actor_pid"] for n in placed["nodes"].values()]
+    wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
+
+
+def test_an_engine_killed_under_ray_is_restarted_by_its_actor_behind_the_router(tmp_path):
+    steps = 5
+    config_path = write_config(tmp_path, steps=steps, eta=1, extra=RAY)
+    config_path.write_text(
+        config_path.read_text().replace(
+            "[engine]\nnum_threads = 1\nmax_batch_size = 16\nmax_seq_len = 256\n",
+            FLEET.format(timeout=5.0),
+        )
+    )
+    out = tmp_path / "out"
+    process = start_run(config_path)
+    try:
+        wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
+        victim = engine_zero(out)
+        os.kill(victim["pid"], signal.SIGKILL)
+        summary = check_finished_run(process, out, steps)
+    finally:
+        process.kill()
+    assert summary["engine_restarts"][victim["url"]] == 1
+    assert (victim["url"], "down", "exited") in [
+        (e["engine"], e["event"], e.get("reason")) for e in events(out)
+    ]
+    assert set(summary["engine_versions"].values()) == {steps}
+    engines = json.loads((out / "engines.json").read_text())
+    assert engines["router"].startswith("http://") and "127.0.0.1" not in engines["router"]
+    restarted = engines["engines"][0]
+    assert restarted["pid"] != victim["pid"]  # a new process ...
+    assert restarted["actor_pid"] == victim["actor_pid"]  # ... started by the same actor
+    placed = json.loads((out / "ray.json").read_text())
+    pids = [p["pid"] for p in placed["processes"].values()] + [victim["pid"]]
     pids += [n["actor_pid"] for n in placed["nodes"].values()]
     wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
