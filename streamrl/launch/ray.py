@@ -367,13 +367,18 @@ class RaySpawner:
         import ray
 
         log_path = log_path.absolute() if log_path is not None else None
-        pid = ray.get(
-            self.hosts[name].start.remote(
-                list(argv), dict(env or {}), str(log_path) if log_path else None, os.getcwd()
-            ),
-            timeout=CALL_TIMEOUT_S,
-        )
         node = self.nodes[name]
+        try:
+            pid = ray.get(
+                self.hosts[name].start.remote(
+                    list(argv), dict(env or {}), str(log_path) if log_path else None, os.getcwd()
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+        except ray.exceptions.RayActorError as exc:
+            raise RayLaunchError(
+                f"cannot start {name}: its Ray actor on node {node['node_ip']} is gone ({exc})"
+            ) from None
         self.processes[name] = {"pid": pid, "node_id": node["node_id"], "node_ip": node["node_ip"]}
         self._record()
         return RayProcess(name, self.hosts[name], pid, node, log_path)
