@@ -272,3 +272,24 @@ def test_an_engine_killed_under_ray_is_restarted_by_its_actor_behind_the_router(
     pids = [p["pid"] for p in placed["processes"].values()] + [victim["pid"]]
     pids += [n["actor_pid"] for n in placed["nodes"].values()]
     wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
+
+
+def test_spread_places_engine_and_rollout_on_different_ray_nodes(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)  # room for both bundles: PACK would share a node
+        cluster.wait_for_nodes()
+        extra = RAY + f'ray_address = "{cluster.address}"\nray_placement_strategy = "SPREAD"\n'
+        result = streamrl_run(write_config(tmp_path, steps=2, extra=extra), timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        placed = json.loads((tmp_path / "out" / "ray.json").read_text())
+        assert not placed["own_instance"]
+        nodes = {name: node["node_id"] for name, node in placed["nodes"].items()}
+        assert nodes["engine-0"] != nodes["rollout"]
+        pids = [p["pid"] for p in placed["processes"].values()]
+        pids += [n["actor_pid"] for n in placed["nodes"].values()]
+        wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone")
+    finally:
+        cluster.shutdown()
