@@ -240,6 +240,26 @@ def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans
     wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
 
 
+def test_sigterm_stops_a_ray_run_and_every_placed_process(tmp_path):
+    """ray.init installs its own SIGTERM handler; the launcher's must win, so that the run
+    stops its actors, placement group and Ray instance on the way out."""
+    daemons_before = ray_daemon_pids()
+    out = tmp_path / "out"
+    process = start_run(write_config(tmp_path, steps=50, extra=RAY))
+    try:
+        wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130
+    finally:
+        process.kill()
+    assert "interrupted; every process stopped" in process.stderr.read()
+    placed = json.loads((out / "ray.json").read_text())
+    pids = [p["pid"] for p in placed["processes"].values()]
+    pids += [n["actor_pid"] for n in placed["nodes"].values()]
+    wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
+    wait_until(lambda: ray_daemon_pids() <= daemons_before, "the run's Ray instance to stop", 10)
+
+
 def test_an_engine_killed_under_ray_is_restarted_by_its_actor_behind_the_router(tmp_path):
     steps = 5
     config_path = write_config(tmp_path, steps=steps, eta=1, extra=RAY)
