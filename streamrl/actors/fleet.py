@@ -70,6 +70,12 @@ EngineArgv = Callable[[int, str, int], tuple[list[str], dict[str, str]]]
 
 
 class EngineFleet:
+    """The run's engines (started, or attached with `engine.urls`) and their router.
+
+    `spawner` decides where engine processes run and which address and port each gets:
+    children of this process (`LocalSpawner`, the default) or of Ray actors on their nodes
+    (`streamrl.launch.ray.RaySpawner`); health checks and restarts are the same for both."""
+
     def __init__(
         self,
         cfg: RunConfig,

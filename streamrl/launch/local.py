@@ -98,6 +98,9 @@ async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 class LocalJob:
+    """One `streamrl run`: the parts in this process, and the processes it starts through
+    `self.spawner` (here by default, in Ray actors with `cluster.launcher = "ray"`)."""
+
     def __init__(self, cfg: RunConfig, resume: bool) -> None:
         self.cfg = cfg
         self.resume = resume

@@ -8,6 +8,9 @@ orphan), output to a log file whose tail goes into error messages.
 PDEATHSIG fires when the *thread* that forked the child exits, so spawn from
 the main thread or another thread that lives as long as the child should
 (never from a short-lived worker thread such as `anyio.to_thread`).
+
+`Spawner` is the launcher's seam: `LocalSpawner` spawns here, the Ray launcher
+(`streamrl.launch.ray`) in actors; both hand back a `ProcessHandle`.
 """
 
 from __future__ import annotations

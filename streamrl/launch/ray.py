@@ -283,7 +283,11 @@ class RaySpawner:
             ray.init(address=address)
         else:
             needed = placement_bundles(cfg, engines_on_gpu=False)
-            ray.init(num_cpus=max(os.cpu_count() or 1, len(needed)), include_dashboard=False)
+            ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
+                address="local",
+                num_cpus=max(os.cpu_count() or 1, len(needed)),
+                include_dashboard=False,
+            )
         if is_main:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
