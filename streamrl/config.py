@@ -115,6 +115,8 @@ class EngineConfig(_Section):
     """Attach to a running sglang-router; empty starts one when there are several engines."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "cache_aware"
     host: str = "127.0.0.1"
+    """Address engines and the router bind. With `cluster.launcher = "ray"` each engine binds
+    its own node's IP, and the router this machine's IP when this is a loopback address."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Embedded engine device; `auto` is CUDA when present."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -154,6 +156,8 @@ class BufferConfig(_Section):
     filters: list[Literal["zero_std"]] = msgspec.field(default_factory=lambda: ["zero_std"])
     """`zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling)."""
     host: str = "127.0.0.1"
+    """Address the buffer binds for the rollout stream. With `cluster.launcher = "ray"` a
+    loopback address becomes this machine's IP, so a rollout process on another node reaches it."""
     port: Port = 0
     """Port the buffer binds for the rollout stream; 0 picks a free one."""
 
@@ -238,17 +242,27 @@ class WeightsConfig(_Section):
     different GPUs, ipc when embedded engines share the learner's one GPU, gloo otherwise."""
     master_address: str = "127.0.0.1"
     """Address the engines reach the learner at to join the weight-update group; set this
-    machine's address when attached engines (`engine.urls`) run on other machines."""
+    machine's address when attached engines (`engine.urls`) run on other machines. With
+    `cluster.launcher = "ray"` a loopback address becomes this machine's IP."""
 
 
 class ClusterConfig(_Section):
-    launcher: Literal["local"] = "local"
-    """`local` runs every component as a subprocess of `streamrl run`."""
+    launcher: Literal["local", "ray"] = "local"
+    """`local` runs every component as a subprocess of `streamrl run`; `ray` runs engines and
+    the rollout process in Ray actors, placed by one placement group (docs/ray.md). The
+    learner stays in `streamrl run` either way."""
+    ray_address: str = ""
+    """Ray cluster to join (`ray.init(address=...)`, e.g. `auto` or `10.0.0.1:6379`); empty
+    starts a Ray instance on this machine for the run and shuts it down at the end."""
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the bundles (one per engine, one for rollout) over nodes: `PACK` fills
+    few nodes, `SPREAD` spreads them, both best effort; the `STRICT_` forms insist (the run
+    fails after `engine.startup_timeout_s` when Ray cannot place them so)."""
     engine_gpus: list[int] = []
     """CUDA devices for engines (engine i gets entries [i * tp_size, (i + 1) * tp_size)); empty
     means GPUs 0.. (shared with the learner: an embedded engine then takes weights by CUDA IPC
     handle, since NCCL refuses two ranks on one GPU; SGLang engines need their own GPUs unless
-    weights.backend = "ipc")."""
+    weights.backend = "ipc"). Local launcher only: with `ray`, Ray assigns the GPUs."""
     learner_gpus: list[int] = []
     """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1."""
 
@@ -378,9 +392,27 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             )
     if cfg.weights.backend == "ipc":
         problems += _ipc_problems(cfg)
+    if cfg.cluster.launcher == "ray":
+        problems += _ray_problems(cfg)
     names = [d.name for d in cfg.eval.datasets]
     if len(set(names)) != len(names):
         problems.append(f"eval.datasets names must be unique, got {names}")
+    return problems
+
+
+def _ray_problems(cfg: RunConfig) -> list[str]:
+    """Keys whose meaning assumes one machine, refused when Ray places the components."""
+    problems = []
+    if cfg.cluster.engine_gpus:
+        problems.append(
+            "cluster.engine_gpus must be empty with cluster.launcher = 'ray': Ray assigns each "
+            "engine engine.tp_size GPUs from its bundle"
+        )
+    if cfg.weights.backend == "ipc":
+        problems.append(
+            "weights.backend = 'ipc' needs the engines on the learner's GPU, which "
+            "cluster.launcher = 'ray' does not place them on: use 'nccl', 'gloo' or 'auto'"
+        )
     return problems
 
 
@@ -389,11 +421,15 @@ def weight_backend(cfg: RunConfig, learner_device_type: str) -> str:
     different GPUs; ipc when one embedded engine started here shares the learner's one GPU
     (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
     bench/results/gpu/*_h200x1_ipc.json); gloo otherwise (CPU, mixed placements, and
-    SGLang on a shared GPU, whose /update_weights_from_tensor pairing has not been run)."""
+    SGLang on a shared GPU, whose /update_weights_from_tensor pairing has not been run).
+    With `cluster.launcher = "ray"`, NCCL whenever the learner is on CUDA and
+    `engine.device` is not `cpu`: Ray gives each engine GPUs of its own."""
     if cfg.weights.backend != "auto":
         return cfg.weights.backend
     if learner_device_type != "cuda" or cfg.engine.device == "cpu":
         return "gloo"
+    if cfg.cluster.launcher == "ray":
+        return "nccl"  # Ray gives the engines GPUs of their own, maybe on other nodes
     learner = learner_gpus(cfg)
     engines = engine_gpus(cfg)
     if engines and not engines & learner:

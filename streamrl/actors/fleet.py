@@ -29,7 +29,7 @@ import anyio
 from streamrl.config import RunConfig
 from streamrl.engine.client import EngineClient, EngineError
 from streamrl.engine.router import Router
-from streamrl.launch.process import ChildProcess, free_port, spawn, wait_http_ready
+from streamrl.launch.process import LocalSpawner, ProcessHandle, Spawner, wait_http_ready
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Engine:
     argv: list[str] | None
     """How to (re)start it; None for an engine we attached to and cannot restart."""
     env: dict[str, str] = field(default_factory=dict)
-    process: ChildProcess | None = None
+    process: ProcessHandle | None = None
     state: EngineState = EngineState.STARTING
     num_restarts: int = 0
 
@@ -70,14 +70,22 @@ EngineArgv = Callable[[int, str, int], tuple[list[str], dict[str, str]]]
 
 
 class EngineFleet:
+    """The run's engines (started, or attached with `engine.urls`) and their router.
+
+    `spawner` decides where engine processes run and which address and port each gets:
+    children of this process (`LocalSpawner`, the default) or of Ray actors on their nodes
+    (`streamrl.launch.ray.RaySpawner`); health checks and restarts are the same for both."""
+
     def __init__(
         self,
         cfg: RunConfig,
         *,
         run_dir: Path,
         engine_argv: EngineArgv | None,
+        spawner: Spawner | None = None,
     ) -> None:
         self.cfg = cfg.engine
+        self.spawner = spawner or LocalSpawner()
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
         self.engines: list[Engine] = []
@@ -92,9 +100,9 @@ class EngineFleet:
                 self.engines.append(Engine(index, url, EngineClient(url), None))
         else:
             for index in range(cfg.engine.num_engines):
-                port = free_port(cfg.engine.host)
-                argv, env = engine_argv(index, cfg.engine.host, port)
-                url = f"http://{cfg.engine.host}:{port}"
+                host, port = self.spawner.address(f"engine-{index}", cfg.engine.host)
+                argv, env = engine_argv(index, host, port)
+                url = f"http://{host}:{port}"
                 self.engines.append(Engine(index, url, EngineClient(url), argv, env))
 
     # ---------------------------------------------------------------- start / stop
@@ -114,7 +122,7 @@ class EngineFleet:
             self.router = Router.start(
                 self.urls,
                 log_path=self.log_dir / "router.log",
-                host=self.cfg.host,
+                host=self.spawner.reachable(self.cfg.host),
                 policy=self.cfg.router_policy,
                 timeout_s=self.cfg.startup_timeout_s,
             )
@@ -135,10 +143,11 @@ class EngineFleet:
                 "pid": e.process.pid if e.process is not None else None,
                 "state": str(e.state),
                 "restarts": e.num_restarts,
+                **(e.process.placement if e.process is not None else {}),
             }
             for e in self.engines
         ]
-        state = {"engines": rows, "router": self._router_url}
+        state = {"launcher": self.spawner.name, "engines": rows, "router": self._router_url}
         (self.run_dir / "engines.json").write_text(json.dumps(state, indent=2) + "\n")
 
     def _event(self, engine: Engine, event: str, **details) -> None:
@@ -182,7 +191,7 @@ class EngineFleet:
     def _spawn(self, engine: Engine) -> None:
         if engine.argv is None:
             return
-        engine.process = spawn(
+        engine.process = self.spawner.spawn(
             f"engine-{engine.index}",
             engine.argv,
             env=engine.env,

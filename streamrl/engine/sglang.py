@@ -94,7 +94,8 @@ def check_sglang_backend(cfg: RunConfig) -> None:
         )
     if _is_attached(cfg):
         return
-    _check_disjoint_from_learner(cfg, _engine_gpus(cfg))
+    if cfg.cluster.launcher == "local":  # with Ray, the engines' GPUs are Ray's to assign
+        _check_disjoint_from_learner(cfg, _engine_gpus(cfg))
     check_extra_args(cfg.engine.extra_args)
     if not sglang_available():
         raise SGLangUnavailable(

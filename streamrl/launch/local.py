@@ -1,4 +1,4 @@
-"""`streamrl run`: every component as a process on this machine.
+"""`streamrl run`: every component as a process on this machine, or placed by Ray.
 
     streamrl run (this process: learner rank 0, buffer, publisher, engine fleet)
       ├── engine-0 .. engine-N-1   `streamrl engine serve` (or SGLang servers)
@@ -10,6 +10,10 @@ The run directory (`train.output_dir`) receives the resolved `config.toml`,
 `metrics.jsonl`, TensorBoard events, `logs/` of every child, `checkpoints/`
 and, at the end, `summary.json` with the group accounting. Every child dies
 with this process (PDEATHSIG); Ctrl-C or a failing child stops them all.
+
+With `cluster.launcher = "ray"` the engines and the rollout process run the
+same command lines in Ray actors instead (`streamrl.launch.ray`, through the
+`Spawner` seam); the learner ranks and the router stay here.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.config import ConfigError, RunConfig, dump_toml, load_config, weight_backend
-from streamrl.launch.process import ChildProcess, ProcessDied, spawn, streamrl_argv
+from streamrl.launch.process import (
+    LocalSpawner,
+    ProcessDied,
+    ProcessHandle,
+    Spawner,
+    streamrl_argv,
+)
 from streamrl.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
@@ -88,11 +98,15 @@ async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
 
 class LocalJob:
+    """One `streamrl run`: the parts in this process, and the processes it starts through
+    `self.spawner` (here by default, in Ray actors with `cluster.launcher = "ray"`)."""
+
     def __init__(self, cfg: RunConfig, resume: bool) -> None:
         self.cfg = cfg
         self.resume = resume
         self.run_dir = Path(cfg.train.output_dir)
-        self.children: list[ChildProcess] = []
+        self.children: list[ProcessHandle] = []
+        self.spawner: Spawner = LocalSpawner()
         self.fleet = None
         self.resume_from: Path | None = None
         self.ranks = None
@@ -105,6 +119,7 @@ class LocalJob:
             self.ranks.stop()
         if self.fleet is not None:
             self.fleet.stop()
+        self.spawner.close()
 
     def _prepare_run_dir(self) -> tuple[checkpoint.TrainState, str]:
         latest = checkpoint.latest(self.run_dir)
@@ -144,7 +159,13 @@ class LocalJob:
             from streamrl.engine.sglang import check_sglang_backend
 
             check_sglang_backend(cfg)  # before anything starts
+        if cfg.cluster.launcher == "ray":
+            from streamrl.launch.ray import RaySpawner, require_ray
+
+            require_ray()  # before anything starts
         state, model_path = self._prepare_run_dir()
+        if cfg.cluster.launcher == "ray":
+            self.spawner = RaySpawner.start(cfg, self.run_dir)
         device, dtype = learner_devices(cfg)
         self._start_learner_ranks(model_path, device)
         backend = await self._start_engines_and_backend(model_path, device, dtype, state.version)
@@ -174,6 +195,7 @@ class LocalJob:
                 self.cfg,
                 run_dir=self.run_dir,
                 engine_argv=engine_argv_factory(self.cfg, model_path, version),
+                spawner=self.spawner,
             )
             self.fleet.start()  # in the main thread: children die with the thread that forks
             backend = await anyio.to_thread.run_sync(backend_future.result)
@@ -223,7 +245,7 @@ class LocalJob:
             on_discard=on_discard,
         )
         receiver = StreamReceiver(
-            f"tcp://{cfg.buffer.host}:{cfg.buffer.port}",
+            f"tcp://{self.spawner.reachable(cfg.buffer.host)}:{cfg.buffer.port}",
             credits=admission,
             on_group=on_group,
             on_report=lambda report: loop.on_report(report),
@@ -237,7 +259,7 @@ class LocalJob:
             flattened=cfg.weights.flattened_buckets,
             pause_mode=cfg.weights.pause_mode,
             group_backend=group_backend,
-            master_address=cfg.weights.master_address,
+            master_address=self.spawner.reachable(cfg.weights.master_address),
             staging_device=str(device) if group_backend in ("nccl", "ipc") else "cpu",
             stages=self._remote_stages(group_backend),
         )
@@ -262,7 +284,7 @@ class LocalJob:
 
         return RemoteStages(self.leader, staging="cuda" if group_backend == "nccl" else "cpu")
 
-    async def _train(self, parts: _Parts, rollout: ChildProcess) -> dict[str, int | None]:
+    async def _train(self, parts: _Parts, rollout: ProcessHandle) -> dict[str, int | None]:
         """Run the learner loop to `train.steps` with everything around it; stop in order:
         final checkpoint, engines settled on the final version, rollout, learner ranks."""
         cfg, fleet = self.cfg, self.fleet
@@ -334,7 +356,7 @@ class LocalJob:
         if len(set(versions.values())) > 1:
             await publisher.resync()
 
-    def _start_rollout(self, address: str, model_path: str, state) -> ChildProcess:
+    def _start_rollout(self, address: str, model_path: str, state) -> ProcessHandle:
         spec = {
             "buffer_address": address,
             "engine_urls": self.fleet.urls,
@@ -344,7 +366,7 @@ class LocalJob:
             "start_version": state.version,
         }
         (self.run_dir / "rollout.json").write_text(json.dumps(spec, indent=2) + "\n")
-        child = spawn(
+        child = self.spawner.spawn(
             "rollout",
             streamrl_argv(
                 "--log-level",
@@ -360,10 +382,10 @@ class LocalJob:
         return child
 
 
-async def _watch(child: ChildProcess, scope: anyio.CancelScope) -> None:
+async def _watch(child: ProcessHandle, scope: anyio.CancelScope) -> None:
     """Fail the run if `child` exits before `scope` is cancelled (it was told to stop)."""
     with scope:
-        code = await anyio.to_thread.run_sync(child.popen.wait, abandon_on_cancel=True)
+        code = await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
     if scope.cancel_called:
         return
     raise RunError(
@@ -372,9 +394,9 @@ async def _watch(child: ChildProcess, scope: anyio.CancelScope) -> None:
     )
 
 
-async def _wait_exit(child: ChildProcess, *, timeout_s: float) -> None:
+async def _wait_exit(child: ProcessHandle, *, timeout_s: float) -> None:
     with anyio.move_on_after(timeout_s):
-        await anyio.to_thread.run_sync(child.popen.wait, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
 
 
 def _summary(cfg, parts: _Parts, fleet, wall_s: float) -> dict[str, Any]:

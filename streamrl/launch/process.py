@@ -8,6 +8,9 @@ orphan), output to a log file whose tail goes into error messages.
 PDEATHSIG fires when the *thread* that forked the child exits, so spawn from
 the main thread or another thread that lives as long as the child should
 (never from a short-lived worker thread such as `anyio.to_thread`).
+
+`Spawner` is the launcher's seam: `LocalSpawner` spawns here, the Ray launcher
+(`streamrl.launch.ray`) in actors; both hand back a `ProcessHandle`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -88,6 +92,91 @@ class ChildProcess:
         self.signal(signal.SIGKILL)
         self.popen.wait()
 
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the child exits (subprocess.TimeoutExpired after `timeout_s`)."""
+        return self.popen.wait(timeout_s)
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where the process runs, for engines.json: nothing to add on this machine."""
+        return {}
+
+
+class ProcessHandle(Protocol):
+    """What the launcher and the engine fleet use of a started process: a `ChildProcess`
+    here, or a process that a Ray actor started on its node (`streamrl.launch.ray`)."""
+
+    name: str
+    log_path: Path | None
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def placement(self) -> dict[str, str]: ...
+    def poll(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def log_tail(self, num_lines: int = 30) -> str: ...
+    def stop(self, timeout_s: float = 10.0) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout_s: float | None = None) -> int: ...
+
+
+class Spawner(Protocol):
+    """Where component processes run: here (`LocalSpawner`) or in Ray actors
+    (`streamrl.launch.ray.RaySpawner`). The handles it returns act like `ChildProcess`."""
+
+    name: str
+    """The launcher's name, `local` or `ray` (recorded in engines.json)."""
+
+    def reachable(self, host: str) -> str:
+        """The address to bind on this machine for something configured at `host` that
+        other components must reach (buffer, router, weight-update master)."""
+        ...
+
+    def address(self, name: str, host: str) -> tuple[str, int]:
+        """Host and free port for the server process `name` (configured at `host`)."""
+        ...
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ProcessHandle:
+        """Start `argv` as the process `name`; a restart spawns the same name again."""
+        ...
+
+    def close(self) -> None:
+        """Stop everything started through this spawner and release what it holds."""
+        ...
+
+
+class LocalSpawner:
+    """Every process a child of this one (PDEATHSIG, own process group, log in `log_path`)."""
+
+    name = "local"
+
+    def reachable(self, host: str) -> str:
+        return host
+
+    def address(self, name: str, host: str) -> tuple[str, int]:
+        return host, free_port(host)
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ChildProcess:
+        return spawn(name, argv, log_path=log_path, env=env)
+
+    def close(self) -> None:
+        """Nothing held: the job stops its own children."""
+
 
 def spawn(
     name: str,
@@ -135,7 +224,7 @@ def wait_http_ready(
     url: str,
     *,
     timeout_s: float,
-    process: ChildProcess | None = None,
+    process: ProcessHandle | None = None,
     path: str = "/health",
 ) -> None:
     """Poll `url + path` until it answers 200; fail early with the log tail if `process` dies.

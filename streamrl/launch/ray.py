@@ -1,0 +1,407 @@
+"""`cluster.launcher = "ray"`: engines and the rollout process placed by Ray.
+
+    streamrl run (this process: learner rank 0, buffer, publisher, engine fleet, router)
+      │  ray.init(cluster.ray_address), or a Ray instance of its own for the run
+      │  one placement group, strategy cluster.ray_placement_strategy:
+      │    bundle i < num_engines   {"GPU": engine.tp_size, "CPU": 1}  (or {"CPU": 1} on CPU)
+      │    last bundle              {"CPU": 1}
+      ├── ProcessHost "engine-i" in bundle i ──► `streamrl engine serve` / SGLang, on its node
+      └── ProcessHost "rollout" in the last ──► `streamrl _component rollout`, on its node
+
+A `ProcessHost` is a small async actor that runs one component as its child
+process: the same argv as the local launcher, with `CUDA_VISIBLE_DEVICES` set
+to the GPUs Ray gave the actor, the driver's working directory, and its log at
+the same path on its own node. `RayProcess` is the driver's handle to it, with
+`ChildProcess`'s interface, so `EngineFleet` and the launcher drive both alike.
+An engine binds its node's IP on a port free there (chosen by its actor);
+the buffer, the router and the weight-update master bind this machine's IP
+instead of loopback (`RaySpawner.reachable`).
+
+`RaySpawner.close` stops every child, kills the actors, removes the placement
+group and disconnects; a Ray instance the run started is shut down with it.
+Ray is imported here only (and by tests): nothing below the launcher knows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from streamrl.config import ConfigError, RunConfig
+from streamrl.launch.local import RunError
+from streamrl.launch.process import ChildProcess, free_port, spawn
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOST_EXIT_CODE = -int(signal.SIGKILL)
+"""What `RayProcess.poll` reports once its actor is gone: the child died with it (PDEATHSIG)."""
+CALL_TIMEOUT_S = 60.0
+"""Bound on one call to a ProcessHost (they answer in milliseconds unless the node is lost)."""
+
+
+class RayUnavailable(ConfigError):
+    """`cluster.launcher = "ray"` but Ray cannot be imported."""
+
+
+class RayLaunchError(RunError):
+    """Ray could not place or start the run's components; the message says what was asked."""
+
+
+def require_ray():
+    """The `ray` module, or RayUnavailable naming the install command."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailable(
+            f"cluster.launcher = 'ray' needs Ray, which cannot be imported in {sys.executable} "
+            f"({exc}): pip install 'streamrl[ray]'"
+        ) from None
+    return ray
+
+
+# ---------------------------------------------------------------- placement
+
+
+def engines_use_gpus(cfg: RunConfig, *, cluster_has_gpus: bool) -> bool:
+    """SGLang engines always; embedded ones on `cuda`, or on `auto` when the cluster has GPUs."""
+    if cfg.engine.backend == "sglang" or cfg.engine.device == "cuda":
+        return True
+    return cfg.engine.device == "auto" and cluster_has_gpus
+
+
+def placement_bundles(cfg: RunConfig, *, engines_on_gpu: bool) -> dict[str, dict[str, float]]:
+    """Component name -> Ray bundle, in bundle order: `engine-0..` (none for attached
+    `engine.urls`), then `rollout`. The learner is not placed: it is `streamrl run` itself."""
+    engine: dict[str, float] = {"CPU": 1.0}
+    if engines_on_gpu:
+        engine = {"GPU": float(cfg.engine.tp_size), "CPU": 1.0}
+    num_engines = 0 if cfg.engine.urls else cfg.engine.num_engines
+    bundles = {f"engine-{index}": dict(engine) for index in range(num_engines)}
+    bundles["rollout"] = {"CPU": 1.0}
+    return bundles
+
+
+# ---------------------------------------------------------------- the actor
+
+
+class ProcessHost:
+    """Ray actor body: one component process on the actor's node (its child, so it dies
+    with the actor: PDEATHSIG). Async, so `wait` never blocks `stop` or `log_tail`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.child: ChildProcess | None = None
+
+    async def node(self) -> dict[str, Any]:
+        """Where this actor runs: Ray node id and IP, its own pid, the GPUs Ray gave it."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_pid": os.getpid(),
+            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+        }
+
+    async def free_port(self) -> int:
+        """A port free on this node's IP a moment ago."""
+        import ray
+
+        return free_port(ray.util.get_node_ip_address())
+
+    async def start(
+        self, argv: list[str], env: dict[str, str], log_path: str | None, cwd: str
+    ) -> int:
+        """Start `argv` (again, after an exit); returns its pid. `CUDA_VISIBLE_DEVICES` is
+        the actor's GPUs (empty without); `cwd` is used where it exists on this node."""
+        import ray
+
+        if self.child is not None and self.child.is_alive():
+            raise RuntimeError(f"{self.name} still runs as pid {self.child.pid}")
+        env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids())}
+        # Spawned from the actor's event-loop thread, which lives as long as the actor.
+        self.child = spawn(
+            self.name,
+            argv,
+            log_path=Path(log_path) if log_path else None,
+            env=env,
+            cwd=Path(cwd) if Path(cwd).is_dir() else None,
+        )
+        return self.child.pid
+
+    async def poll(self) -> int | None:
+        return self.child.poll()
+
+    async def wait(self, timeout_s: float | None = None) -> int | None:
+        """The exit code; None if it still runs after `timeout_s`."""
+        try:
+            return await asyncio.to_thread(self.child.wait, timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    async def log_tail(self, num_lines: int = 30) -> str:
+        return self.child.log_tail(num_lines) if self.child is not None else "(not started)"
+
+    async def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.child is None:
+            return None
+        return await asyncio.to_thread(self.child.stop, timeout_s)
+
+    async def kill(self) -> None:
+        if self.child is not None:
+            await asyncio.to_thread(self.child.kill)
+
+
+# ---------------------------------------------------------------- the driver's handle
+
+
+class RayProcess:
+    """A component process started by a ProcessHost; `ChildProcess`'s interface, over Ray.
+
+    Each call is a round trip to the actor (milliseconds on a healthy cluster). Once the
+    actor is gone the process is too: `poll` answers LOST_EXIT_CODE."""
+
+    def __init__(self, name: str, host, pid: int, node: dict[str, Any], log_path: Path | None):
+        self.name = f"{name} (Ray node {node['node_ip']})"
+        self.log_path = log_path
+        self._host = host
+        self._pid = pid
+        self._node = node
+
+    @property
+    def pid(self) -> int:
+        """The pid on its node."""
+        return self._pid
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        return {
+            "node_id": self._node["node_id"],
+            "node_ip": self._node["node_ip"],
+            "actor_pid": self._node["actor_pid"],
+        }
+
+    def _call(self, method: str, *args: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
+        import ray
+
+        return ray.get(getattr(self._host, method).remote(*args), timeout=timeout_s)
+
+    def poll(self) -> int | None:
+        import ray
+
+        try:
+            return self._call("poll")
+        except ray.exceptions.RayActorError:
+            return LOST_EXIT_CODE
+
+    def is_alive(self) -> bool:
+        return self.poll() is None
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        import ray
+
+        try:
+            code = self._call("wait", timeout_s, timeout_s=None)
+        except ray.exceptions.RayActorError:
+            return LOST_EXIT_CODE
+        if code is None:
+            raise subprocess.TimeoutExpired(self.name, timeout_s)
+        return code
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        import ray
+
+        try:
+            return self._call("log_tail", num_lines)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            return f"(the log on node {self._node['node_ip']} is out of reach: {exc})"
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        import ray
+
+        try:
+            return self._call("stop", timeout_s, timeout_s=timeout_s + CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            return LOST_EXIT_CODE
+
+    def kill(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            self._call("kill")
+
+
+# ---------------------------------------------------------------- the spawner
+
+
+class RaySpawner:
+    """The run's Ray side: connection, placement group, one ProcessHost per component.
+
+    Build it with `RaySpawner.start(cfg, run_dir)`; `close()` undoes all of it."""
+
+    name = "ray"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.is_own_instance = False
+        self.placement_group = None
+        self.hosts: dict[str, Any] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.processes: dict[str, dict[str, Any]] = {}
+        self.bundles: dict[str, dict[str, float]] = {}
+        self.strategy = ""
+
+    @classmethod
+    def start(cls, cfg: RunConfig, run_dir: Path) -> RaySpawner:
+        """Connect (or start Ray), reserve the placement group, start the actors."""
+        spawner = cls(run_dir)
+        try:
+            spawner._connect(cfg)
+            spawner._place(cfg)
+        except BaseException:
+            spawner.close()
+            raise
+        return spawner
+
+    def _connect(self, cfg: RunConfig) -> None:
+        ray = require_ray()
+        address = cfg.cluster.ray_address
+        self.is_own_instance = not address
+        # ray.init installs its own SIGTERM handler; the launcher's must stay (Ctrl-C/TERM
+        # end the run through KeyboardInterrupt and the cleanup around it).
+        is_main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        if address:
+            ray.init(address=address)
+        else:
+            needed = placement_bundles(cfg, engines_on_gpu=False)
+            ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
+                address="local",
+                num_cpus=max(os.cpu_count() or 1, len(needed)),
+                include_dashboard=False,
+            )
+        if is_main:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+    def _place(self, cfg: RunConfig) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        total = ray.cluster_resources()
+        on_gpu = engines_use_gpus(cfg, cluster_has_gpus=total.get("GPU", 0) > 0)
+        self.bundles = placement_bundles(cfg, engines_on_gpu=on_gpu)
+        self.strategy = cfg.cluster.ray_placement_strategy
+        wanted_gpus = sum(bundle.get("GPU", 0) for bundle in self.bundles.values())
+        if self.is_own_instance and wanted_gpus > total.get("GPU", 0):
+            raise RayLaunchError(
+                f"the engines need {wanted_gpus:g} GPUs (engine.num_engines x engine.tp_size) "
+                f"and the Ray instance started here has {total.get('GPU', 0):g}; set "
+                f"engine.device = 'cpu' or join a cluster with cluster.ray_address"
+            )
+        self.placement_group = placement_group(
+            list(self.bundles.values()), strategy=self.strategy, name=f"streamrl-{os.getpid()}"
+        )
+        try:
+            ray.get(self.placement_group.ready(), timeout=cfg.engine.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RayLaunchError(
+                f"Ray could not place the bundles {list(self.bundles.values())} with strategy "
+                f"{self.strategy} (cluster.ray_placement_strategy) within "
+                f"{cfg.engine.startup_timeout_s:.0f} s (engine.startup_timeout_s); the cluster "
+                f"has {ray.cluster_resources()}, of which {ray.available_resources()} is free"
+            ) from None
+        actor = ray.remote(ProcessHost)
+        for index, (name, bundle) in enumerate(self.bundles.items()):
+            self.hosts[name] = actor.options(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=index
+                ),
+            ).remote(name)
+        found = ray.get([host.node.remote() for host in self.hosts.values()], timeout=600)
+        self.nodes = dict(zip(self.hosts, found, strict=True))
+        self._record()
+
+    def _record(self) -> None:
+        """`run_dir/ray.json`: strategy, bundles, and where each component's process runs."""
+        state = {
+            "strategy": self.strategy,
+            "own_instance": self.is_own_instance,
+            "bundles": self.bundles,
+            "nodes": self.nodes,
+            "processes": self.processes,
+        }
+        (self.run_dir / "ray.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    # ---------------------------------------------------------------- Spawner
+
+    def reachable(self, host: str) -> str:
+        """This machine's IP in place of a loopback address (other nodes cannot reach that)."""
+        import ray
+
+        return ray.util.get_node_ip_address() if host in LOOPBACK else host
+
+    def address(self, name: str, host: str) -> tuple[str, int]:
+        """The node IP of `name`'s actor and a port free there (`host` is for local runs)."""
+        import ray
+
+        port = ray.get(self.hosts[name].free_port.remote(), timeout=CALL_TIMEOUT_S)
+        return self.nodes[name]["node_ip"], port
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> RayProcess:
+        import ray
+
+        log_path = log_path.absolute() if log_path is not None else None
+        node = self.nodes[name]
+        try:
+            pid = ray.get(
+                self.hosts[name].start.remote(
+                    list(argv), dict(env or {}), str(log_path) if log_path else None, os.getcwd()
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+        except ray.exceptions.RayActorError as exc:
+            raise RayLaunchError(
+                f"cannot start {name}: its Ray actor on node {node['node_ip']} is gone ({exc})"
+            ) from None
+        self.processes[name] = {"pid": pid, "node_id": node["node_id"], "node_ip": node["node_ip"]}
+        self._record()
+        return RayProcess(name, self.hosts[name], pid, node, log_path)
+
+    def close(self) -> None:
+        """Stop every child, kill the actors, remove the placement group, disconnect (and shut
+        down a Ray instance this run started). Safe to call twice and after partial starts."""
+        ray = require_ray()
+        if not ray.is_initialized():
+            return
+        stops = [host.stop.remote() for host in self.hosts.values()]
+        with contextlib.suppress(ray.exceptions.RayError):  # a lost actor's child died with it
+            ray.get(stops, timeout=CALL_TIMEOUT_S)
+        for host in self.hosts.values():
+            ray.kill(host)
+        self.hosts.clear()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        ray.shutdown()
