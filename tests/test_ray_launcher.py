@@ -31,6 +31,7 @@ from streamrl.launch.ray import (  # noqa: E402 - after the skip
     ProcessHost,
     RayProcess,
     engines_use_gpus,
+    gpus_for_own_instance,
     placement_bundles,
 )
 
@@ -127,6 +128,28 @@ def test_cpu_engines_take_one_cpu_and_attached_engines_take_no_bundle():
 def test_bad_ray_settings_are_refused_naming_the_key(cluster, weights, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config(cluster=cluster, weights=weights)
+
+
+@pytest.mark.parametrize(
+    ("visible", "learner", "expected"),
+    [(None, [0], "1,2,3"), ("4,5,6,7", [1], "4,6,7"), (None, [0, 1], "2,3")],
+)
+def test_a_ray_instance_of_the_runs_own_is_not_given_the_learners_gpus(
+    monkeypatch, visible, learner, expected
+):
+    import torch  # stand-in device counts: this machine has no GPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cfg = config(cluster={"launcher": "ray", "learner_gpus": learner},
+                 learner={"num_gpus": len(learner), "backend": "megatron"})  # fmt: skip
+    assert gpus_for_own_instance(cfg) == expected
+    assert gpus_for_own_instance(config(cluster={"launcher": "ray"},
+                                        learner={"device": "cpu"})) is None  # fmt: skip
 
 
 def test_auto_weights_use_nccl_between_gpus_that_ray_assigns():

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamrl.config import ConfigError, RunConfig
+from streamrl.config import ConfigError, RunConfig, learner_gpus
 from streamrl.launch.local import RunError
 from streamrl.launch.process import ChildProcess, free_port, spawn
 
@@ -68,6 +68,40 @@ def require_ray():
 
 
 # ---------------------------------------------------------------- placement
+
+
+def gpus_for_own_instance(cfg: RunConfig) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for a Ray instance of the run's own: this machine's visible GPUs
+    without the learner's (`cluster.learner_gpus`, entries of the visible list); None keeps
+    the environment as it is (a CPU learner, or no GPU here)."""
+    import torch
+
+    if cfg.learner.device == "cpu" or not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        devices = [str(index) for index in range(torch.cuda.device_count())]
+    else:
+        devices = [device.strip() for device in visible.split(",") if device.strip()]
+    learner = {devices[index] for index in learner_gpus(cfg) if index < len(devices)}
+    return ",".join(device for device in devices if device not in learner)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str | None):
+    """`os.environ[name] = value` inside the block (None: leave it alone)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def engines_use_gpus(cfg: RunConfig, *, cluster_has_gpus: bool) -> bool:
@@ -283,11 +317,14 @@ class RaySpawner:
             ray.init(address=address)
         else:
             needed = placement_bundles(cfg, engines_on_gpu=False)
-            ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
-                address="local",
-                num_cpus=max(os.cpu_count() or 1, len(needed)),
-                include_dashboard=False,
-            )
+            # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave the
+            # learner's out, or Ray could hand an engine the learner's GPU.
+            with _environ("CUDA_VISIBLE_DEVICES", gpus_for_own_instance(cfg)):
+                ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
+                    address="local",
+                    num_cpus=max(os.cpu_count() or 1, len(needed)),
+                    include_dashboard=False,
+                )
         if is_main:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
