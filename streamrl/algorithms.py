@@ -1,6 +1,6 @@
 """Advantage estimators and policy losses: pure functions on torch tensors.
 
-Layout (see `streamrl.learners.base`): per-token tensors are `[B, T]` and
+Layout (see `streamrl.backends.base`): per-token tensors are `[B, T]` and
 aligned with `input_ids`, position t holding data about token t; `loss_mask`
 is 1 on trained (model-produced) tokens; the samples of one group are
 consecutive rows. The training loop composes these functions: advantages once

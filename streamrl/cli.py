@@ -4,7 +4,8 @@
     streamrl run CONFIG [--set a.b=c ...] [--resume]
     streamrl check CONFIG [--set ...]
     streamrl engine serve --model PATH --port N
-    streamrl bench {transport,staleness,sync-vs-async,weight-sync} ...
+    streamrl bench {transport,staleness,sync-vs-async,weight-sync,collective} ...
+    streamrl plot RUN_DIR
 """
 
 from __future__ import annotations
@@ -27,32 +28,6 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF directory, `smollm2`, or random:<shape>")
-    parser.add_argument(
-        "--tokenizer", default="", help="tokenizer directory (default: the model's)"
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=2048)
-    parser.add_argument("--runner", default="auto", choices=["auto", "compact", "hf"])
-    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
-    parser.add_argument(
-        "--compile",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="torch.compile the small elementwise kernels (auto: on with CUDA graphs)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed for random models and sampling")
-    parser.add_argument("--weight-version", default="default")
-    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: default)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -63,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train: engines, rollout and learner, fully async")
     _add_config_args(run)
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    run.set_defaults(entry="streamrl.launch.local:run_command")
+    run.set_defaults(entry="streamrl.launch.run:run_command")
 
     check = commands.add_parser("check", help="validate a config and print it resolved")
     _add_config_args(check)
@@ -72,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine = commands.add_parser("engine", help="the embedded inference engine")
     engine_commands = engine.add_subparsers(dest="engine_command", required=True)
     serve = engine_commands.add_parser("serve", help="serve SGLang's HTTP protocol")
-    _engine_serve_args(serve)
-    serve.set_defaults(entry="streamrl.engine.server:serve_command")
+    from streamrl.engine.options import EngineOptions  # light: msgspec only
+
+    EngineOptions.add_arguments(serve)
+    serve.set_defaults(entry="streamrl.mains.engine:serve_command")
 
     plot = commands.add_parser("plot", help="a run's reward curve as a PNG")
     plot.add_argument("run_dir", help="the run's train.output_dir")
@@ -86,11 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_commands(bench)
 
-    internal = commands.add_parser("_component", help="(internal) one component of `streamrl run`")
-    internal.add_argument("role", choices=["rollout", "learner"])
-    internal.add_argument("--run-dir", required=True)
-    internal.add_argument("--rank", type=int, default=0)
-    internal.set_defaults(entry="streamrl.launch.component:component_command")
+    rollout = commands.add_parser("_rollout", help="(internal) the rollout process of a run")
+    rollout.add_argument("--run-dir", required=True)
+    rollout.set_defaults(entry="streamrl.mains.rollout:rollout_command")
+
+    follower = commands.add_parser("_learner", help="(internal) a learner rank > 0 of a run")
+    follower.add_argument("--run-dir", required=True)
+    follower.set_defaults(entry="streamrl.mains.follower:follower_command")
     return parser
 
 

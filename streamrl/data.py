@@ -36,26 +36,13 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from streamrl.types import Prompt
+
 log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
     """Unusable prompt data; the message starts with `path:line:` where a line is at fault."""
-
-
-class Prompt(msgspec.Struct, kw_only=True):
-    """One rendered prompt, named by its position `seq` in the run's prompt stream."""
-
-    seq: int
-    """Position in the stream; the key of resume bookkeeping."""
-    index: int
-    """Row index in the data file (0-based)."""
-    epoch: int
-    text: str
-    """The prompt as rendered (chat template applied when configured)."""
-    input_ids: list[int]
-    label: Any = None
-    metadata: dict[str, Any] = {}
 
 
 class DataPosition(msgspec.Struct, kw_only=True):

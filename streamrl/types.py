@@ -1,4 +1,4 @@
-"""Data that crosses process boundaries: samples, groups and their wire codec.
+"""The data of one sample's life: prompts, samples, groups, and the wire codec.
 
 Per-token data is held as numpy arrays and travels as msgpack extension
 frames of raw little-endian bytes (dtype code + buffer), so one 1,024-token
@@ -42,6 +42,22 @@ def int_array(values: Any) -> np.ndarray:
 
 def float_array(values: Any) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float32)
+
+
+class Prompt(msgspec.Struct, kw_only=True):
+    """One rendered prompt (`streamrl.data.PromptSource` makes them), named by its position
+    `seq` in the run's prompt stream: what a generate function gets."""
+
+    seq: int
+    """Position in the stream; the key of resume bookkeeping."""
+    index: int
+    """Row index in the data file (0-based)."""
+    epoch: int
+    text: str
+    """The prompt as rendered (chat template applied when configured)."""
+    input_ids: list[int]
+    label: Any = None
+    metadata: dict[str, Any] = {}
 
 
 class Sample(msgspec.Struct, kw_only=True, gc=False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.launch.process import free_port as _free_port
+from streamrl.process import free_port as _free_port
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def free_port():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random Qwen3-shaped model (a few MB) saved as a Hugging Face directory."""
-    from streamrl.engine.models import save_random_model
+    from streamrl.models import save_random_model
 
     path = tmp_path_factory.mktemp("models") / "qwen3-tiny"
     save_random_model("qwen3-tiny", path, seed=0)
@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A random Llama-shaped model saved as a Hugging Face directory."""
-    from streamrl.engine.models import save_random_model
+    from streamrl.models import save_random_model
 
     path = tmp_path_factory.mktemp("models") / "llama-tiny"
     save_random_model("llama-tiny", path, seed=0)

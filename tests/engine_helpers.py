@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from streamrl.launch.process import ChildProcess, free_port, spawn, streamrl_argv, wait_http_ready
+from streamrl.process import ChildProcess, free_port, spawn, streamrl_argv, wait_http_ready
 
 ENGINE_START_TIMEOUT_S = 120.0
 
@@ -76,7 +76,7 @@ def teacher_forced_logprobs(
     """log p(output_ids[i] | prompt + output_ids[:i]) under the fp32 CPU HF model."""
     import torch
 
-    from streamrl.engine.models import load_model
+    from streamrl.models import load_model
 
     model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
     if state_dict is not None:

@@ -24,13 +24,13 @@ from streamrl.agents import tools as agent_tools
 from streamrl.agents.api import GenerateContext
 from streamrl.agents.examples.calculator import CALCULATOR, CalculatorError, evaluate
 from streamrl.agents.examples.guess_number import GuessNumber
+from streamrl.backends.batching import pack_micro_batches
+from streamrl.backends.step import train_step
 from streamrl.config import config_from_dict
-from streamrl.data import Prompt, render_prompt, tokenize_prompt
-from streamrl.engine.client import FinishReason, GenerateResult
-from streamrl.learners.batching import pack_micro_batches
-from streamrl.learners.step import train_step
+from streamrl.data import render_prompt, tokenize_prompt
+from streamrl.fleet.results import FinishReason, GenerateResult
 from streamrl.queues.buffer import Buffer
-from streamrl.types import NO_VERSION, Group
+from streamrl.types import NO_VERSION, Group, Prompt
 
 pytestmark = pytest.mark.anyio
 IM_END = 2
@@ -38,7 +38,7 @@ IM_END = 2
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from streamrl.engine.models import load_tokenizer
+    from streamrl.models import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -517,7 +517,7 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
         assert micro_batch.loss_mask[row, :start].sum() == 0
 
     # A real training step on a tiny model uses exactly those behaviour logprobs.
-    from streamrl.learners.torch_backend import TorchBackend
+    from streamrl.backends.torch import TorchBackend
 
     cfg = config_from_dict(
         {
@@ -548,7 +548,7 @@ async def test_a_real_engine_episode_runs_across_weight_updates_with_each_turn_t
     """`streamrl engine serve` on a tiny model; the weights change after every turn."""
     from engine_helpers import running_engines
 
-    from streamrl.engine.client import EngineSet
+    from streamrl.fleet.engine_set import EngineSet
 
     prompt = make_prompt(
         tokenizer,

@@ -16,9 +16,10 @@ import httpx
 import numpy as np
 import pytest
 
-from streamrl.bench import runs, stages, staleness, sync_async, tasks
+from streamrl.bench import phases, runs, staleness, sync_async
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import EngineReading
+from streamrl.tasks import synthetic
 from streamrl.types import Group, Sample
 from tests.engine_helpers import engine_load, running_engines
 
@@ -151,7 +152,7 @@ def test_training_alone_replays_recorded_batches_through_train_step(
     cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": tiny_model_dir},
                             "rollout": {"batch_size": 1, "n_samples_per_prompt": 2},
                             "learner": {"lr": 1e-3, "num_threads": 1}})  # fmt: skip
-    result = stages.replay(cfg, model_path=tiny_model_dir, groups_path=path)
+    result = phases.replay(cfg, model_path=tiny_model_dir, groups_path=path)
     assert result["batches"] == 2 and result["batches_timed"] == 1
     assert result["trained_tokens_per_s"] > 0
     start, end = result["window_monotonic"]  # the timed batch, on the GPU monitor's clock
@@ -166,7 +167,7 @@ def test_every_bench_config_loads_and_trains_every_generated_group(path):
     from streamrl.config import load_config
 
     cfg = load_config(path)
-    assert cfg.rollout.generate_fn == "streamrl.bench.tasks:generate_scored"
+    assert cfg.rollout.generate_fn == "streamrl.tasks.synthetic:generate_scored"
     assert cfg.buffer.filters == []  # throughput must not depend on what the policy learned
 
 
@@ -179,11 +180,11 @@ def test_the_gpu_driver_names_configs_that_exist():
 
 
 def test_synthetic_rewards_read_tokens_and_logprobs_only():
-    assert tasks.confidence_reward([-1.0, -3.0]) == -2.0
-    assert tasks.confidence_reward([]) == 0.0
-    assert tasks.repeat_reward([5, 5, 5, 7]) == pytest.approx(2 / 4)
-    assert tasks.repeat_reward([]) == 0.0
-    assert tasks.token_mod_reward([8, 16, 3], modulus=8, max_new_tokens=4) == pytest.approx(0.5)
+    assert synthetic.confidence_reward([-1.0, -3.0]) == -2.0
+    assert synthetic.confidence_reward([]) == 0.0
+    assert synthetic.repeat_reward([5, 5, 5, 7]) == pytest.approx(2 / 4)
+    assert synthetic.repeat_reward([]) == 0.0
+    assert synthetic.token_mod_reward([8, 16, 3], modulus=8, max_new_tokens=4) == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------- plots

@@ -147,10 +147,10 @@ path = "builtin:arithmetic"
 
 
 def test_the_configuration_page_is_generated_from_the_code():
-    from streamrl.config_doc import render
+    from streamrl.config.doc import render
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == render(), "run: python -m streamrl.config_doc > docs/configuration.md"
+    assert page == render(), "run: python -m streamrl.config.doc > docs/configuration.md"
 
 
 @pytest.mark.parametrize(
@@ -165,11 +165,11 @@ def test_the_configuration_page_is_generated_from_the_code():
         ("cuda", {"engine": {"backend": "sglang"}}, "gloo"),  # SGLang pairing not run
         ("cuda", {"engine": {"urls": ["http://other:30000"]}}, "gloo"),  # attached elsewhere
         ("cuda", {"engine": {"device": "cpu"}}, "gloo"),
-        ("cuda", {"weights": {"backend": "gloo"}}, "gloo"),  # an explicit choice stands
+        ("cuda", {"weights": {"transport": "gloo"}}, "gloo"),  # an explicit choice stands
     ],
 )
-def test_auto_weight_backend_follows_where_learner_and_engines_are(device, settings, expected):
-    from streamrl.config import config_from_dict, weight_backend
+def test_auto_weight_transport_follows_where_learner_and_engines_are(device, settings, expected):
+    from streamrl.config import config_from_dict
 
     cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": "x"}, **settings})
-    assert weight_backend(cfg, device) == expected
+    assert cfg.weight_transport(device) == expected

@@ -14,8 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from streamrl.engine import models  # noqa: E402
+from streamrl import models  # noqa: E402
 from streamrl.engine.core import EngineCore, Output, Request, SamplingParams  # noqa: E402
+from streamrl.engine.options import EngineOptions  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 TOLERANCE = 1e-4
@@ -34,7 +35,7 @@ def one_torch_thread():
 def running_engine(model_path: str, **kwargs):
     kwargs.setdefault("max_batch_size", 4)
     kwargs.setdefault("max_seq_len", 256)
-    engine = EngineCore(model_path, **kwargs)
+    engine = EngineCore(EngineOptions(model=model_path, **kwargs))
     engine.start()
     try:
         yield engine

@@ -7,7 +7,8 @@ import httpx
 import pytest
 from engine_helpers import engine_load, running_engines, teacher_forced_logprobs, wait_until
 
-from streamrl.engine.client import EngineClient, EngineError, parse_result
+from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.fleet.results import parse_result
 
 pytestmark = pytest.mark.anyio
 
@@ -222,7 +223,7 @@ async def test_health_info_and_cache_endpoints_answer_like_sglang(engine, client
 async def test_update_weights_from_disk_switches_weights_and_version(engine, client, tmp_path):
     from safetensors.torch import load_file
 
-    from streamrl.engine.models import save_random_model
+    from streamrl.models import save_random_model
 
     other = save_random_model("qwen3-tiny", tmp_path / "other", seed=1)
     result = await client.update_weights_from_disk(str(other), weight_version=5)

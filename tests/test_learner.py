@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from streamrl import algorithms
+from streamrl.backends.batching import pack_micro_batches
+from streamrl.backends.step import train_step
+from streamrl.backends.torch import TorchBackend
 from streamrl.config import config_from_dict
-from streamrl.learners.batching import pack_micro_batches
-from streamrl.learners.step import train_step
-from streamrl.learners.torch_backend import TorchBackend
 from streamrl.types import Group, Sample
 
 
@@ -100,7 +100,7 @@ def test_a_training_step_raises_the_logprob_of_the_rewarded_response(tiny_model_
 def test_without_a_proximal_pass_a_step_equals_the_step_with_one(tiny_model_dir, monkeypatch):
     """One optimizer step per step: pi_prox is the training forward's own detached logprobs,
     so skipping the separate proximal pass changes neither the update nor the metrics."""
-    import streamrl.learners.step as step_module
+    import streamrl.backends.step as step_module
 
     rng = np.random.default_rng(0)
     samples = [
@@ -140,7 +140,7 @@ def test_without_a_proximal_pass_a_step_equals_the_step_with_one(tiny_model_dir,
 
 
 def test_a_proximal_pass_is_made_only_when_pi_prox_differs_from_the_training_forward():
-    from streamrl.learners.step import needs_proximal_pass
+    from streamrl.backends.step import needs_proximal_pass
 
     def cfg(**sections):
         base = {"data": {"path": "x"}, "model": {"path": "m"}}

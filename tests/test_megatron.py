@@ -1,7 +1,7 @@
 """The megatron backend on CPU: conversion, logprobs against Hugging Face, TP=2 / DP=2 / PP=2 training.
 
 Multi-rank runs are real gloo processes started with
-`streamrl.learners.megatron.launch.start_ranks` on a free port, running this
+`streamrl.backends.rendezvous.start_ranks` on a free port, running this
 file as a script (`python tests/test_megatron.py worker ...`); readiness is
 the torch.distributed rendezvous. The two runs (1 rank, 2 ranks) start
 together in a module fixture and each test waits for the run it reads.
@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from streamrl.engine.models import build_random_model, random_config
-from streamrl.learners.megatron import convert
-from streamrl.learners.megatron.model import shape_from_hf
+from streamrl.backends.megatron import convert
+from streamrl.backends.megatron.model import shape_from_hf
+from streamrl.models import build_random_model, random_config
 
 TINY_SHAPES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 MODEL_NAMES = (*TINY_SHAPES, "llama-tiny-llama3-rope")
@@ -62,7 +62,7 @@ def _saved_state(model) -> dict[str, torch.Tensor]:
 
 def fixed_micro_batches(vocab_size: int):
     """Two right-padded micro-batches (4 + 3 rows, 16 and 12 tokens), the same in every process."""
-    from streamrl.learners.base import MicroBatch
+    from streamrl.backends.base import MicroBatch
 
     generator = torch.Generator().manual_seed(1234)
     shapes_and_lengths = [((4, 16), [16, 11, 7, 14]), ((3, 12), [12, 5, 9])]
@@ -153,7 +153,7 @@ def _train(backend, micro_batches) -> list[dict[str, float]]:
 
 def _worker_single(model_dirs: dict[str, str], out: Path) -> None:
     """One rank: logprobs of every tiny architecture; Qwen3 training, reference, save/load."""
-    from streamrl.learners.megatron.backend import MegatronBackend
+    from streamrl.backends.megatron.backend import MegatronBackend
 
     results: dict = {"logprobs": {}}
     for name, path in model_dirs.items():
@@ -187,8 +187,8 @@ def _worker_single(model_dirs: dict[str, str], out: Path) -> None:
 
 def _first_steps(path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False):
     """Two training steps with Megatron's unfused attention or full activation recompute."""
+    from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
-    from streamrl.learners.megatron.backend import MegatronBackend
 
     config = LearnerConfig(
         backend="megatron", lr=1e-3, grad_clip=1.0, gradient_checkpointing=gradient_checkpointing,
@@ -205,7 +205,7 @@ def _worker_two_ranks(model_dirs: dict[str, str], out: Path) -> None:
     """Two ranks: vocab-parallel logprobs, then TP=2, DP=2 and PP=2 training of Qwen3."""
     import torch.distributed as dist
 
-    from streamrl.learners.megatron.backend import MegatronBackend
+    from streamrl.backends.megatron.backend import MegatronBackend
 
     rank = dist.get_rank()
     results: dict = {"vocab_parallel": _check_vocab_parallel()}
@@ -256,7 +256,7 @@ def _check_vocab_parallel() -> dict[str, float]:
     import torch.distributed as dist
 
     from streamrl.algorithms import entropy_from_logits, logprobs_from_logits
-    from streamrl.learners.megatron.logprobs import token_logprobs_and_entropy
+    from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
 
     generator = torch.Generator().manual_seed(7)
     vocab, temperature = 1000, 0.8
@@ -293,7 +293,7 @@ def _worker_main(argv: list[str]) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from streamrl.learners.megatron.launch import init_distributed, shutdown
+    from streamrl.backends.rendezvous import init_distributed, shutdown
 
     mode, dirs_json, out = argv
     init_distributed(device="cpu", timeout_s=120)
@@ -320,7 +320,7 @@ def runs(model_dirs, tmp_path_factory):
     """Start the 1-rank and 2-rank workers together; `runs(name)` waits for and loads one."""
     import json
 
-    from streamrl.learners.megatron.launch import start_ranks
+    from streamrl.backends.rendezvous import start_ranks
 
     root = tmp_path_factory.mktemp("megatron-runs")
     started = {}
@@ -510,7 +510,7 @@ def test_a_pipeline_parallel_checkpoint_loads_in_transformers_with_the_same_logp
 
 def test_importing_the_megatron_package_loads_neither_torch_nor_megatron():
     code = (
-        "import sys, streamrl.learners.megatron; "
+        "import sys, streamrl.backends.megatron; "
         "print(any(m == 'torch' or m.startswith('megatron') for m in sys.modules))"
     )
     output = subprocess.run(

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from streamrl.engine import models  # noqa: E402
+from streamrl import models  # noqa: E402
 
 
 def _same_weights(a, b) -> bool:

@@ -22,7 +22,7 @@ from test_engine_faults import (
 )
 from test_run import start_run, streamrl_run, write_config
 
-from streamrl.config import ConfigError, config_from_dict, weight_backend
+from streamrl.config import ConfigError, config_from_dict
 
 ray = pytest.importorskip("ray")
 
@@ -122,7 +122,7 @@ def test_cpu_engines_take_one_cpu_and_attached_engines_take_no_bundle():
         ({"launcher": "slurm"}, {}, "cluster.launcher"),
         ({"launcher": "ray", "ray_placement_strategy": "EVENLY"}, {}, "ray_placement_strategy"),
         ({"launcher": "ray", "engine_gpus": [1]}, {}, "cluster.engine_gpus"),
-        ({"launcher": "ray"}, {"backend": "ipc"}, "weights.backend = 'ipc'"),
+        ({"launcher": "ray"}, {"transport": "ipc"}, "weights.transport = 'ipc'"),
     ],
 )
 def test_bad_ray_settings_are_refused_naming_the_key(cluster, weights, key):
@@ -154,8 +154,8 @@ def test_a_ray_instance_of_the_runs_own_is_not_given_the_learners_gpus(
 
 def test_auto_weights_use_nccl_between_gpus_that_ray_assigns():
     cfg = config(cluster={"launcher": "ray"})
-    assert weight_backend(cfg, "cuda") == "nccl"
-    assert weight_backend(cfg, "cpu") == "gloo"
+    assert cfg.weight_transport("cuda") == "nccl"
+    assert cfg.weight_transport("cpu") == "gloo"
 
 
 def test_a_ray_run_without_ray_installed_names_the_install_command(tmp_path):

@@ -101,7 +101,7 @@ def test_load_reward_fn_resolves_specs_and_names_the_config_key_on_failure():
     with pytest.raises(ValueError, match="not of the form"):
         load_reward_fn("streamrl.rewards.math")
     with pytest.raises(ValueError, match="not callable"):
-        load_reward_fn("streamrl.tasks:CAPITALS")
+        load_reward_fn("streamrl.tasks.capitals:CAPITALS")
 
 
 # ---------------------------------------------------------------- score

@@ -11,8 +11,8 @@ from engine_helpers import running_engines
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
 from streamrl.data import PromptSource
-from streamrl.engine.client import EngineSet
-from streamrl.engine.models import load_tokenizer
+from streamrl.fleet.engine_set import EngineSet
+from streamrl.models import load_tokenizer
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.transport import StreamReceiver, StreamSender

@@ -7,9 +7,10 @@ import httpx
 import pytest
 from engine_helpers import engine_load, running_engines, teacher_forced_logprobs
 
-from streamrl.engine.client import EngineClient, EngineError, EngineSet
-from streamrl.engine.router import Router, RouterError
-from streamrl.engine.weight_sync import (
+from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.fleet.engine_set import EngineSet
+from streamrl.fleet.router import Router, RouterError
+from streamrl.weights.group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
@@ -81,7 +82,7 @@ async def test_a_two_engines_behind_a_router_generate_through_it_and_update_weig
                 )
             )
         try:
-            from streamrl.engine.models import build_random_model
+            from streamrl.models import build_random_model
 
             model = build_random_model("qwen3-tiny", seed=11)
             weights = {name: p.detach() for name, p in model.named_parameters()}

@@ -11,17 +11,14 @@ import torch
 
 from streamrl.actors import publisher as publisher_module
 from streamrl.config import ConfigError, RunConfig, config_from_dict
-from streamrl.engine.layout import (
-    engine_gpu_count,
-    engine_gpu_ids,
-    weight_group_layout,
-)
-from streamrl.engine.sglang import (
+from streamrl.fleet.sglang import (
     SGLangUnavailable,
     check_sglang_backend,
     sglang_argv_factory,
     sglang_available,
 )
+from streamrl.placement import engine_gpu_ids
+from streamrl.weights.layout import engine_gpu_count, weight_group_layout
 
 MODEL = "/models/Qwen2.5-7B-Instruct"
 
@@ -149,7 +146,7 @@ def test_engines_on_the_learners_gpu_are_refused_when_weights_travel_over_nccl()
             "model": {"path": MODEL},
             "data": {"path": "p.jsonl"},
             "engine": {"backend": "sglang"},
-            "weights": {"backend": "gloo"},
+            "weights": {"transport": "gloo"},
         }
     )
     with contextlib.suppress(SGLangUnavailable):  # passing the GPU check is what counts
@@ -201,11 +198,11 @@ def test_launching_without_sglang_installed_fails_before_anything_starts_and_say
 
 @pytest.mark.skipif(sglang_available(), reason="SGLang is installed here: it would really start")
 def test_a_server_that_dies_at_start_fails_the_fleet_with_the_tail_of_its_log(tmp_path):
-    from streamrl.actors.fleet import EngineFleet
-    from streamrl.launch.process import ProcessDied
+    from streamrl.actors.supervisor import EngineSupervisor
+    from streamrl.process import ProcessDied
 
     cfg = sglang_config(startup_timeout_s=60)
-    fleet = EngineFleet(cfg, run_dir=tmp_path, engine_argv=sglang_argv_factory(cfg, MODEL, 0))
+    fleet = EngineSupervisor(cfg, run_dir=tmp_path, engine_argv=sglang_argv_factory(cfg, MODEL, 0))
     try:
         with pytest.raises(ProcessDied) as error:
             fleet.start()

@@ -1,4 +1,4 @@
-"""Pipeline stages publishing their own layers (`streamrl.actors.stage_publish`).
+"""Pipeline stages publishing their own layers (`streamrl.weights.stages`).
 
 The live-engine test runs the real `WeightPublisher` (stage 0) and a real
 `StageServer` (stage 1, its serving thread in this process) against an
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from streamrl.actors.publisher import WeightPublisher
-from streamrl.actors.stage_publish import (
+from streamrl.weights.stages import (
     BucketSpec,
     Drop,
     Host,
@@ -38,7 +38,7 @@ def is_stage1(name: str) -> bool:
 
 
 def random_weights(seed: int) -> dict[str, torch.Tensor]:
-    from streamrl.engine.models import build_random_model
+    from streamrl.models import build_random_model
 
     model = build_random_model("qwen3-tiny", seed=seed)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -77,7 +77,7 @@ async def test_two_stage_groups_bring_every_layer_to_a_live_engine(
 ):
     from engine_helpers import running_engines, teacher_forced_logprobs
 
-    from streamrl.engine.client import EngineClient
+    from streamrl.fleet.client import EngineClient
 
     leader = TwoStageLeader(stage_server)
     published: list[int] = []
@@ -313,8 +313,8 @@ async def test_a_cancelled_request_leaves_the_channel_usable_and_its_late_answer
 def test_stage_publishers_are_tp_rank_0_of_dp_replica_0_of_each_later_stage():
     from types import SimpleNamespace
 
-    from streamrl.learners.distributed import Leader
-    from streamrl.learners.megatron.parallel import Layout
+    from streamrl.backends.megatron.parallel import Layout
+    from streamrl.backends.ranks import Leader
 
     def layout(tp: int, dp: int, pp: int) -> Layout:
         return Layout(tp * dp * pp, 0, tp, pp, dp, tp_rank=0, pp_rank=0, dp_rank=0)

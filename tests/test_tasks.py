@@ -6,7 +6,8 @@ import pytest
 
 from streamrl.rewards import RewardInput, load_reward_fn
 from streamrl.rewards.math import math_reward
-from streamrl.tasks import CAPITALS, TASKS, capital_reward, get_task
+from streamrl.tasks import TASKS, get_task
+from streamrl.tasks.capitals import CAPITALS, capital_reward
 
 
 def scored(fn, response: str, label) -> float:

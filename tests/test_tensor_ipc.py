@@ -1,4 +1,4 @@
-"""Weights by reference (`streamrl.engine.tensor_ipc`): another process maps the sender's
+"""Weights by reference (`streamrl.weights.ipc`): another process maps the sender's
 memory (shared memory on CPU; CUDA IPC handles on a GPU, not run here)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from streamrl.engine.tensor_ipc import deserialize_named_tensors, serialize_named_tensors
-from streamrl.engine.weight_sync import FlatLayout
+from streamrl.weights.group import FlatLayout
+from streamrl.weights.ipc import deserialize_named_tensors, serialize_named_tensors
 
 _RECEIVER = """
 import sys, torch
-from streamrl.engine.tensor_ipc import deserialize_named_tensors
+from streamrl.weights.ipc import deserialize_named_tensors
 named = deserialize_named_tensors(sys.stdin.read())
 torch.save({name: tensor.clone() for name, tensor in named}, sys.argv[1])
 """
@@ -61,8 +61,8 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     from engine_helpers import running_engines, teacher_forced_logprobs
 
     from streamrl.actors.publisher import WeightPublisher
-    from streamrl.engine.client import EngineClient
-    from streamrl.engine.models import build_random_model
+    from streamrl.fleet.client import EngineClient
+    from streamrl.models import build_random_model
 
     prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
     params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
@@ -81,7 +81,7 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
                 members=lambda: [client],
                 on_published=on_published,
                 bucket_bytes=256 * 1024,  # several buckets
-                group_backend="ipc",
+                transport="ipc",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)
@@ -103,7 +103,7 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
 def test_weights_by_reference_need_the_engines_on_the_learners_gpu():
     from streamrl.config import ConfigError, config_from_dict
 
-    base = {"data": {"path": "x"}, "weights": {"backend": "ipc"}}
+    base = {"data": {"path": "x"}, "weights": {"transport": "ipc"}}
     config_from_dict({**base, "cluster": {"engine_gpus": [0], "learner_gpus": [0]}})
     with pytest.raises(ConfigError, match="every engine on the learner's GPU"):
         config_from_dict({**base, "cluster": {"engine_gpus": [1], "learner_gpus": [0]}})

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from streamrl.bench.transport import make_group
-from streamrl.launch.process import spawn, streamrl_argv
+from streamrl.process import spawn, streamrl_argv
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
 from streamrl.types import Group, make_decoder, make_encoder
 

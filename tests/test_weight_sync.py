@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from streamrl.engine.weight_sync import (
+from streamrl.process import spawn
+from streamrl.weights.group import (
     FLATTENED_BUCKET,
     FlatLayout,
     broadcast_flat,
@@ -20,13 +21,12 @@ from streamrl.engine.weight_sync import (
     init_weight_update_group,
     torch_dtype,
 )
-from streamrl.launch.process import spawn
 
 _RECEIVER = textwrap.dedent(
     """
     import json, sys
     import torch
-    from streamrl.engine.weight_sync import (
+    from streamrl.weights.group import (
         destroy_weight_update_group, init_weight_update_group, receive_tensors)
     port_list, group_name, spec_path, out_path, load_format = sys.argv[1:6]
     spec = json.load(open(spec_path))
@@ -195,7 +195,7 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 def _random_weights(seed: int) -> dict[str, torch.Tensor]:
     """Parameters (HF names, tied ones once) of another random qwen3-tiny."""
-    from streamrl.engine.models import build_random_model
+    from streamrl.models import build_random_model
 
     return {
         name: p.detach().clone()
@@ -242,7 +242,7 @@ async def test_b_after_a_gloo_broadcast_the_engine_generates_from_the_new_weight
     import anyio
     from engine_helpers import engine_load, teacher_forced_logprobs, wait_until
 
-    from streamrl.engine.client import EngineSet
+    from streamrl.fleet.engine_set import EngineSet
 
     port = free_port()
     async with EngineSet([engine.url], timeout_s=120) as engines:
@@ -333,8 +333,8 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
     from engine_helpers import running_engines
 
     from streamrl.actors.publisher import WeightPublisher
-    from streamrl.engine.client import EngineClient, EngineError
-    from streamrl.engine.models import build_random_model
+    from streamrl.fleet.client import EngineClient, EngineError
+    from streamrl.models import build_random_model
 
     class DiesBeforeJoining:
         url = "http://dying-engine"

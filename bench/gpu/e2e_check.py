@@ -37,13 +37,13 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     import torch
 
     from streamrl.actors.publisher import WeightPublisher
+    from streamrl.backends.batching import pack_micro_batches
+    from streamrl.backends.megatron.backend import MegatronBackend
+    from streamrl.backends.rendezvous import init_distributed
     from streamrl.config import config_from_dict
-    from streamrl.engine.client import EngineClient
-    from streamrl.engine.models import save_random_model
-    from streamrl.launch.process import free_port, spawn, streamrl_argv, wait_http_ready
-    from streamrl.learners.batching import pack_micro_batches
-    from streamrl.learners.megatron.backend import MegatronBackend
-    from streamrl.learners.megatron.launch import init_distributed
+    from streamrl.fleet.client import EngineClient
+    from streamrl.models import save_random_model
+    from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
     from streamrl.types import Sample
 
     shape = "qwen3-tiny" if smoke else "qwen2-0.5b"
@@ -53,8 +53,8 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     engine_gpu = 1 if num_gpus > 1 and backend != "ipc" else 0
     if backend == "auto":
         backend = "nccl" if num_gpus > 1 and not smoke else "gloo"
-    group_backend = backend
-    result.update(num_gpus=num_gpus, engine_gpu=engine_gpu, group_backend=group_backend)
+    transport = backend
+    result.update(num_gpus=num_gpus, engine_gpu=engine_gpu, transport=transport)
     model_dir = Path(tempfile.mkdtemp(prefix="push-model-"))
     save_random_model(shape, model_dir, seed=0)
     port = free_port()
@@ -90,7 +90,7 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
 
         def train_once() -> None:
             ids = torch.tensor([rng.integers(100, 40_000, 256).tolist()] * 4)
-            from streamrl.learners.base import MicroBatch
+            from streamrl.backends.base import MicroBatch
 
             mask = torch.ones_like(ids, dtype=torch.float32)
             mask[:, 0] = 0
@@ -120,8 +120,8 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
 
                 publisher = WeightPublisher(
                     weights=backend.hf_weights, members=lambda: [client], on_published=published,
-                    group_backend=group_backend,
-                    staging_device="cpu" if group_backend == "gloo" or smoke else "cuda:0",
+                    transport=transport,
+                    staging_device="cpu" if transport == "gloo" or smoke else "cuda:0",
                 )
                 await tg.start(publisher.run)
                 records = []

@@ -57,8 +57,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from streamrl.engine import models  # noqa: E402
+from streamrl import models  # noqa: E402
 from streamrl.engine.core import EngineCore, Request, SamplingParams  # noqa: E402
+from streamrl.engine.options import EngineOptions  # noqa: E402
 from streamrl.engine.runner import attention  # noqa: E402
 
 
@@ -246,7 +247,7 @@ class Check:
     def engine(self, shape: str, **kwargs) -> tuple[EngineCore, float]:
         started = time.perf_counter()
         kwargs.setdefault("max_seq_len", 512)
-        engine = EngineCore(f"random:{shape}", device=self.plan.device, **kwargs)
+        engine = EngineCore(EngineOptions(model=f"random:{shape}", device=self.plan.device, **kwargs))
         engine.start()
         return engine, time.perf_counter() - started
 

@@ -18,7 +18,7 @@ run goes on); one JSON object is printed and written to --out:
     4096-token sequences, for the Megatron backend and for a plain PyTorch HF
     step (AdamW, bf16 parameters, SDPA) on the same micro-batches.
 (d) `tp2_vs_tp1`: with two GPUs, TP=2 ranks (started with
-    streamrl.learners.megatron.launch) recompute (a)'s log-probabilities and
+    streamrl.backends.rendezvous) recompute (a)'s log-probabilities and
     one training step; otherwise "skipped: one GPU".
 """
 
@@ -81,7 +81,7 @@ def save_random_hf(shape: str, directory: Path, seed: int = 0) -> Path:
     """Random weights of a named shape in bf16, written with save_pretrained (no tokenizer)."""
     from transformers import AutoModelForCausalLM
 
-    from streamrl.engine.models import random_config
+    from streamrl.models import random_config
 
     torch.manual_seed(seed)
     with torch.device(PLAN.device):
@@ -94,7 +94,7 @@ def save_random_hf(shape: str, directory: Path, seed: int = 0) -> Path:
 
 def micro_batches(vocab: int, *, rows: int, seq_len: int, count: int, seed: int, padded: bool):
     """Seeded micro-batches; with `padded`, rows are right-padded to varied lengths."""
-    from streamrl.learners.base import MicroBatch
+    from streamrl.backends.base import MicroBatch
 
     generator = torch.Generator().manual_seed(seed)
     out = []
@@ -178,8 +178,8 @@ def reset_peak_memory() -> None:
 def init_single_rank() -> None:
     import torch.distributed as dist
 
-    from streamrl.launch.process import free_port
-    from streamrl.learners.megatron.launch import init_distributed
+    from streamrl.backends.rendezvous import init_distributed
+    from streamrl.process import free_port
 
     if not dist.is_initialized():
         init_distributed(rank=0, world_size=1, master_port=free_port(), device=PLAN.device)
@@ -192,7 +192,7 @@ def section_logprobs(model_dir: Path, state: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from streamrl.algorithms import logprobs_from_logits
-    from streamrl.learners.megatron.backend import MegatronBackend
+    from streamrl.backends.megatron.backend import MegatronBackend
 
     batch = micro_batches(
         vocab_size(model_dir), rows=4, seq_len=PLAN.logprob_seq_len, count=2, seed=1, padded=True
@@ -220,8 +220,8 @@ def section_logprobs(model_dir: Path, state: dict) -> dict:
 
 
 def section_round_trip(model_dir: Path, state: dict) -> dict:
-    from streamrl.learners.megatron import convert
-    from streamrl.learners.megatron.model import shape_from_hf
+    from streamrl.backends.megatron import convert
+    from streamrl.backends.megatron.model import shape_from_hf
 
     backend = state["backend"]
     hf_state = {k: v.to(PLAN.device) for k, v in convert.read_hf_state(model_dir).items()}
@@ -274,7 +274,7 @@ def time_steps(step, tokens_per_step: int, num_params: int) -> dict:
 
 
 def throughput_megatron(model_dir: Path, batch, num_params: int, backend=None) -> dict:
-    from streamrl.learners.megatron.backend import MegatronBackend
+    from streamrl.backends.megatron.backend import MegatronBackend
 
     backend = backend or MegatronBackend(
         str(model_dir), learner_config(), device=PLAN.device, dtype=PLAN.dtype, seed=0
@@ -321,7 +321,7 @@ def throughput_hf(model_dir: Path, batch, num_params: int) -> dict:
 def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict) -> None:
     from transformers import AutoConfig
 
-    from streamrl.learners.megatron.model import shape_from_hf
+    from streamrl.backends.megatron.model import shape_from_hf
 
     for shape_name in (PLAN.small_shape, PLAN.large_shape):
         entry = out.setdefault(shape_name, {})
@@ -354,7 +354,7 @@ def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict) 
 def section_tp2(model_dir: Path, work_dir: Path, state: dict) -> dict:
     if PLAN.device == "cuda" and torch.cuda.device_count() < 2:
         return {"status": "skipped: one GPU"}
-    from streamrl.learners.megatron.launch import start_ranks
+    from streamrl.backends.rendezvous import start_ranks
 
     batch_path, out_path = work_dir / "tp2_batch.pt", work_dir / "tp2_out.pt"
     torch.save(state["batch"], batch_path)
@@ -377,8 +377,8 @@ def tp2_worker(device: str, model_dir: str, batch_path: str, out_path: str) -> N
     """One TP=2 rank (started by section_tp2): logprobs and one step on (a)'s batch."""
     import torch.distributed as dist
 
-    from streamrl.learners.megatron.backend import MegatronBackend
-    from streamrl.learners.megatron.launch import init_distributed, shutdown
+    from streamrl.backends.megatron.backend import MegatronBackend
+    from streamrl.backends.rendezvous import init_distributed, shutdown
 
     global PLAN
     PLAN = SMOKE if device == "cpu" else PLAN

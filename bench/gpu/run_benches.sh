@@ -22,7 +22,7 @@
 #   sync-vs-async-2gpu-eta2 ~5 min the same at eta 2, 10 steps
 #
 # On one GPU (learner and engine share GPU 0; weights by CUDA IPC handle, which
-# `weights.backend = "auto"` picks there); times measured on the 1-GPU H200 machine:
+# `weights.transport = "auto"` picks there); times measured on the 1-GPU H200 machine:
 #
 #   sync-vs-async-1gpu    ~5 min  async eta 2 + sync, each stage alone, 10 steps
 #   staleness-1gpu        ~5 min  eta 0, 1, 2 (decoupled PPO), 10 steps

@@ -17,7 +17,7 @@ import numpy as np
 from streamrl.agents.api import GenerateContext, score_trajectory
 from streamrl.config import DataConfig, EvalDataset
 from streamrl.data import PromptSource
-from streamrl.engine.client import EngineSet
+from streamrl.fleet.engine_set import EngineSet
 from streamrl.queues.transport import StreamSender
 from streamrl.rewards import load_reward_fn
 
@@ -74,14 +74,7 @@ class Evaluator:
 
     async def evaluate(self, dataset: EvalDataset, prompts: list, reward_fn) -> dict[str, Any]:
         started = time.perf_counter()
-        sampling = {
-            "max_new_tokens": dataset.sampling.max_new_tokens,
-            "temperature": dataset.sampling.temperature,
-            "top_p": dataset.sampling.top_p,
-            "top_k": dataset.sampling.top_k,
-        }
-        if dataset.sampling.stop:
-            sampling["stop"] = list(dataset.sampling.stop)
+        sampling = dataset.sampling.to_sglang()
         rewards = np.zeros((len(prompts), dataset.n_samples_per_prompt))
         lengths = np.zeros_like(rewards)
         versions: list[int] = []

@@ -1,14 +1,16 @@
-"""The learner loop: the always-running consumer of the buffer.
+"""The learner loop: the always-running consumer of the intake.
 
-    for each step:   groups = await buffer.take(B, version)    # waits only when the buffer is short
+    for each step:   groups = await intake.take(B, version)    # waits only when the buffer is short
                      metrics = train_step(groups)               # in a worker thread
                      version += 1
                      await publisher.publish(version)           # snapshot; broadcast runs behind
                      record metrics; checkpoint every train.save_interval steps
 
 What unblocks the wait: the rollout stream delivering groups, which it may
-start only with admission credits; credits come back as the publisher lands
-new versions on the engines (`on_published`) and as the buffer drains.
+start only with admission credits; credits come back as the buffer drains
+(`take`) and as the publisher lands new versions on the engines (the
+publisher's `on_published` is the intake's). The loop sees only the intake,
+the publisher, the backend and the metrics writer.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import numpy as np
 
 from streamrl import checkpoint
 from streamrl.actors.publisher import WeightPublisher
+from streamrl.backends.base import LearnerBackend
+from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
-from streamrl.learners.base import LearnerBackend
-from streamrl.learners.step import train_step
 from streamrl.metrics import MetricsWriter
-from streamrl.queues.buffer import Buffer
+from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
-from streamrl.queues.transport import StreamReceiver
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,7 @@ class LearnerLoop:
         cfg: RunConfig,
         *,
         backend: LearnerBackend,
-        buffer: Buffer,
-        receiver: StreamReceiver,
+        intake: Intake,
         publisher: WeightPublisher,
         metrics: MetricsWriter,
         run_dir: Path,
@@ -52,50 +52,35 @@ class LearnerLoop:
     ) -> None:
         self.cfg = cfg
         self.backend = backend
-        self.buffer = buffer
-        self.receiver = receiver
+        self.intake = intake
         self.publisher = publisher
         self.metrics = metrics
         self.run_dir = run_dir
         self.state = state
         self.pad_id = pad_id
         self.version = state.version
-        self._start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
-        self._done_seqs: set[int] = set()
+        self.start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
         self._trained_tokens = 0
-        self._rollout: dict[str, Any] = {}
-        self._generated_reward_sum = 0.0
-        self._generated_reward_count = 0
-        self._started_at = time.monotonic()
 
-    # ---- callbacks wired by the driver ---------------------------------
+    def record_eval_reports(self) -> None:
+        """Write the evaluation results that arrived since the last call to the metrics."""
+        for report in self.intake.pop_eval_reports():
+            self._record_eval(report)
 
-    def on_group(self, group: Group) -> None:
-        """Every group that arrives (before filters): the reward of all that was generated."""
-        self._generated_reward_sum += sum(group.rewards)
-        self._generated_reward_count += len(group.samples)
-
-    def on_discard(self, group: Group, reason: str) -> None:
-        """A filtered or evicted group: its prompt is done for good (not redone on resume)."""
-        self._done_seqs.add(group.prompt_seq)
-
-    def on_report(self, report: Report) -> None:
-        if report.kind == "rollout":
-            self._rollout = report.payload
-        elif report.kind == "eval":
-            payload = dict(report.payload)
-            name = payload.pop("dataset")
-            version = int(payload.pop("version"))
-            record: dict[str, Any] = {
-                "kind": "eval",
-                "dataset": name,
-                "step": self.state.step,
-                "version": version,
-                "time": self.metrics.elapsed_s,
-            }
-            record.update({f"eval/{name}/{key}": value for key, value in payload.items()})
-            self.metrics.write(record, step=version)
-            log.info("eval %s at version %d: reward %.3f", name, version, payload["reward_mean"])
+    def _record_eval(self, report: Report) -> None:
+        payload = dict(report.payload)
+        name = payload.pop("dataset")
+        version = int(payload.pop("version"))
+        record: dict[str, Any] = {
+            "kind": "eval",
+            "dataset": name,
+            "step": self.state.step,
+            "version": version,
+            "time": self.metrics.elapsed_s,
+        }
+        record.update({f"eval/{name}/{key}": value for key, value in payload.items()})
+        self.metrics.write(record, step=version)
+        log.info("eval %s at version %d: reward %.3f", name, version, payload["reward_mean"])
 
     # ---- the loop --------------------------------------------------------
 
@@ -103,9 +88,8 @@ class LearnerLoop:
         batch_size = self.cfg.rollout.batch_size
         while self.state.step < self.cfg.train.steps:
             wait_started = time.perf_counter()
-            groups = await self.buffer.take(batch_size, self.version)
+            groups = await self.intake.take(batch_size, self.version)
             idle_s = time.perf_counter() - wait_started
-            await self.receiver.grant()  # the buffer has room again
             step_started = time.perf_counter()
             step_metrics = await anyio.to_thread.run_sync(self._train, groups)
             train_s = time.perf_counter() - step_started
@@ -115,7 +99,6 @@ class LearnerLoop:
             self.state.step += 1
             self.state.version = self.version
             self.state.samples_trained += sum(len(g.samples) for g in groups)
-            self._done_seqs.update(g.prompt_seq for g in groups)
             self._trained_tokens += int(step_metrics["train/trained_tokens"])
             record = self._record(groups, trained_version, idle_s, train_s, step_metrics)
             record["weights/learner_stall_s"] = publish.learner_stall_s
@@ -125,6 +108,7 @@ class LearnerLoop:
                 record.update({k: v for k, v in last.items() if k != "weights/learner_stall_s"})
             self.metrics.write(record, step=self.state.step)
             self.metrics.print_step(record, self.cfg.train.steps)
+            self.record_eval_reports()
             interval = self.cfg.train.save_interval
             if interval and self.state.step % interval == 0:
                 await self.save()
@@ -133,17 +117,14 @@ class LearnerLoop:
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
         """One step, in a worker thread (which must be bound to the learner's GPU first)."""
-        device = getattr(self.backend, "device", None) or getattr(
-            getattr(self.backend, "backend", None), "device", None
-        )
-        if device is not None and device.type == "cuda":
+        if self.backend.device.type == "cuda":
             import torch
 
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(self.backend.device)
         return train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
 
     async def save(self) -> Path:
-        position = position_after(self._done_seqs, since=self._start_position)
+        position = position_after(self.intake.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
         path = await anyio.to_thread.run_sync(
             lambda: checkpoint.save(
@@ -163,7 +144,7 @@ class LearnerLoop:
     ) -> dict[str, Any]:
         rewards = np.array([s.reward for g in groups for s in g.samples], dtype=np.float64)
         staleness = [g.staleness(trained_version) for g in groups]
-        stats = self.buffer.stats
+        stats = self.intake.buffer.stats
         elapsed = self.metrics.elapsed_s
         record: dict[str, Any] = {
             "step": self.state.step,
@@ -179,7 +160,7 @@ class LearnerLoop:
             "groups_accepted": stats.num_accepted,
             "groups_filtered": stats.num_filtered,
             "groups_evicted": stats.num_evicted,
-            "groups_buffered": len(self.buffer),
+            "groups_buffered": len(self.intake.buffer),
             "learner_idle_s": idle_s,
             "train_s": train_s,
             "time": elapsed,
@@ -188,14 +169,12 @@ class LearnerLoop:
             "response_len_generated_mean": stats.generated.mean,
             "response_len_trained_mean": stats.trained.mean,
         }
-        if self._generated_reward_count:
-            # Includes groups the buffer filtered (e.g. zero_std), unlike reward_mean.
-            record["reward_generated_mean"] = (
-                self._generated_reward_sum / self._generated_reward_count
-            )
-            self._generated_reward_sum, self._generated_reward_count = 0.0, 0
+        generated = self.intake.generated_rewards.pop_mean()
+        if generated is not None:  # includes groups the buffer filtered, unlike reward_mean
+            record["reward_generated_mean"] = generated
         record.update(_episode_metrics(groups))
         record.update(step_metrics)
+        rollout = self.intake.rollout_counters
         for key in (
             "response_tokens",
             "samples",
@@ -204,10 +183,10 @@ class LearnerLoop:
             "resumes",
             "groups_started",
         ):
-            if key in self._rollout:
-                record[f"rollout/{key}"] = self._rollout[key]
-        if "response_tokens" in self._rollout:
-            record["throughput/generated_tokens_per_s"] = self._rollout["response_tokens"] / max(
+            if key in rollout:
+                record[f"rollout/{key}"] = rollout[key]
+        if "response_tokens" in rollout:
+            record["throughput/generated_tokens_per_s"] = rollout["response_tokens"] / max(
                 elapsed, 1e-9
             )
         return record

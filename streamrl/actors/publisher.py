@@ -10,19 +10,19 @@ A bucket is one flat uint8 buffer (the staging buffers are allocated once and
 reused); with `flattened = True` it travels as one broadcast (SGLang's
 `load_format = "flattened_bucket"`), otherwise as one broadcast per tensor,
 which every SGLang release accepts. An engine on the learner's own device
-(`group_backend = "ipc"`) joins no group: it maps each bucket by CUDA IPC handle
-through `/update_weights_from_tensor` and copies it in (`streamrl.engine.tensor_ipc`).
+(`transport = "ipc"`) joins no group: it maps each bucket by CUDA IPC handle
+through `/update_weights_from_tensor` and copies it in (`streamrl.weights.ipc`).
 
 The weight-update group is built the way SGLang builds it (see
-`streamrl.engine.weight_sync`): the learner is rank 0 and each engine joins as
+`streamrl.weights.group`): the learner is rank 0 and each engine joins as
 one rank per GPU, from 1 + (GPUs of the engines before it); see
-`streamrl.engine.layout`. It is rebuilt whenever the set of engines changes (an engine restarted),
+`streamrl.weights.layout`. It is rebuilt whenever the set of engines changes (an engine restarted),
 and a rebuilt group is brought to the current version at once (`resync`).
 
 With pipeline parallelism (`stages`) every stage has its own group over the
 same engines: stage 0's is this process's, stage s's is hosted by stage s's
 publisher rank, which snapshots and broadcasts its own layers when told
-(`streamrl.actors.stage_publish`). The engines' calls all come from here:
+(`streamrl.weights.stages`). The engines' calls all come from here:
 stage 0's buckets, then each other stage's, and only the very last bucket
 tags the new version.
 """
@@ -35,51 +35,30 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
-from streamrl.engine.client import EngineClient, EngineError
-from streamrl.engine.layout import WeightGroupLayout, engine_gpu_counts, weight_group_layout
-from streamrl.engine.tensor_ipc import serialize_named_tensors
-from streamrl.engine.weight_sync import (
+from streamrl.fleet.client import EngineClient, EngineError, engine_gpu_counts
+from streamrl.process import free_port
+from streamrl.weights.group import (
     FLATTENED_BUCKET,
-    FlatLayout,
     broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
-    dtype_name,
     join_in_daemon_thread,
 )
-from streamrl.launch.process import free_port
-
-if TYPE_CHECKING:
-    from streamrl.actors.stage_publish import BucketSpec, RemoteStages, StagePlan
+from streamrl.weights.ipc import serialize_named_tensors
+from streamrl.weights.layout import WeightGroupLayout, weight_group_layout
+from streamrl.weights.stages import BucketSpec, Drop, Host, RemoteStages, Send, StagePlan
+from streamrl.weights.staging import Bucket, Staging
 
 log = logging.getLogger(__name__)
 
 DESTROY_TIMEOUT_S = 10.0
 """A member that does not confirm leaving the old group within this is left behind."""
 IPC = "ipc"
-"""`group_backend` for engines on the learner's own device: no group, weights by reference."""
-
-
-@dataclass
-class Bucket:
-    """Tensors packed back to back into `flat` (a view of a reused staging buffer)."""
-
-    names: list[str]
-    layout: FlatLayout
-    flat: torch.Tensor
-
-    @property
-    def dtypes(self) -> list[str]:
-        return [dtype_name(dtype) for _, dtype in self.layout.specs]
-
-    @property
-    def shapes(self) -> list[list[int]]:
-        return [list(shape) for shape, _ in self.layout.specs]
+"""`transport` for engines on the learner's own device: no group, weights by reference."""
 
 
 @dataclass
@@ -93,47 +72,6 @@ class Snapshot:
     def num_bytes(self) -> int:
         local = sum(bucket.layout.num_bytes for bucket in self.buckets)
         return local + sum(plan.num_bytes for plan in self.stages)
-
-
-@dataclass
-class Staging:
-    """Flat staging buffers, allocated once and reused by every version's snapshot."""
-
-    bucket_bytes: int
-    device: str
-    _buffers: list[torch.Tensor] = field(default_factory=list)
-
-    def pack(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[Bucket]:
-        """Copy consecutive tensors into buckets of at most `bucket_bytes` (a larger one alone).
-
-        The buckets view the buffers: the next `pack` overwrites them."""
-        buckets: list[Bucket] = []
-        pending: list[tuple[str, torch.Tensor]] = []
-        pending_bytes = 0
-        with torch.no_grad():
-            for name, tensor in weights:
-                nbytes = tensor.numel() * tensor.element_size()
-                if pending and pending_bytes + nbytes > self.bucket_bytes:
-                    buckets.append(self._pack(len(buckets), pending))
-                    pending, pending_bytes = [], 0
-                pending.append((name, tensor))
-                pending_bytes += nbytes
-            if pending:
-                buckets.append(self._pack(len(buckets), pending))
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)  # the stall is the copy's real cost
-        return buckets
-
-    def _pack(self, index: int, named: list[tuple[str, torch.Tensor]]) -> Bucket:
-        layout = FlatLayout([(tuple(t.shape), t.dtype) for _, t in named])
-        if index == len(self._buffers) or self._buffers[index].numel() < layout.num_bytes:
-            buffer = torch.empty(
-                max(layout.num_bytes, self.bucket_bytes), dtype=torch.uint8, device=self.device
-            )
-            self._buffers[index : index + 1] = [buffer]
-        flat = self._buffers[index][: layout.num_bytes]
-        layout.pack([tensor for _, tensor in named], flat)
-        return Bucket([name for name, _ in named], layout, flat)
 
 
 @dataclass
@@ -167,7 +105,7 @@ class PublishRecord:
 
 
 @dataclass
-class _Group:
+class _UpdateGroup:
     name: str
     members: tuple[str, ...]
     handle: object
@@ -188,7 +126,8 @@ class WeightPublisher:
     flattened: bool = True
     """One broadcast per bucket (`load_format = "flattened_bucket"`), else one per tensor."""
     pause_mode: str = "in_place"
-    group_backend: str = "gloo"
+    transport: str = "gloo"
+    """`weights.transport` resolved: `nccl` or `gloo` (a weight-update group), or `ipc`."""
     staging_device: str = "cpu"
     master_address: str = "127.0.0.1"
     gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
@@ -196,7 +135,7 @@ class WeightPublisher:
     stages: RemoteStages | None = None
     """Pipeline stages 1..PP-1, which publish their own layers; None without PP."""
     records: list[PublishRecord] = field(default_factory=list)
-    _groups: list[_Group] = field(default_factory=list)
+    _groups: list[_UpdateGroup] = field(default_factory=list)
     """One weight-update group per pipeline stage, in stage order."""
     _is_stale: bool = False
     _idle: anyio.Event = field(default_factory=anyio.Event)
@@ -320,9 +259,9 @@ class WeightPublisher:
 
     @property
     def by_reference(self) -> bool:
-        """Engines on this process's device map the staging buffers (`weights.backend = "ipc"`)
+        """Engines on this process's device map the staging buffers (`weights.transport = "ipc"`)
         instead of joining a group."""
-        return self.group_backend == IPC
+        return self.transport == IPC
 
     async def _send(self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord):
         if self.by_reference and snapshot.stages:
@@ -353,7 +292,7 @@ class WeightPublisher:
     async def _send_bucket(
         self,
         engines: list[EngineClient],
-        group: _Group,
+        group: _UpdateGroup,
         bucket: Bucket | BucketSpec,
         weight_version: int | None,
         broadcast: Callable[[], Awaitable[None]] | None = None,
@@ -412,19 +351,19 @@ class WeightPublisher:
                 tg.start_soon(update, engine, num_gpus)
 
     async def _send_stage(
-        self, engines: list[EngineClient], group: _Group, plan: StagePlan, *, is_last: bool
+        self, engines: list[EngineClient], group: _UpdateGroup, plan: StagePlan, *, is_last: bool
     ) -> None:
         """A pipeline stage's buckets: the engines' update calls from here, the broadcasts from
         the stage's rank (one `Send` request per bucket)."""
-        from streamrl.actors.stage_publish import Send
-
         for index, spec in enumerate(plan.buckets):
             tag = plan.version if is_last and index == len(plan.buckets) - 1 else None
             request = Send(group.name, plan.version, index, is_flattened=self.flattened)
             broadcast = functools.partial(self.stages.request, group.stage, request)
             await self._send_bucket(engines, group, spec, tag, broadcast)
 
-    async def _ensure_groups(self, engines: list[EngineClient], num_stages: int) -> list[_Group]:
+    async def _ensure_groups(
+        self, engines: list[EngineClient], num_stages: int
+    ) -> list[_UpdateGroup]:
         members = tuple(engine.url for engine in engines)
         is_current = len(self._groups) == num_stages and not self._is_stale
         if is_current and all(group.members == members for group in self._groups):
@@ -440,10 +379,8 @@ class WeightPublisher:
 
     async def _create_group(
         self, engines: list[EngineClient], layout: WeightGroupLayout, stage: int
-    ) -> _Group:
+    ) -> _UpdateGroup:
         """A new group over `engines` whose rank 0 is this process (stage 0) or stage's rank."""
-        from streamrl.actors.stage_publish import Host
-
         name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
         port = free_port(self.master_address)
         handle = None
@@ -451,9 +388,7 @@ class WeightPublisher:
         async def host() -> None:
             nonlocal handle
             if stage:
-                request = Host(
-                    name, self.master_address, port, layout.world_size, self.group_backend
-                )
+                request = Host(name, self.master_address, port, layout.world_size, self.transport)
                 await self.stages.request(stage, request)
                 return
             # Abandoned if an engine's join fails (it died before joining): the rendezvous
@@ -464,7 +399,7 @@ class WeightPublisher:
                 rank=0,
                 world_size=layout.world_size,
                 group_name=name,
-                backend=self.group_backend,
+                backend=self.transport,
             )
 
         async with anyio.create_task_group() as tg:
@@ -477,7 +412,7 @@ class WeightPublisher:
                         rank_offset=r,
                         world_size=layout.world_size,
                         group_name=name,
-                        backend=self.group_backend,
+                        backend=self.transport,
                     )
                 )
         log.info(
@@ -487,12 +422,10 @@ class WeightPublisher:
             len(engines),
             layout.world_size,
         )
-        return _Group(name, tuple(engine.url for engine in engines), handle, stage)
+        return _UpdateGroup(name, tuple(engine.url for engine in engines), handle, stage)
 
     async def _drop_groups(self) -> None:
         """Every stage's group, on the engines and on its rank 0."""
-        from streamrl.actors.stage_publish import Drop
-
         groups, self._groups = self._groups, []
         for group in groups:
             for url in group.members:

@@ -22,9 +22,9 @@ from typing import Any
 import anyio
 
 from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory, score_trajectory
-from streamrl.engine.client import EngineSet
+from streamrl.fleet.engine_set import EngineSet
 from streamrl.queues.transport import StreamSender
-from streamrl.types import FinishReason, Group, Sample, SampleStatus
+from streamrl.types import FinishReason, Group, Prompt, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RolloutWorker:
             await anyio.sleep(self.report_interval_s)
             await self.report()
 
-    async def _run_group(self, prompt: Any) -> None:
+    async def _run_group(self, prompt: Prompt) -> None:
         started_at = time.time()
         trajectories = await self._generate(prompt)
         samples: list[Sample | None] = [None] * len(trajectories)
@@ -128,7 +128,7 @@ class RolloutWorker:
         await self.sender.send(group)
         self.counters.groups_sent += 1
 
-    async def run_sample(self, prompt: Any, index: int) -> Sample:
+    async def run_sample(self, prompt: Prompt, index: int) -> Sample:
         """One sample of `prompt` through the generate function and the reward (no group)."""
         try:
             result = (await self.generate_fn(self._context(f"{prompt.seq}-{index}"), prompt), None)
@@ -146,7 +146,7 @@ class RolloutWorker:
             retry_timeout_s=self.retry_timeout_s,
         )
 
-    async def _generate(self, prompt: Any) -> list[tuple[Trajectory, str | None]]:
+    async def _generate(self, prompt: Prompt) -> list[tuple[Trajectory, str | None]]:
         """The group's n trajectories, each with the error that ended it (None when it did not
         fail): one `for_group` call when the generate function has one, else n calls."""
         n = self.n_samples_per_prompt
@@ -177,14 +177,14 @@ class RolloutWorker:
         self.counters.busy_s += time.perf_counter() - started
         return results
 
-    def _failed(self, prompt: Any, index: int, exc: Exception) -> tuple[Trajectory, str]:
+    def _failed(self, prompt: Prompt, index: int, exc: Exception) -> tuple[Trajectory, str]:
         """Keep a record of a sample that could not be generated (the group will be filtered)."""
         log.warning("generate failed for prompt %d sample %d: %r", prompt.seq, index, exc)
         self.counters.generation_failures += 1
         return Trajectory(finish_reason=FinishReason.ERROR), f"{type(exc).__name__}: {exc}"
 
     async def _to_sample(
-        self, prompt: Any, index: int, trajectory: Trajectory, error: str | None
+        self, prompt: Prompt, index: int, trajectory: Trajectory, error: str | None
     ) -> Sample:
         """Score one trajectory; a failing reward is recorded in the sample, never raised."""
         status = SampleStatus.OK if error is None else SampleStatus.GENERATION_FAILED

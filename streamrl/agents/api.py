@@ -27,9 +27,11 @@ from typing import Any, Protocol
 
 import anyio
 
-from streamrl.engine.client import EngineError, EngineSet, GenerateResult
+from streamrl.fleet.client import EngineError
+from streamrl.fleet.engine_set import EngineSet
+from streamrl.fleet.results import GenerateResult
 from streamrl.rewards import RewardInput, RewardOutcome, score
-from streamrl.types import NO_VERSION, FinishReason
+from streamrl.types import NO_VERSION, FinishReason, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class GenerateFn(Protocol):
     list[Trajectory]`, which the rollout worker then uses to make a group's n samples at
     once (the default single-turn function does: one engine call with SGLang's `n`)."""
 
-    async def __call__(self, ctx: GenerateContext, prompt: Any) -> Trajectory: ...
+    async def __call__(self, ctx: GenerateContext, prompt: Prompt) -> Trajectory: ...
 
 
 @dataclass
@@ -215,7 +217,7 @@ class GenerateContext:
 
 
 async def score_trajectory(
-    reward_fn: Any, prompt: Any, trajectory: Trajectory, *, timeout_s: float
+    reward_fn: Any, prompt: Prompt, trajectory: Trajectory, *, timeout_s: float
 ) -> RewardOutcome:
     """`reward_fn` on the trajectory's text with the prompt's label and metadata (never raises:
     a failing reward comes back as an outcome with `error` set)."""

@@ -61,7 +61,7 @@ class Environment(Protocol):
     """One episode's state. A new instance is made per episode (per sample)."""
 
     async def reset(self, prompt: Any) -> str:
-        """Start an episode for `prompt` (a `streamrl.data.Prompt`) and return the first
+        """Start an episode for `prompt` (a `streamrl.types.Prompt`) and return the first
         observation. Returning `prompt.text` unchanged means "the prompt, as the data pipeline
         rendered it, is the first observation" (the usual case); any other string becomes the
         first user turn, rendered with the chat template (see `run_episode`)."""

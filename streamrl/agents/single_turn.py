@@ -5,19 +5,18 @@ the prompt's prefill and one HTTP round trip."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from streamrl.agents.api import GenerateContext, Trajectory
+from streamrl.types import Prompt
 
 
-async def generate(ctx: GenerateContext, prompt: Any) -> Trajectory:
+async def generate(ctx: GenerateContext, prompt: Prompt) -> Trajectory:
     """Generate one response to `prompt.input_ids`; `rollout.reward_fn` scores its text."""
     trajectory = Trajectory()
     trajectory.add_completion(await ctx.generate(list(prompt.input_ids)))
     return trajectory
 
 
-async def generate_group(ctx: GenerateContext, prompt: Any, n: int) -> list[Trajectory]:
+async def generate_group(ctx: GenerateContext, prompt: Prompt, n: int) -> list[Trajectory]:
     """The n samples of one group from a single engine call."""
     trajectories = []
     for completion in await ctx.generate_samples(list(prompt.input_ids), n):

@@ -31,135 +31,184 @@ def _add_run_args(parser: argparse.ArgumentParser, *, default_steps: int) -> Non
     )
 
 
-def add_bench_commands(bench: argparse.ArgumentParser) -> None:
-    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-
-    staleness = commands.add_parser(
+def _staleness(commands) -> None:
+    parser = commands.add_parser(
         "staleness", help="effective training throughput and learning against max staleness"
     )
-    _add_run_args(staleness, default_steps=20)
-    staleness.add_argument("--eta", default="0,1,2,4,8", help="comma-separated max_staleness")
-    staleness.add_argument(
+    _add_run_args(parser, default_steps=20)
+    parser.add_argument("--eta", default="0,1,2,4,8", help="comma-separated max_staleness")
+    parser.add_argument(
         "--corrections",
         default="decoupled_ppo",
         help="comma-separated off-policy corrections to compare (decoupled_ppo, tis, none)",
     )
-    staleness.set_defaults(entry="streamrl.bench.staleness:staleness_command")
+    parser.set_defaults(entry="streamrl.bench.staleness:staleness_command")
 
-    merge = commands.add_parser("merge", help="one staleness result from several parts")
-    merge.add_argument("inputs", nargs="+", help="staleness JSON files (a later one wins)")
-    merge.add_argument("--json", required=True, help="the merged result (and a PNG beside it)")
-    merge.set_defaults(entry="streamrl.bench.staleness:merge_command")
 
-    sync_async = commands.add_parser(
+def _merge(commands) -> None:
+    parser = commands.add_parser("merge", help="one staleness result from several parts")
+    parser.add_argument("inputs", nargs="+", help="staleness JSON files (a later one wins)")
+    parser.add_argument("--json", required=True, help="the merged result (and a PNG beside it)")
+    parser.set_defaults(entry="streamrl.bench.staleness:merge_command")
+
+
+def _sync_async(commands) -> None:
+    parser = commands.add_parser(
         "sync-vs-async", help="sync against async, each stage alone, pipeline efficiency"
     )
-    _add_run_args(sync_async, default_steps=20)
-    sync_async.add_argument(
+    _add_run_args(parser, default_steps=20)
+    parser.add_argument(
         "--eta",
         type=int,
         default=-1,
         help="async max_staleness (default: the config's, at least 1)",
     )
-    sync_async.add_argument(
+    parser.add_argument(
         "--skip-stages",
         action="store_true",
         help="only the two runs (no generation-alone / training-alone)",
     )
-    sync_async.set_defaults(entry="streamrl.bench.sync_async:sync_async_command")
+    parser.set_defaults(entry="streamrl.bench.sync_async:sync_async_command")
 
-    weight_sync = commands.add_parser(
+
+def _weight_sync(commands) -> None:
+    parser = commands.add_parser(
         "weight-sync", help="publish latency, learner stall, engine pause and GB/s per engine count"
     )
-    weight_sync.add_argument(
+    parser.add_argument(
         "--shape",
         default="qwen2-0.5b",
-        help="random model shape (streamrl.engine.models.RANDOM_SHAPES)",
+        help="random model shape (streamrl.models.RANDOM_SHAPES)",
     )
-    weight_sync.add_argument("--engines", default="1..2", help="engine counts: '1..N' or '1,2,4'")
-    weight_sync.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    weight_sync.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    weight_sync.add_argument("--learner-gpu", type=int, default=0)
-    weight_sync.add_argument(
+    parser.add_argument("--engines", default="1..2", help="engine counts: '1..N' or '1,2,4'")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--learner-gpu", type=int, default=0)
+    parser.add_argument(
         "--engine-gpus", default="", help="comma-separated GPUs for engines (default: 1, 2, ...)"
     )
-    weight_sync.add_argument(
+    parser.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "gloo", "nccl", "ipc"],
         help="ipc: engines on the learner's device, weights by reference (no group)",
     )
-    weight_sync.add_argument("--bucket-mb", type=int, default=512)
-    weight_sync.add_argument(
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument(
         "--per-tensor",
         action="store_true",
         help="one broadcast per tensor instead of one per flattened bucket",
     )
-    weight_sync.add_argument(
+    parser.add_argument(
         "--pause-mode", default="in_place", choices=["in_place", "abort", "retract"]
     )
-    weight_sync.add_argument("--repeats", type=int, default=5, help="timed publishes per count")
-    weight_sync.add_argument(
+    parser.add_argument("--repeats", type=int, default=5, help="timed publishes per count")
+    parser.add_argument(
         "--load-requests",
         type=int,
         default=0,
         help="requests kept generating on each engine during publishes",
     )
-    weight_sync.add_argument(
+    parser.add_argument(
         "--peak",
         action="store_true",
         help="also measure the link's peak (bench collective) in the run",
     )
-    weight_sync.add_argument(
+    parser.add_argument(
         "--peak-from", default="", help="take the link's peak from a `bench collective` JSON"
     )
-    weight_sync.add_argument("--work-dir", default="runs/bench/weight-sync")
-    weight_sync.add_argument("--json", default="", help="write the result (and a PNG) here")
-    weight_sync.set_defaults(entry="streamrl.bench.weight_sync:weight_sync_command")
+    parser.add_argument("--work-dir", default="runs/bench/weight-sync")
+    parser.add_argument("--json", default="", help="write the result (and a PNG) here")
+    parser.set_defaults(entry="streamrl.bench.weight_sync:weight_sync_command")
 
-    collective = commands.add_parser(
+
+def _collective(commands) -> None:
+    parser = commands.add_parser(
         "collective", help="peak broadcast / all-gather bandwidth between two processes"
     )
-    collective.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    collective.add_argument("--sizes-mb", default="", help="message sizes (default by backend)")
-    collective.add_argument("--gpus", default="0,1", help="the two GPUs (NCCL)")
-    collective.add_argument("--iterations", type=int, default=5)
-    collective.add_argument("--json", default="", help="write the result (and a PNG) here")
-    collective.set_defaults(entry="streamrl.bench.collective:collective_command")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--sizes-mb", default="", help="message sizes (default by backend)")
+    parser.add_argument("--gpus", default="0,1", help="the two GPUs (NCCL)")
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--json", default="", help="write the result (and a PNG) here")
+    parser.set_defaults(entry="streamrl.bench.collective:collective_command")
 
-    worker = commands.add_parser("collective-worker", help="(internal) one rank of `collective`")
-    worker.add_argument("--rank", type=int, required=True)
-    worker.add_argument("--port", type=int, required=True)
-    worker.add_argument("--backend", required=True)
-    worker.add_argument("--sizes-mb", required=True)
-    worker.add_argument("--iterations", type=int, default=5)
-    worker.add_argument("--out", default="")
-    worker.set_defaults(entry="streamrl.bench.collective:worker_command")
 
-    run_one = commands.add_parser("run-one", help="(internal) one run of a bench, in its process")
-    run_one.add_argument("config")
-    run_one.add_argument("--record", default="", help="append the trained batches here")
-    run_one.set_defaults(entry="streamrl.bench.runs:run_one_command")
+def _collective_worker(commands) -> None:
+    parser = commands.add_parser("collective-worker", help="(internal) one rank of `collective`")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--sizes-mb", required=True)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--out", default="")
+    parser.set_defaults(entry="streamrl.bench.collective:worker_command")
 
-    replay = commands.add_parser("replay", help="(internal) training alone on recorded batches")
-    replay.add_argument("config")
-    replay.add_argument("--groups", required=True)
-    replay.add_argument("--model", required=True)
-    replay.add_argument("--out", required=True)
-    replay.set_defaults(entry="streamrl.bench.stages:replay_command")
 
-    transport = commands.add_parser("transport", help="Groups/s and MB/s between two processes")
-    transport.add_argument("--json", default="", help="write the result here")
-    transport.add_argument("--seconds", type=float, default=10.0)
-    transport.add_argument("--samples-per-group", type=int, default=8)
-    transport.add_argument("--response-tokens", type=int, default=1024)
-    transport.add_argument("--prompt-tokens", type=int, default=256)
-    transport.set_defaults(entry="streamrl.bench.transport:transport_command")
+def _run_one(commands) -> None:
+    parser = commands.add_parser("run-one", help="(internal) one run of a bench, in its process")
+    parser.add_argument("config")
+    parser.add_argument("--record", default="", help="append the trained batches here")
+    parser.set_defaults(entry="streamrl.bench.runs:run_one_command")
 
-    sender = commands.add_parser(
+
+def _replay(commands) -> None:
+    parser = commands.add_parser("replay", help="(internal) training alone on recorded batches")
+    parser.add_argument("config")
+    parser.add_argument("--groups", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.set_defaults(entry="streamrl.bench.phases:replay_command")
+
+
+def _transport(commands) -> None:
+    parser = commands.add_parser("transport", help="Groups/s and MB/s between two processes")
+    parser.add_argument("--json", default="", help="write the result here")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--samples-per-group", type=int, default=8)
+    parser.add_argument("--response-tokens", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.set_defaults(entry="streamrl.bench.transport:transport_command")
+
+
+def _transport_sender(commands) -> None:
+    parser = commands.add_parser(
         "transport-sender", help="(internal) the sending side of `transport`"
     )
-    from streamrl.bench.transport_args import add_sender_arguments
+    add_sender_arguments(parser)
+    parser.set_defaults(entry="streamrl.bench.transport:sender_command")
 
-    add_sender_arguments(sender)
-    sender.set_defaults(entry="streamrl.bench.transport:sender_command")
+
+def add_sender_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sending side of `transport` (a process of its own)."""
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--count", type=int, default=0, help="groups to send; 0 = until killed")
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--sender-id", default="bench-sender")
+    parser.add_argument("--samples-per-group", type=int, default=8)
+    parser.add_argument("--response-tokens", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--resend-after-s", type=float, default=10.0)
+    parser.add_argument("--reuse-payload", action="store_true", help="encode one template group")
+    parser.add_argument("--verbose", action="store_true", help="print `sent i` per group")
+
+
+COMMANDS = (
+    _staleness,
+    _merge,
+    _sync_async,
+    _weight_sync,
+    _collective,
+    _collective_worker,
+    _run_one,
+    _replay,
+    _transport,
+    _transport_sender,
+)
+"""One parser per bench command, in `streamrl bench --help` order."""
+
+
+def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    for add in COMMANDS:
+        add(commands)

@@ -49,7 +49,7 @@ def measure_peak(
     """Run two worker processes and return rank 0's measurements."""
     import tempfile
 
-    from streamrl.launch.process import free_port, spawn, streamrl_argv
+    from streamrl.process import free_port, spawn, streamrl_argv
 
     sizes = sizes_mb or DEFAULT_SIZES_MB[backend]
     port = free_port()

@@ -1,7 +1,7 @@
 """One training run for a benchmark: `streamrl run` in a child process, observed from outside.
 
     bench process                         child: `streamrl bench run-one CONFIG`
-      write CONFIG (overrides applied)      streamrl.launch.local.run(cfg): engines, rollout,
+      write CONFIG (overrides applied)      streamrl.mains.trainer.run(cfg): engines, rollout,
       spawn child ───────────────────────►  learner; metrics.jsonl one line per step
       observe: each time a step line appears in metrics.jsonl, read every engine's
                /get_load (busy_s, uptime_s, generated_tokens) ──► EngineReading(step)
@@ -37,7 +37,7 @@ import anyio
 import httpx
 
 from streamrl.bench.gpu_monitor import GpuMonitor
-from streamrl.launch.process import ChildProcess, spawn, streamrl_argv
+from streamrl.process import ChildProcess, spawn, streamrl_argv
 
 POLL_S = 0.1
 """How often the observer looks for a new step line (see the module docstring)."""
@@ -325,7 +325,7 @@ def read_recorded_groups(path: Path) -> list[list[Any]]:
 def run_one_command(args: argparse.Namespace) -> int:
     """`streamrl bench run-one CONFIG [--record PATH]`: `streamrl run`, optionally recording."""
     from streamrl.config import load_config
-    from streamrl.launch.local import run
+    from streamrl.launch.run import run
 
     cfg = load_config(args.config)
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -120,9 +120,7 @@ def _save(args: argparse.Namespace, work_dir: Path, result: dict[str, Any]) -> N
 
 def _shared_gpu_bound(cfg, generation, training, async_tps: float) -> dict[str, Any]:
     """The time-slicing bound when learner and engines share exactly one GPU (else {})."""
-    from streamrl.config import engine_gpus, learner_gpus
-
-    shared = learner_gpus(cfg) & engine_gpus(cfg)
+    shared = cfg.learner_gpu_ids & cfg.engine_gpu_ids
     if len(shared) != 1 or cfg.engine.device == "cpu":
         return {}
     (gpu,) = shared
@@ -152,7 +150,7 @@ def _initial_model(run_dir: Path, cfg) -> str:
 def _generation_alone(
     cfg, work_dir: Path, model_path: str, eta: int, args, gpus: GpuMonitor
 ) -> dict[str, Any]:
-    from streamrl.bench.stages import generation_only
+    from streamrl.bench.phases import generation_only
 
     num_groups = args.steps * cfg.rollout.batch_size
     result = generation_only(
@@ -173,7 +171,7 @@ def _generation_alone(
 
 
 def _training_alone(work_dir: Path, model_path: str, record_path: Path, args) -> dict[str, Any]:
-    from streamrl.launch.process import spawn, streamrl_argv
+    from streamrl.process import spawn, streamrl_argv
 
     out = work_dir / "training-alone.json"
     out.unlink(missing_ok=True)

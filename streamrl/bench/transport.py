@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 
 from streamrl.bench.results import write_result
-from streamrl.launch.process import spawn, streamrl_argv
+from streamrl.process import spawn, streamrl_argv
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
 from streamrl.types import Group, Sample
 
@@ -177,7 +177,7 @@ def sender_command(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from streamrl.bench.transport_args import add_sender_arguments
+    from streamrl.bench.cli import add_sender_arguments
 
     parser = argparse.ArgumentParser()
     add_sender_arguments(parser)

@@ -52,7 +52,7 @@ def parse_counts(text: str) -> list[int]:
 def weight_sync_command(args: argparse.Namespace) -> int:
     import torch
 
-    from streamrl.engine.models import resolve_device, resolve_dtype, save_random_model
+    from streamrl.models import resolve_device, resolve_dtype, save_random_model
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -146,7 +146,7 @@ def weight_sync_command(args: argparse.Namespace) -> int:
 def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
     """The model's parameters under HF names (a tied head once, as the embedding), as a
     learner backend's `hf_weights` yields them."""
-    from streamrl.engine.models import load_model
+    from streamrl.models import load_model
 
     model, _ = load_model(str(model_dir), device=str(device), dtype=dtype)
     return [(name, parameter.detach()) for name, parameter in model.named_parameters()]
@@ -154,7 +154,7 @@ def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
 
 async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) -> dict[str, Any]:
     from streamrl.actors.publisher import WeightPublisher
-    from streamrl.engine.client import EngineClient
+    from streamrl.fleet.client import EngineClient
 
     engines = _start_engines(args, setup, model_dir, count, work_dir)
     clients = [EngineClient(url) for url, _ in engines]
@@ -174,7 +174,7 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
         bucket_bytes=args.bucket_mb * 2**20,
         flattened=not args.per_tensor,
         pause_mode=args.pause_mode,
-        group_backend=setup["backend"],
+        transport=setup["backend"],
         staging_device=setup["learner_device"] if setup["backend"] != "gloo" else "cpu",
     )
     samples = []
@@ -238,7 +238,7 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
 
 async def _keep_generating(client, index: int) -> None:
     """Keep one request in flight on `client` (load during the publishes)."""
-    from streamrl.engine.client import EngineError
+    from streamrl.fleet.client import EngineError
 
     params = {"max_new_tokens": 64, "temperature": 1.0}
     while True:
@@ -249,7 +249,7 @@ async def _keep_generating(client, index: int) -> None:
 
 
 def _start_engines(args, setup, model_dir: Path, count: int, work_dir: Path):
-    from streamrl.launch.process import free_port, spawn, streamrl_argv, wait_http_ready
+    from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
 
     engines = []
     for index in range(count):

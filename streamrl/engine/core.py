@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from streamrl.engine import models
-from streamrl.engine.runner import build_runner
+from streamrl import models
+from streamrl.engine.options import EngineOptions
 from streamrl.engine.runner.scheduler import PAUSE_MODES, Scheduler
+from streamrl.engine.runner.select import build_runner
 from streamrl.engine.runner.sequence import Sequence, StopStringChecker
 
 logger = logging.getLogger(__name__)
@@ -77,60 +78,47 @@ class Output:
 class EngineCore:
     """Generation over one model; see the module docstring for the threading contract."""
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        tokenizer_path: str = "",
-        device: str = "auto",
-        dtype: str = "auto",
-        max_batch_size: int = 64,
-        max_seq_len: int = 2048,
-        runner: str = "auto",
-        cuda_graphs: bool = True,
-        seed: int = 0,
-        weight_version: str = "default",
-        num_threads: int = 0,
-        max_prefill_tokens: int = 0,
-        compile_elementwise: bool | None = None,
-    ):
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
-        self.device = models.resolve_device(device)
-        self.dtype = models.resolve_dtype(dtype, self.device)
-        self.tokenizer = models.load_tokenizer(tokenizer_path or model_path)
+    def __init__(self, options: EngineOptions):
+        if options.num_threads > 0:
+            torch.set_num_threads(options.num_threads)
+        self.options = options
+        self.device = models.resolve_device(options.device)
+        self.dtype = models.resolve_dtype(options.dtype, self.device)
+        self.tokenizer = models.load_tokenizer(options.tokenizer or options.model)
+        max_prefill_tokens = options.max_prefill_tokens
         if max_prefill_tokens <= 0:
             max_prefill_tokens = 32768 if self.device.type == "cuda" else 4096
+        compile_elementwise = options.compile_elementwise
         if compile_elementwise is None:  # measured on the H200: 48.7k -> 70.2k tokens/s at 256
-            compile_elementwise = self.device.type == "cuda" and cuda_graphs
+            compile_elementwise = self.device.type == "cuda" and options.cuda_graphs
         self.runner, config = build_runner(
-            model_path,
-            runner=runner,
+            options.model,
+            runner=options.runner,
             device=self.device,
             dtype=self.dtype,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
+            max_batch_size=options.max_batch_size,
+            max_seq_len=options.max_seq_len,
             max_prefill_tokens=max_prefill_tokens,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=options.cuda_graphs,
             compile_elementwise=compile_elementwise,
-            seed=seed,
+            seed=options.seed,
         )
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = max_seq_len = options.max_seq_len
         self.scheduler = Scheduler(
             self.runner,
             eos_token_ids=_eos_token_ids(self.tokenizer, config),
             max_seq_len=max_seq_len,
-            weight_version=weight_version,
-            seed=seed,
+            weight_version=options.weight_version,
+            seed=options.seed,
         )
         self.model_info: dict[str, Any] = {
-            "model_path": model_path,
-            "tokenizer_path": tokenizer_path or model_path,
+            "model_path": options.model,
+            "tokenizer_path": options.tokenizer or options.model,
             "model_type": getattr(config, "model_type", ""),
             "architectures": list(getattr(config, "architectures", None) or []),
             "is_generation": True,
             "max_seq_len": max_seq_len,
-            "max_batch_size": max_batch_size,
+            "max_batch_size": options.max_batch_size,
             "vocab_size": config.vocab_size,
             "eos_token_ids": sorted(self.scheduler.eos_token_ids),
             "runner": self.runner.name,

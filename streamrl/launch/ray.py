@@ -6,13 +6,13 @@
       │    bundle i < num_engines   {"GPU": engine.tp_size, "CPU": 1}  (or {"CPU": 1} on CPU)
       │    last bundle              {"CPU": 1}
       ├── ProcessHost "engine-i" in bundle i ──► `streamrl engine serve` / SGLang, on its node
-      └── ProcessHost "rollout" in the last ──► `streamrl _component rollout`, on its node
+      └── ProcessHost "rollout" in the last ──► `streamrl _rollout`, on its node
 
 A `ProcessHost` is a small async actor that runs one component as its child
 process: the same argv as the local launcher, with `CUDA_VISIBLE_DEVICES` set
 to the GPUs Ray gave the actor, the driver's working directory, and its log at
 the same path on its own node. `RayProcess` is the driver's handle to it, with
-`ChildProcess`'s interface, so `EngineFleet` and the launcher drive both alike.
+`ChildProcess`'s interface, so `EngineSupervisor` and the launcher drive both alike.
 An engine binds its node's IP on a port free there (chosen by its actor);
 the buffer, the router and the weight-update master bind this machine's IP
 instead of loopback (`RaySpawner.reachable`).
@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamrl.config import ConfigError, RunConfig, learner_gpus
-from streamrl.launch.local import RunError
-from streamrl.launch.process import ChildProcess, free_port, spawn
+from streamrl.config import ConfigError, RunConfig
+from streamrl.mains.trainer import RunError
+from streamrl.process import ChildProcess, free_port, spawn
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LOST_EXIT_CODE = -int(signal.SIGKILL)
@@ -83,7 +83,7 @@ def gpus_for_own_instance(cfg: RunConfig) -> str | None:
         devices = [str(index) for index in range(torch.cuda.device_count())]
     else:
         devices = [device.strip() for device in visible.split(",") if device.strip()]
-    learner = {devices[index] for index in learner_gpus(cfg) if index < len(devices)}
+    learner = {devices[index] for index in cfg.learner_gpu_ids if index < len(devices)}
     return ",".join(device for device in devices if device not in learner)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from streamrl.launch.process import free_port, spawn, streamrl_argv, wait_http_ready
+from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
 
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
 
@@ -108,7 +108,7 @@ class Teacher:
     def __init__(self, model_dir: str) -> None:
         import torch
 
-        from streamrl.engine.models import load_model
+        from streamrl.models import load_model
 
         self.model_dir = model_dir
         self.model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)

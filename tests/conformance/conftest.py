@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conformance_support import Target, Teacher, embedded_engine, load_teacher
 
-from streamrl.engine.router import Router
+from streamrl.fleet.router import Router
 
 ENV = "STREAMRL_CONFORMANCE_"
 

@@ -20,8 +20,9 @@ import httpx
 import pytest
 from conformance_support import PROMPT, assert_matches_teacher, wait_held, wait_running
 
-from streamrl.engine.client import EngineClient, GenerateResult, parse_version
-from streamrl.engine.layout import engine_gpu_count
+from streamrl.fleet.client import EngineClient
+from streamrl.fleet.results import GenerateResult, parse_version
+from streamrl.weights.layout import engine_gpu_count
 
 pytestmark = pytest.mark.anyio
 

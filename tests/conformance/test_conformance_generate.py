@@ -1,6 +1,6 @@
 """Conformance: `/generate` as streamrl reads it, from the server and through sglang-router.
 
-What streamrl relies on (streamrl.engine.client.parse_result, the learner):
+What streamrl relies on (streamrl.fleet.client.parse_result, the learner):
 `output_ids` hold every generated token, a matched stop token included;
 `meta_info.output_token_logprobs` is `[[logprob, token_id, null], ...]`, one
 entry per output token, the logprob under logits / temperature (temperature 1
@@ -18,7 +18,8 @@ import httpx
 import pytest
 from conformance_support import PROMPT, assert_matches_teacher, assert_spans_cover
 
-from streamrl.engine.client import EngineClient, EngineError, parse_result, parse_version
+from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.fleet.results import parse_result, parse_version
 
 pytestmark = pytest.mark.anyio
 

@@ -1,9 +1,9 @@
 """Conformance: weight updates as streamrl's weight publisher drives them.
 
 What streamrl relies on: `/init_weights_update_group` joins a group that this
-process hosts as rank 0 (built the SGLang way, `streamrl.engine.weight_sync`),
+process hosts as rank 0 (built the SGLang way, `streamrl.weights.group`),
 the engine taking ranks `rank_offset + tp_rank` of `world_size = 1 + tp_size`
-(`streamrl.engine.layout`); `/update_weights_from_distributed` receives one
+(`streamrl.weights.layout`); `/update_weights_from_distributed` receives one
 broadcast per name, in order, loads them and, with `weight_version`, reports
 that version in `/get_model_info` and in `meta_info`; a request in flight
 across an `in_place` update reports both versions in its `weight_versions`
@@ -33,16 +33,17 @@ from conformance_support import (
     wait_running,
 )
 
-from streamrl.engine.client import EngineClient, GenerateResult, parse_version
-from streamrl.engine.layout import WeightGroupLayout, engine_gpu_count, weight_group_layout
-from streamrl.engine.weight_sync import (
+from streamrl.fleet.client import EngineClient
+from streamrl.fleet.results import GenerateResult, parse_version
+from streamrl.process import free_port
+from streamrl.weights.group import (
     FLATTENED_BUCKET,
     broadcast_flat,
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
 )
-from streamrl.launch.process import free_port
+from streamrl.weights.layout import WeightGroupLayout, engine_gpu_count, weight_group_layout
 
 pytestmark = pytest.mark.anyio
 

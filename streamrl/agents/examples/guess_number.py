@@ -32,6 +32,7 @@ import re
 from typing import Any
 
 from streamrl.agents.env import StepResult
+from streamrl.types import Prompt
 
 _INTEGER = re.compile(r"-?\d+")
 _ONLY_A_NUMBER = re.compile(r"^\W*-?\d+\W*$")
@@ -62,7 +63,7 @@ class GuessNumber:
         self.num_turns = 0
         self.guesses: list[int] = []
 
-    async def reset(self, prompt: Any) -> str:
+    async def reset(self, prompt: Prompt) -> str:
         metadata = prompt.metadata
         self.secret = int(prompt.label)
         self.low, self.high = int(metadata.get("low", 1)), int(metadata.get("high", 1000))

@@ -1,162 +1,245 @@
-"""The compact decoder for Llama, Qwen2 and Qwen3 checkpoints, on flat token batches.
+"""The compact runner: continuous batching over the per-slot KV cache.
 
-One forward serves packed prefill and batched decode: ``tokens``/``positions``
-are flat ``[T]``; an attention batch object (`batch.py`) writes each layer's new
-keys/values into the KV cache and attends. Fused weights: q/k/v as one
-``[(heads + 2 * kv_heads) * head_dim, hidden]`` matrix (+ bias for Qwen2),
-gate/up as one ``[2 * intermediate, hidden]``. The head is the embedding
-itself when tied (same storage). Numerics follow transformers: RMSNorm in
-float32 then cast, residual adds in the model dtype, RoPE tables rounded once.
+Slots: running sequences occupy slots ``0..n-1`` in ``self.lanes`` order
+(lane i == slot i). Releasing slot i moves the last lane's KV into it, so
+decode always covers a dense prefix of slots and FlashAttention can address
+lane i's keys at rows ``i * max_seq_len ...`` of the flattened cache.
+
+Prefill is eager and packed (identical token lists computed once, their KV
+copied to every slot of the group). Decode is one CUDA graph replay (CUDA) or
+one eager call (CPU) over all lanes, followed by one device-to-host copy of
+the sampled tokens and logprobs; `collect` is the only host sync per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from streamrl.engine.runner import kernels
-from streamrl.engine.runner.rope import UnsupportedModel, rope_table
+from streamrl.engine.runner import kernels, weights
+from streamrl.engine.runner.attention import flash_available
+from streamrl.engine.runner.base import Pending
+from streamrl.engine.runner.batch import DecodeBatch, PrefillBatch
+from streamrl.engine.runner.decoder import CompactModel
+from streamrl.engine.runner.graphs import DecodeGraphs, bucket_for
+from streamrl.engine.runner.kv_cache import KVCache
+from streamrl.engine.runner.lanes import LaneBuffers
+from streamrl.engine.runner.sampling import SamplingTensors, make_sampling_tensors, sample
+from streamrl.engine.runner.sequence import Sequence
 
-COMPACT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    architecture: str
-    hidden: int
-    intermediate: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    tied_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
+class CompactRunner(weights.InPlaceWeights):
+    name = "compact"
+    shares_prefill = True
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @classmethod
-    def from_config(cls, config) -> ModelDims:
-        """Read a transformers config; `UnsupportedModel` for anything this model lacks."""
-        architecture = (getattr(config, "architectures", None) or ["?"])[0]
-        if architecture not in COMPACT_ARCHITECTURES:
-            raise UnsupportedModel(f"{architecture} is not one of {COMPACT_ARCHITECTURES}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not silu")
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        if not is_qwen2 and (
-            getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
-        ):
-            raise UnsupportedModel("attention/MLP biases outside Qwen2's q/k/v are not supported")
-        if getattr(config, "use_sliding_window", False):
-            raise UnsupportedModel("sliding-window attention is not supported")
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    def __init__(
+        self,
+        config,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_seq_len: int,
+        max_prefill_tokens: int,
+        cuda_graphs: bool = True,
+        compile_elementwise: bool = False,
+        use_flash: bool | None = None,
+    ):
+        self.device, self.dtype = device, dtype
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.model = CompactModel(config, max_positions=max_seq_len, device=device, dtype=dtype)
+        self.targets = weights.hf_weight_targets(self.model)
+        missing = weights.missing_names(
+            self.targets, state_dict, tied=self.model.dims.tied_embeddings
         )
-        return cls(
-            architecture=architecture,
-            hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=head_dim,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=is_qwen2,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        self.load_weights(self.plan_weights(state_dict.items()))
+        if compile_elementwise:
+            self.model.ops = kernels.compiled_ops()
+        dims = self.model.dims
+        self.cache = KVCache(
+            num_layers=dims.num_layers,
+            num_slots=max_batch_size,
+            max_seq_len=max_seq_len,
+            num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim,
+            device=device,
+            dtype=dtype,
         )
+        if use_flash is None:
+            use_flash = flash_available(device, dtype, dims.head_dim)
+        self.use_flash = use_flash
+        self.buffers = LaneBuffers(max_batch_size, device)
+        self.slot_base = torch.arange(max_batch_size, device=device) * max_seq_len
+        self.lanes: list[Sequence] = []
+        self.is_dirty = True  # lane set changed since the last upload
+        self.use_filters = False
+        self.next_max_len = 1  # host bound on lane lengths for the next eager step
+        self.result_set = 0
+        self.graphs = None
+        self.pad_lanes = False
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self._decode_body, max_batch_size)
+            self.graphs.capture()
 
+    # -- slots --------------------------------------------------------------
 
-def _weight(*shape: int, like: dict) -> nn.Parameter:
-    """An uninitialised frozen parameter; ``like`` holds its device and dtype."""
-    return nn.Parameter(torch.empty(shape, **like), requires_grad=False)
+    def num_free_slots(self) -> int:
+        return self.max_batch_size - len(self.lanes)
 
+    def release(self, seqs: list[Sequence]) -> None:
+        """Free slots, then refill the holes below the new lane count from the lanes above it.
 
-class CompactLayer(nn.Module):
-    def __init__(self, dims: ModelDims, like: dict):
-        super().__init__()
-        qkv_rows = dims.q_size + 2 * dims.kv_size
-        self.input_norm = _weight(dims.hidden, like=like)
-        self.qkv = _weight(qkv_rows, dims.hidden, like=like)
-        self.qkv_bias = _weight(qkv_rows, like=like) if dims.qkv_bias else None
-        self.q_norm = _weight(dims.head_dim, like=like) if dims.qk_norm else None
-        self.k_norm = _weight(dims.head_dim, like=like) if dims.qk_norm else None
-        self.o_proj = _weight(dims.hidden, dims.q_size, like=like)
-        self.post_norm = _weight(dims.hidden, like=like)
-        self.gate_up = _weight(2 * dims.intermediate, dims.hidden, like=like)
-        self.down = _weight(dims.hidden, dims.intermediate, like=like)
+        Moves are few (only survivors above the new count move) and their sources
+        and targets are disjoint, so one gather/scatter per cache tensor suffices."""
+        leaving = {id(seq) for seq in seqs if seq.slot is not None}
+        if not leaving:
+            return
+        keep_count = len(self.lanes) - len(leaving)
+        holes = [i for i in range(keep_count) if id(self.lanes[i]) in leaving]
+        movers = [seq for seq in self.lanes[keep_count:] if id(seq) not in leaving]
+        if movers:
+            # Rows 0..num_tokens-2 hold KV; one row more is harmless and in bounds.
+            rows = max(seq.num_tokens for seq in movers)
+            self.cache.move_slots([seq.slot for seq in movers], holes, rows)
+        for seq in seqs:
+            seq.slot = None
+        for hole, mover in zip(holes, movers, strict=True):
+            self.lanes[hole] = mover
+            mover.slot = hole
+        del self.lanes[keep_count:]
+        self.is_dirty = True
 
+    def reset(self) -> None:
+        for seq in self.lanes:
+            seq.slot = None
+        self.lanes.clear()
+        self.is_dirty = True
 
-class CompactModel(nn.Module):
-    """Parameters are created on ``device`` in ``dtype`` and filled by `weights.load_hf_weights`."""
+    # -- prefill ------------------------------------------------------------
 
-    def __init__(self, config, *, max_positions: int, device, dtype):
-        super().__init__()
-        self.dims = dims = ModelDims.from_config(config)
-        like = {"device": device, "dtype": dtype}
-        self.embed = _weight(dims.vocab_size, dims.hidden, like=like)
-        self.layers = nn.ModuleList(CompactLayer(dims, like) for _ in range(dims.num_layers))
-        self.final_norm = _weight(dims.hidden, like=like)
-        # Tied: the very same Parameter, so one in-place copy updates both.
-        self.lm_head = (
-            self.embed if dims.tied_embeddings else _weight(dims.vocab_size, dims.hidden, like=like)
+    @torch.no_grad()
+    def prefill(self, groups: list[list[Sequence]]) -> tuple[list[int], list[float]]:
+        seqs = [seq for group in groups for seq in group]
+        if len(seqs) > self.num_free_slots():
+            raise ValueError(f"{len(seqs)} sequences for {self.num_free_slots()} free slots")
+        for seq in seqs:
+            seq.slot = len(self.lanes)
+            self.lanes.append(seq)
+        self.is_dirty = True
+        leaders = [group[0] for group in groups]
+        seq_lens = [leader.num_tokens for leader in leaders]
+        tokens, positions, rows = [], [], []
+        for leader, length in zip(leaders, seq_lens, strict=True):
+            tokens.extend(leader.tokens)
+            positions.extend(range(length))
+            base = leader.slot * self.max_seq_len
+            rows.extend(range(base, base + length))
+        cu_seqlens = [0]
+        for length in seq_lens:
+            cu_seqlens.append(cu_seqlens[-1] + length)
+        device = self.device
+        batch = PrefillBatch(
+            cache=self.cache,
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            use_flash=self.use_flash,
         )
-        # Angles in float32, rounded to the model dtype once (as transformers does).
-        self.register_buffer(
-            "rope",
-            rope_table(config, dims.head_dim, max_positions, device, dtype),
-            persistent=False,
+        hidden = self.model(
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            batch,
         )
-        self.ops = kernels.EAGER
+        last_rows = torch.tensor(cu_seqlens[1:], device=device) - 1
+        logits = self.model.logits(hidden[last_rows])
+        group_of_seq = []
+        for index, group in enumerate(groups):
+            group_of_seq.extend([index] * len(group))
+            for follower in group[1:]:
+                self.cache.copy_slot(group[0].slot, follower.slot, follower.num_tokens)
+                follower.cached_tokens += follower.num_tokens
+        if len(group_of_seq) != len(groups):
+            logits = logits[torch.tensor(group_of_seq, device=device)]
+        params = [seq.params for seq in seqs]
+        st = make_sampling_tensors(
+            params, [s.seed for s in seqs], [s.num_tokens for s in seqs], device
+        )
+        new_tokens, logprobs = sample(
+            logits,
+            st,
+            use_filters=SamplingTensors.needs_filters(params),
+            softmax=self.model.ops.softmax,
+        )
+        return new_tokens.tolist(), logprobs.tolist()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; ``batch`` does cache I/O and attention."""
-        dims, ops = self.dims, self.ops
-        hidden = F.embedding(tokens, self.embed)
-        cos_sin = self.rope[positions]
-        residual = hidden
-        normed = ops.rms_norm(hidden, self.layers[0].input_norm, dims.rms_norm_eps)
-        for index, layer in enumerate(self.layers):
-            attended = self._attention(index, layer, normed, cos_sin, batch)
-            normed, residual = ops.add_rms_norm(
-                attended, residual, layer.post_norm, dims.rms_norm_eps
-            )
-            mlp_out = F.linear(ops.silu_mul(F.linear(normed, layer.gate_up)), layer.down)
-            next_norm = (
-                self.layers[index + 1].input_norm
-                if index + 1 < dims.num_layers
-                else self.final_norm
-            )
-            normed, residual = ops.add_rms_norm(mlp_out, residual, next_norm, dims.rms_norm_eps)
-        return normed
+    # -- decode -------------------------------------------------------------
 
-    def _attention(self, index: int, layer: CompactLayer, x, cos_sin, batch) -> torch.Tensor:
-        dims, ops = self.dims, self.ops
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        qk_heads = dims.num_heads + dims.num_kv_heads
-        qk = qkv[:, : qk_heads * dims.head_dim].view(-1, qk_heads, dims.head_dim)
-        v = qkv[:, qk_heads * dims.head_dim :].view(-1, dims.num_kv_heads, dims.head_dim)
-        if dims.qk_norm:
-            q = ops.rms_norm(qk[:, : dims.num_heads], layer.q_norm, dims.rms_norm_eps)
-            k = ops.rms_norm(qk[:, dims.num_heads :], layer.k_norm, dims.rms_norm_eps)
-            qk = torch.cat([q, k], dim=1)
-        qk = ops.rope(qk, cos_sin)  # queries and keys rotated together
-        out = batch.attend(index, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
-        return F.linear(out.reshape(-1, dims.q_size), layer.o_proj)
+    def _decode_body(self, lanes: int, use_filters: bool, max_len: int | None = None) -> None:
+        """One decode step over lanes ``0..lanes-1``, reading and advancing the lane buffers."""
+        buffers = self.buffers
+        tokens = buffers.tokens[:lanes]
+        positions = buffers.positions[:lanes]
+        active = buffers.active[:lanes]
+        rows = torch.where(active > 0, self.slot_base[:lanes] + positions, self.cache.scratch_row)
+        batch = DecodeBatch(
+            cache=self.cache,
+            rows=rows,
+            lengths=(positions + 1).to(torch.int32),
+            max_len=max_len or self.max_seq_len,
+            use_flash=self.use_flash,
+        )
+        logits = self.model.logits(self.model(tokens, positions, batch))
+        new_tokens, logprobs = sample(
+            logits, buffers.sampling(lanes), use_filters=use_filters, softmax=self.model.ops.softmax
+        )
+        buffers.out_tokens[:lanes].copy_(new_tokens)
+        buffers.out_logprobs[:lanes].copy_(logprobs)
+        tokens.copy_(new_tokens)
+        positions.add_(active)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab]; the matmul runs in the model dtype, as transformers does."""
-        return F.linear(hidden, self.lm_head).float()
+    def _run_decode(self, lanes: int) -> None:
+        if self.graphs is not None and self.graphs.replay(lanes, self.use_filters):
+            return
+        if self.graphs is not None or self.pad_lanes:
+            # Eager, shaped exactly as the graphs are (no graph for this key; CPU tests).
+            self._decode_body(bucket_for(self.max_batch_size, lanes), self.use_filters)
+        else:
+            self._decode_body(lanes, self.use_filters, min(self.next_max_len, self.max_seq_len))
+
+    @torch.no_grad()
+    def launch_decode(self) -> Pending:
+        lanes = len(self.lanes)
+        if self.is_dirty:
+            self.buffers.upload(self.lanes)
+            self.use_filters = SamplingTensors.needs_filters([s.params for s in self.lanes])
+            self.next_max_len = max(seq.num_tokens for seq in self.lanes)
+            self.is_dirty = False
+        self._run_decode(lanes)
+        self.next_max_len += 1
+        result_set, self.result_set = self.result_set, 1 - self.result_set
+        host_tokens = self.buffers.host_tokens[result_set]
+        host_logprobs = self.buffers.host_logprobs[result_set]
+        host_tokens[:lanes].copy_(self.buffers.out_tokens[:lanes], non_blocking=True)
+        host_logprobs[:lanes].copy_(self.buffers.out_logprobs[:lanes], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return Pending(seqs=list(self.lanes), handle=(event, result_set, lanes))
+
+    def collect(self, pending: Pending) -> tuple[list[int], list[float]]:
+        event, result_set, lanes = pending.handle
+        if event is not None:
+            event.synchronize()
+        tokens = self.buffers.host_tokens[result_set][:lanes].tolist()
+        logprobs = self.buffers.host_logprobs[result_set][:lanes].tolist()
+        return tokens, logprobs
+
+    # -- weights ------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from streamrl.engine.runner.compact import CompactModel
+from streamrl.engine.runner.decoder import CompactModel
 
 # Buffers some checkpoints carry that the compact model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,123 @@
+"""The learner backend interface: what the training loop needs from a model.
+
+The loop (`streamrl.actors.learner`) owns the algorithm: it packs samples
+into micro-batches, asks the backend for proximal (and reference)
+log-probabilities, computes advantages, and hands the backend one mini-batch
+at a time together with a loss function. A backend (`torch` for Hugging Face
+models, `megatron` for megatron-core) owns the model, the optimizer and the
+parallelism, and gives the publisher full Hugging Face-named tensors.
+
+Token alignment: every per-token tensor is `[B, T]` and aligned with
+`input_ids`; position t holds data about token t, i.e. the log-probability of
+`input_ids[b, t]` given `input_ids[b, :t]`. Position 0 and padding hold 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass worth of sequences, right-padded to a common length."""
+
+    input_ids: torch.Tensor
+    """[B, T] int64 prompt + response tokens, right-padded."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 on real tokens, 0 on padding."""
+    loss_mask: torch.Tensor
+    """[B, T] float32, 1 on trained (model-produced) response tokens."""
+    behaviour_logprobs: torch.Tensor
+    """[B, T] float32 engine log-probabilities of the tokens (0 off the loss mask)."""
+    sample_indices: list[int]
+    """Row b is sample `sample_indices[b]` of the training step."""
+    advantages: torch.Tensor | None = None
+    """[B, T] float32, filled by the loop before training."""
+    proximal_logprobs: torch.Tensor | None = None
+    """[B, T] log-probabilities under the weights before this step (decoupled PPO's pi_prox)."""
+    reference_logprobs: torch.Tensor | None = None
+    """[B, T] log-probabilities under the reference model (only with a KL loss)."""
+    num_tokens_in_mini_batch: float = 1.0
+    """Trained tokens of the whole mini-batch: token_mean's denominator."""
+    num_sequences_in_mini_batch: int = 1
+    """Sequences of the whole mini-batch: seq_mean's denominator."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on `device`."""
+        moved = {
+            name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for name, value in self.__dict__.items()
+            if name != "extras"
+        }
+        moved["extras"] = {k: v.to(device, non_blocking=True) for k, v in self.extras.items()}
+        return MicroBatch(**moved)
+
+
+LossFn = Callable[
+    [MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+"""(micro_batch, logprobs [B,T] with grad, entropy [B,T] or None) -> (loss, metrics).
+
+The loss is already divided by the mini-batch totals, so the gradient of the
+mini-batch is the sum of its micro-batches' gradients. Metrics are scalar
+tensors summed over micro-batches (they are normalised the same way)."""
+
+
+class LearnerBackend(Protocol):
+    """A trainable policy. Methods are called on every rank; rank 0 holds the data."""
+
+    @property
+    def is_publisher(self) -> bool:
+        """True on the rank that talks to the buffer and broadcasts weights to engines."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model lives (a worker thread that trains binds to it first)."""
+        ...
+
+    def compute_logprobs(
+        self, micro_batches: list[MicroBatch], *, temperature: float, reference: bool = False
+    ) -> list[torch.Tensor]:
+        """Per-token log-probabilities of logits / temperature, [B, T] per micro-batch, no grad.
+
+        `reference=True` uses the frozen reference model (only built when the
+        config has a KL loss)."""
+        ...
+
+    def train_mini_batch(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        need_entropy: bool,
+    ) -> dict[str, float]:
+        """Forward and backward every micro-batch, then one optimizer step.
+
+        Returns the summed loss metrics plus `grad_norm` and `lr`."""
+        ...
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors under Hugging Face names, on the publishing rank.
+
+        Other ranks take part in any gathers and yield nothing."""
+        ...
+
+    def save(self, path: Path) -> None:
+        """Model (Hugging Face safetensors + config) and optimizer state under `path`."""
+        ...
+
+    def load(self, path: Path) -> None:
+        """Restore what `save` wrote."""
+        ...

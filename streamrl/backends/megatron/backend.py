@@ -1,0 +1,493 @@
+"""MegatronBackend: the LearnerBackend on megatron-core (TP, PP, DP; CPU gloo or CUDA NCCL).
+
+Every learner rank builds one `MegatronBackend` and calls the same methods in
+the same order; rank 0 (`is_data_rank`) passes the real micro-batches, the
+others pass `[]` (see `batches.py` for how data travels).
+
+One training call (`train_mini_batch`):
+
+    rank 0 micro-batches ──broadcast──► every rank keeps micro-batch i if i % dp == dp_rank
+    forward_backward_func (no pipelining / 1F1B)  ── per micro-batch on the last stage:
+        vocab-parallel logprobs (+ entropy) ─► loss_fn(mb, logprobs, entropy)
+        loss × num_local_micro_batches × dp_size      (see `train_mini_batch`)
+    finalize_model_grads (DDP all-reduce, tied-embedding sync) ─► optimizer.step()
+    metrics: summed on the last stage, all-reduced over DP, sent to rank 0
+
+Gradient scale: the loop's losses are already divided by mini-batch totals,
+so the wanted gradient is the plain SUM over all micro-batches of all DP
+replicas. Megatron divides each returned loss by the local number of
+micro-batches and DDP averages over DP ranks; `train_mini_batch` multiplies
+both back, so the result is exactly that sum.
+
+Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
+0 of DP replica 0) that yields that stage's tensors under HF names with global
+layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from streamrl.backends.base import LossFn, MicroBatch
+from streamrl.backends.megatron import batches, checkpoint, convert, parallel
+from streamrl.backends.megatron.cpu_shims import cpu_redirect
+from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
+from streamrl.backends.megatron.model import build_gpt_model, shape_from_hf
+
+_COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
+    """(HF directory, keep-alive handle) for `model_path`.
+
+    `random:<shape>` is written (seeded: the same weights on every rank) into a
+    temporary directory that lives as long as the returned handle; `smollm2` is the
+    dequantised SmolLM2 directory that `streamrl.models` builds once."""
+    if model_path == "smollm2":
+        from streamrl.models import smollm2_model_dir
+
+        return smollm2_model_dir(), None
+    if model_path.startswith("random:"):
+        from streamrl.models import save_random_model
+
+        holder = tempfile.TemporaryDirectory(prefix="streamrl-megatron-random-")
+        save_random_model(model_path.removeprefix("random:"), holder.name, seed=seed)
+        return Path(holder.name), holder
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{model_path}: the megatron backend needs a Hugging Face directory "
+            "(config.json + safetensors) or random:<shape>"
+        )
+    return path, None
+
+
+class MegatronBackend:
+    """megatron-core GPTModel + DDP + Megatron optimizer behind the LearnerBackend protocol.
+
+    Contract: torch.distributed is initialised on every learner rank before
+    construction (`launch.init_distributed`), world size = TP * PP * DP, and on
+    CUDA each rank's device is set. `seed` seeds Megatron's RNG and a
+    `random:` model (pass the run's `model.seed` so engines build the same one).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: Any,
+        *,
+        algorithm_cfg: Any = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        need_reference: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        self.algorithm_cfg = algorithm_cfg
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cpu" and cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.dtype = dtype
+        mcfg = cfg.megatron
+        self.layout = parallel.initialize_parallel(
+            tp_size=mcfg.tensor_parallel_size, pp_size=mcfg.pipeline_parallel_size, seed=seed
+        )
+        self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.shape = shape_from_hf(self.hf_config)
+        self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
+        hf_state = convert.HFCheckpoint(self.model_dir)
+        with self._megatron():
+            self.model = self._build_model(hf_state)
+            self.ddp, self.optimizer = self._wrap_for_training(self.model)
+            self.reference = None
+            if need_reference:
+                self.reference = self._build_model(hf_state).eval().requires_grad_(False)
+        del hf_state
+
+    # ------------------------------------------------------------ roles
+
+    @property
+    def is_publisher(self) -> bool:
+        """True on each PP stage's publisher (TP rank 0 of DP replica 0); rank 0 is stage 0's."""
+        return self.layout.is_stage_publisher
+
+    @property
+    def is_data_rank(self) -> bool:
+        """True on global rank 0: the rank that talks to the buffer and passes micro-batches."""
+        return self.layout.rank == 0
+
+    # ------------------------------------------------------------ build
+
+    def _megatron(self) -> contextlib.AbstractContextManager:
+        return cpu_redirect() if self.device.type == "cpu" else contextlib.nullcontext()
+
+    def _build_model(self, hf_state: convert.HFCheckpoint) -> torch.nn.Module:
+        layout, mcfg = self.layout, self.cfg.megatron
+        model = build_gpt_model(
+            self.hf_config,
+            tp_size=layout.tp_size,
+            pp_size=layout.pp_size,
+            pp_rank=layout.pp_rank,
+            dtype=self.dtype,
+            device=self.device,
+            attention=mcfg.attention,
+            sequence_parallel=mcfg.sequence_parallel,
+            gradient_checkpointing=self.cfg.gradient_checkpointing,
+        )
+        convert.load_into_model(model, hf_state, self.shape, **layout.shard)
+        return model
+
+    def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg, distributed = self.cfg, self.cfg.megatron.use_distributed_optimizer
+        ddp = DistributedDataParallel(
+            config=model.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=distributed,
+            ),
+            module=model,
+        )
+        model.config.no_sync_func = ddp.no_sync
+        model.config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.lr,
+                min_lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.adam_beta1,
+                adam_beta2=cfg.adam_beta2,
+                adam_eps=cfg.adam_eps,
+                clip_grad=cfg.grad_clip,
+                bf16=self.dtype == torch.bfloat16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=distributed,
+            ),
+            [ddp],
+            use_gloo_process_groups=False,  # none are created (parallel.initialize_parallel)
+        )
+        return ddp, optimizer
+
+    # ------------------------------------------------------------ forward
+
+    def _attention_mask(self, seq_len: int) -> torch.Tensor | None:
+        """Causal mask (True = masked) for Megatron's unfused attention; SDPA needs none."""
+        if self.cfg.megatron.attention != "local":
+            return None
+        ones = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=self.device)
+        return ones.triu(diagonal=1)
+
+    def _run_schedule(
+        self,
+        model: torch.nn.Module,
+        work: list[tuple[MicroBatch, float]],
+        loss_for: Callable[[MicroBatch, float, torch.Tensor], tuple[torch.Tensor, dict]],
+        *,
+        forward_only: bool,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Megatron's forward(-backward) schedule over (micro-batch, weight) pairs.
+
+        Returns the loss functions' metric dicts (last PP stage only; empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            micro_batch, weight = next(data_iterator)
+            input_ids = micro_batch.input_ids
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            output = model(
+                input_ids,
+                positions.unsqueeze(0).expand_as(input_ids),
+                self._attention_mask(input_ids.shape[1]),
+            )
+            return output, functools.partial(loss_for, micro_batch, weight)
+
+        first = work[0][0].input_ids
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(work),
+            model=[model],
+            num_microbatches=len(work),
+            seq_length=max(mb.input_ids.shape[1] for mb, _ in work),
+            micro_batch_size=first.shape[0],
+            forward_only=forward_only,
+        )
+
+    def _local_work(
+        self, micro_batches: list[MicroBatch]
+    ) -> tuple[list[MicroBatch], list[int], list[tuple[MicroBatch, float]]]:
+        """All micro-batches (from rank 0), this DP replica's indices, and its (mb, weight) work."""
+        everything = batches.broadcast_micro_batches(
+            micro_batches if self.is_data_rank else [], device=self.device
+        )
+        mine = batches.dp_share(
+            len(everything), dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size
+        )
+        work = [(everything[i], 1.0) for i in mine]
+        if everything and not work:  # fewer micro-batches than replicas: run a zero-weight copy
+            work = [(everything[0], 0.0)]
+        return everything, mine, work
+
+    def _logprobs(
+        self,
+        micro_batch: MicroBatch,
+        logits: torch.Tensor,
+        *,
+        temperature: float,
+        need_entropy: bool,
+    ):
+        return token_logprobs_and_entropy(
+            logits,
+            micro_batch.input_ids,
+            micro_batch.attention_mask,
+            vocab_start=self.vocab_start,
+            temperature=temperature,
+            group=parallel.tp_group() if self.layout.tp_size > 1 else None,
+            need_entropy=need_entropy,
+        )
+
+    # ------------------------------------------------------------ LearnerBackend
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, micro_batches: list[MicroBatch], *, temperature: float, reference: bool = False
+    ) -> list[torch.Tensor]:
+        """[B, T] float32 CPU log-probabilities per micro-batch, on rank 0 (others get [])."""
+        if reference and self.reference is None:
+            raise RuntimeError(
+                "compute_logprobs(reference=True) but the backend was built without need_reference"
+            )
+        everything, mine, work = self._local_work(micro_batches)
+        if not everything:
+            return []
+
+        def loss_for(micro_batch, weight, logits):
+            logprobs, _ = self._logprobs(
+                micro_batch, logits, temperature=temperature, need_entropy=False
+            )
+            return logits.new_zeros(()), {"logprobs": logprobs}
+
+        model = self.reference if reference else self.ddp
+        was_training = model.training
+        model.eval()
+        try:
+            with self._megatron():
+                store = self._run_schedule(model, work, loss_for, forward_only=True)
+        finally:
+            model.train(was_training)
+        local = [item["logprobs"].float() for item in store][: len(mine)]
+        return self._collect_on_rank0(everything, mine, local)
+
+    def _collect_on_rank0(
+        self, everything: list[MicroBatch], mine: list[int], local: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Per-micro-batch results from each DP replica's last stage (TP rank 0) to rank 0."""
+        layout = self.layout
+        if layout.world_size == 1:
+            return [t.cpu() for t in local]
+
+        def owner(index: int) -> int:
+            dp_rank = index % layout.dp_size
+            return layout.global_rank(tp_rank=0, dp_rank=dp_rank, pp_rank=layout.pp_size - 1)
+
+        if layout.rank == 0:
+            results = []
+            for index, micro_batch in enumerate(everything):
+                if owner(index) == 0:
+                    results.append(local[mine.index(index)].cpu())
+                else:
+                    shape = tuple(micro_batch.input_ids.shape)
+                    results.append(
+                        batches.recv_from(shape, torch.float32, owner(index), self.device).cpu()
+                    )
+            return results
+        if layout.tp_rank == 0 and layout.is_last_stage:
+            for tensor in local:
+                batches.send_to(tensor, dst=0)
+        return []
+
+    def train_mini_batch(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        temperature: float,
+        need_entropy: bool,
+    ) -> dict[str, float]:
+        """One optimizer step over rank 0's micro-batches; metrics complete on rank 0."""
+        everything, _, work = self._local_work(micro_batches)
+        if not everything:
+            return {}
+        scale = len(work) * self.layout.dp_size
+
+        def loss_for(micro_batch, weight, logits):
+            logprobs, entropy = self._logprobs(
+                micro_batch, logits, temperature=temperature, need_entropy=need_entropy
+            )
+            loss, metrics = loss_fn(micro_batch, logprobs, entropy)
+            metrics = {name: value.detach().float() * weight for name, value in metrics.items()}
+            # Undo Megatron's 1/num_microbatches and DDP's 1/dp average: the gradient is the sum.
+            return loss * (weight * scale), metrics
+
+        self.ddp.train()
+        with self._megatron():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            store = self._run_schedule(self.ddp, work, loss_for, forward_only=False)
+            succeeded, grad_norm, _ = self.optimizer.step()
+        if not succeeded:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        metrics = self._reduce_metrics(store)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def _reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum over micro-batches and DP replicas; deliver to rank 0 (first PP stage)."""
+        layout = self.layout
+        names = sorted(store[0]) if store else []
+        summed = None
+        if layout.is_last_stage and names:
+            summed = torch.stack([sum(item[name] for item in store) for name in names]).to(
+                self.device
+            )
+            if layout.dp_size > 1:
+                dist.all_reduce(summed, group=parallel.dp_group())
+        if layout.pp_size > 1 and layout.tp_rank == 0 and layout.dp_rank == 0:
+            source = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_size - 1)
+            payload = (
+                [{name: summed[i] for i, name in enumerate(names)}]
+                if layout.rank == source
+                else None
+            )
+            (received,) = batches.broadcast_named_tensors(
+                payload, device=self.device, src=source, group=parallel.pp_group()
+            )
+            return {name: float(value) for name, value in received.items()}
+        if summed is None:
+            return {}
+        return {name: float(value) for name, value in zip(names, summed.tolist(), strict=True)}
+
+    # ------------------------------------------------------------ weights out
+
+    @torch.no_grad()
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's full tensors under HF names (global layer indices), on its publisher.
+
+        Every rank must exhaust the iterator (TP ranks of DP replica 0 take part
+        in gathers and yield nothing; other DP replicas return at once).
+        Tensors are in the training dtype on the learner device; treat them as
+        read-only and consume them before the next training step."""
+        layout = self.layout
+        if layout.dp_rank != 0:
+            return
+        tp = layout.tp_size
+        publisher = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_rank)
+        for rule, param in convert.iter_stage_tensors(
+            self.model, self.shape, pp_rank=layout.pp_rank, pp_size=layout.pp_size
+        ):
+            if not convert.is_exported(rule, self.shape, pp_size=layout.pp_size):
+                continue
+            local = param.detach()
+            if tp == 1 or rule.kind == convert.REPLICATED:
+                shards = [local]
+            else:
+                shards = [torch.empty_like(local) for _ in range(tp)] if self.is_publisher else None
+                dist.gather(local.contiguous(), shards, dst=publisher, group=parallel.tp_group())
+            if self.is_publisher:
+                yield from zip(rule.hf, convert.merge(rule.kind, shards, self.shape), strict=True)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, path: Path) -> None:
+        """HF safetensors (one file per PP stage + index) and per-rank optimizer state under `path`.
+
+        The optimizer files only load back into the same TP/PP/DP layout."""
+        path = Path(path)
+        layout = self.layout
+        if layout.rank == 0:
+            (path / "optimizer").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        shard_names = [self._shard_name(stage) for stage in range(layout.pp_size)]
+        tensors = {name: tensor.to("cpu") for name, tensor in self.hf_weights()}
+        if self.is_publisher:
+            convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
+        del tensors
+        with self._megatron():
+            checkpoint.save_optimizer(
+                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt"
+            )
+        dist.barrier()
+        if layout.rank == 0:
+            if layout.pp_size > 1:
+                convert.write_hf_index(path, shard_names)
+            for name in _COPIED_FILES:
+                if (self.model_dir / name).exists():
+                    shutil.copy(self.model_dir / name, path / name)
+            (path / "optimizer" / "layout.json").write_text(json.dumps(self._layout_record()))
+        dist.barrier()
+
+    @torch.no_grad()
+    def load(self, path: Path) -> None:
+        """Restore what `save` wrote (model weights from the HF files, then optimizer state)."""
+        path = Path(path)
+        record = json.loads((path / "optimizer" / "layout.json").read_text())
+        if record != self._layout_record():
+            raise ValueError(
+                f"{path}: saved with layout {record}, this run is {self._layout_record()}"
+            )
+        hf_state = convert.HFCheckpoint(path)
+        layout = self.layout
+        with self._megatron():
+            convert.load_into_model(self.model, hf_state, self.shape, **layout.shard)
+            checkpoint.load_optimizer(
+                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
+            )
+        dist.barrier()
+
+    def _shard_name(self, stage: int) -> str:
+        pp = self.layout.pp_size
+        return "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+
+    def _layout_record(self) -> dict[str, Any]:
+        layout = self.layout
+        return {
+            "tp": layout.tp_size,
+            "pp": layout.pp_size,
+            "dp": layout.dp_size,
+            "distributed_optimizer": self.cfg.megatron.use_distributed_optimizer,
+            "dtype": str(self.dtype),
+        }

@@ -1,0 +1,341 @@
+"""Hugging Face <-> Megatron weights: fused QKV with the GQA interleave, fused gate/up, TP shards, PP stages.
+
+Layouts (megatron-core 0.16.1, local spec names; see docs/megatron.md):
+
+- `linear_qkv.weight` is `[groups * (heads_per_group + 2) * head_dim, hidden]`,
+  group by group: that group's query heads, its key head, its value head
+  (the bias, for Qwen2, the same way). A TP rank holds rows
+  `chunk(tp)[tp_rank]` of that full matrix, whatever the group count.
+- `linear_fc1.weight` is `[gate; up]` *per TP rank*: rank r holds
+  `cat(gate.chunk(tp)[r], up.chunk(tp)[r])`.
+- Column-parallel (embedding and output rows over the vocabulary, QKV, fc1)
+  split dim 0; row-parallel (`linear_proj`, `linear_fc2`) split dim 1;
+  norms are replicated.
+- A PP stage holds layers `[pp_rank * L/pp, (pp_rank + 1) * L/pp)` under local
+  indices 0.. ; HF names always carry global indices. With tied embeddings and
+  PP > 1 the last stage holds a copy of the embedding as `output_layer.weight`
+  (exported by no one: the first stage exports `embed_tokens`).
+- Transformer Engine's spec fuses the two norms into the following linear
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
+  `te_name` maps the local names onto those.
+
+Every function here is pure tensor code: no process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from streamrl.backends.megatron.model import ModelShape
+
+REPLICATED, COLUMN, ROW, QKV, GATE_UP = "replicated", "column", "row", "qkv", "gate_up"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and the HF tensor(s) it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+
+
+def _layer_rules(shape: ModelShape) -> list[Rule]:
+    attn, mlp = "self_attn", "mlp"
+    rules = [
+        Rule("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
+        Rule(
+            "self_attention.linear_qkv.weight",
+            tuple(f"{attn}.{p}_proj.weight" for p in "qkv"),
+            QKV,
+        ),
+        Rule("self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), ROW),
+        Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
+        Rule(
+            "mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP
+        ),
+        Rule("mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), ROW),
+    ]
+    if shape.qkv_bias:
+        rules.append(
+            Rule(
+                "self_attention.linear_qkv.bias",
+                tuple(f"{attn}.{p}_proj.bias" for p in "qkv"),
+                QKV,
+            )
+        )
+    if shape.qk_norm:
+        rules.append(
+            Rule("self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), REPLICATED)
+        )
+        rules.append(
+            Rule("self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), REPLICATED)
+        )
+    return rules
+
+
+def stage_rules(shape: ModelShape, *, pp_rank: int, pp_size: int) -> list[Rule]:
+    """Every Megatron tensor of one PP stage (local names) with its HF sources (global names)."""
+    layers_per_stage = shape.num_layers // pp_size
+    first = pp_rank * layers_per_stage
+    rules = []
+    if pp_rank == 0:
+        rules.append(
+            Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COLUMN)
+        )
+    for local in range(layers_per_stage):
+        for rule in _layer_rules(shape):
+            rules.append(
+                Rule(
+                    f"decoder.layers.{local}.{rule.megatron}",
+                    tuple(f"model.layers.{first + local}.{name}" for name in rule.hf),
+                    rule.kind,
+                )
+            )
+    if pp_rank == pp_size - 1:
+        rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
+        if not shape.tied_embeddings:
+            rules.append(Rule("output_layer.weight", ("lm_head.weight",), COLUMN))
+        elif pp_size > 1:
+            rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), COLUMN))
+    return rules
+
+
+def is_exported(rule: Rule, shape: ModelShape, *, pp_size: int) -> bool:
+    """False for the last stage's copy of tied embeddings (the first stage exports them)."""
+    return not (shape.tied_embeddings and pp_size > 1 and rule.megatron == "output_layer.weight")
+
+
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def te_name(local_name: str) -> str:
+    """The Transformer Engine spec's name for a local-spec parameter name."""
+    match = re.fullmatch(r"(decoder\.layers\.\d+\.)(.*)", local_name)
+    if match and match.group(2) in _TE_NAMES:
+        return match.group(1) + _TE_NAMES[match.group(2)]
+    return local_name
+
+
+# ------------------------------------------------------------ one tensor
+
+
+def fuse(kind: str, hf_tensors: Sequence[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor from its HF parts."""
+    if kind == QKV:
+        q, k, v = hf_tensors
+        groups, per_group, head_dim = shape.num_kv_heads, shape.heads_per_group, shape.head_dim
+        rest = q.shape[1:]
+        return torch.cat(
+            [
+                q.reshape(groups, per_group * head_dim, *rest),
+                k.reshape(groups, head_dim, *rest),
+                v.reshape(groups, head_dim, *rest),
+            ],
+            dim=1,
+        ).reshape(-1, *rest)
+    (tensor,) = hf_tensors
+    return tensor
+
+
+def unfuse(kind: str, full: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    """HF parts of a full Megatron tensor (inverse of `fuse`)."""
+    if kind == QKV:
+        groups, per_group, head_dim = shape.num_kv_heads, shape.heads_per_group, shape.head_dim
+        rest = full.shape[1:]
+        grouped = full.reshape(groups, (per_group + 2) * head_dim, *rest)
+        q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+        return [
+            q.reshape(-1, *rest).contiguous(),
+            k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous(),
+        ]
+    return [full]
+
+
+def shard(
+    kind: str, hf_tensors: Sequence[torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """This TP rank's Megatron tensor from the HF parts."""
+    if kind == GATE_UP:
+        gate, up = hf_tensors
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).contiguous()
+    full = fuse(kind, hf_tensors, shape)
+    if kind in (COLUMN, QKV):
+        return full.chunk(tp_size, dim=0)[tp_rank].contiguous()
+    if kind == ROW:
+        return full.chunk(tp_size, dim=1)[tp_rank].contiguous()
+    return full.clone()
+
+
+def merge(kind: str, shards: Sequence[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
+    """HF parts from the TP-rank-ordered Megatron shards (inverse of `shard`)."""
+    if kind == GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if kind in (COLUMN, QKV):
+        return unfuse(kind, torch.cat(list(shards), dim=0), shape)
+    if kind == ROW:
+        return [torch.cat(list(shards), dim=1)]
+    return [shards[0]]
+
+
+# ------------------------------------------------------------ whole stages
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> dict[str, torch.Tensor]:
+    """The local (Megatron-named) tensors of one (TP rank, PP stage) from HF tensors."""
+    out = {}
+    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+        sources = [hf_state[name] for name in rule.hf]
+        out[rule.megatron] = shard(rule.kind, sources, shape, tp_rank=tp_rank, tp_size=tp_size)
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]],
+    shape: ModelShape,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> dict[str, torch.Tensor]:
+    """HF tensors (global layer indices) of one PP stage from its TP-rank-ordered local states."""
+    out = {}
+    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+        if not is_exported(rule, shape, pp_size=pp_size):
+            continue
+        parts = merge(rule.kind, [s[rule.megatron] for s in shards], shape)
+        out.update(zip(rule.hf, parts, strict=True))
+    return out
+
+
+# ------------------------------------------------------------ files
+
+
+def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
+    checkpoint = HFCheckpoint(model_dir)
+    return {name: checkpoint[name] for name in checkpoint}
+
+
+def write_hf_shard(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, *, metadata: Mapping[str, str] = ()
+) -> None:
+    """Write tensors as one safetensors file (contiguous CPU copies)."""
+    from safetensors.torch import save_file
+
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    save_file(cpu, str(path), metadata={"format": "pt", **dict(metadata)})
+
+
+def write_hf_index(model_dir: str | Path, shard_names: Sequence[str]) -> None:
+    """`model.safetensors.index.json` mapping every tensor to the shard that holds it."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    weight_map, total_bytes = {}, 0
+    for name in shard_names:
+        with safe_open(str(model_dir / name), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                weight_map[key] = name
+                sliced = handle.get_slice(key)
+                numel = 1
+                for dim in sliced.get_shape():
+                    numel *= dim
+                total_bytes += numel * _dtype_bytes(sliced.get_dtype())
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(name, 1)
+
+
+def iter_stage_tensors(
+    model: torch.nn.Module, shape: ModelShape, *, pp_rank: int, pp_size: int
+) -> Iterator[tuple[Rule, torch.Tensor]]:
+    """(rule, this rank's parameter) for every tensor of a stage, in a fixed order."""
+    params = dict(model.named_parameters())
+    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+        name = rule.megatron if rule.megatron in params else te_name(rule.megatron)
+        if name not in params:
+            raise KeyError(f"model has no parameter {rule.megatron!r} (nor {name!r})")
+        yield rule, params[name]
+
+
+@torch.no_grad()
+def load_into_model(
+    model: torch.nn.Module,
+    hf_state: Mapping[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+) -> None:
+    """Copy HF tensors into this rank's model parameters (in place; every parameter covered)."""
+    covered = set()
+    for rule, param in iter_stage_tensors(model, shape, pp_rank=pp_rank, pp_size=pp_size):
+        sources = [hf_state[name] for name in rule.hf]
+        value = shard(rule.kind, sources, shape, tp_rank=tp_rank, tp_size=tp_size)
+        if value.shape != param.shape:
+            raise ValueError(
+                f"{rule.megatron}: checkpoint gives {tuple(value.shape)}, model has {tuple(param.shape)}"
+            )
+        param.copy_(value)
+        covered.add(id(param))
+    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise KeyError(f"no HF source for Megatron parameters {missing}")
+
+
+class HFCheckpoint(Mapping[str, torch.Tensor]):
+    """Lazy, read-only view of an HF safetensors checkpoint: tensors load when indexed."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+        self._handles = {name: safe_open(str(model_dir / name), framework="pt") for name in files}
+        self._file_of = {
+            key: name
+            for name, handle in self._handles.items()
+            for key in handle.keys()  # noqa: SIM118 - safe_open has no __iter__
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)

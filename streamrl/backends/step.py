@@ -1,0 +1,240 @@
+"""One training step over a batch of groups, for any LearnerBackend.
+
+    samples ─► micro-batches (token budget)
+            ─► proximal logprobs (weights before this step: decoupled PPO's pi_prox;
+               a forward pass of its own only when needed, see `needs_proximal_pass`)
+            ─► reference logprobs (only with a KL loss)
+            ─► advantages (group-relative or REINFORCE++, on response tokens)
+            ─► for each mini-batch (learner.global_batch_size samples): forward, loss,
+               backward per micro-batch, one optimizer step
+
+The loss per token is the policy loss (with the configured off-policy
+correction), plus kl_loss_coef * KL(pi || pi_ref), minus entropy_coef * H,
+aggregated over the mini-batch (token_mean or seq_mean).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from streamrl import algorithms
+from streamrl.backends.base import LearnerBackend, MicroBatch
+from streamrl.backends.batching import gather_responses, pack_micro_batches, scatter_responses
+from streamrl.config import RunConfig
+from streamrl.types import Group, Sample
+
+
+def train_step(
+    backend: LearnerBackend, groups: list[Group], cfg: RunConfig, *, pad_id: int
+) -> dict[str, float]:
+    """Train on `groups` (rollout.batch_size of them); returns the step's metrics."""
+    algo = cfg.algorithm
+    temperature = cfg.rollout.sampling.temperature
+    samples = [sample for group in groups for sample in group.samples]
+    group_size = len(groups[0].samples)
+    all_indices = list(range(len(samples)))
+    budget = cfg.learner.micro_batch_tokens
+    step_batches = pack_micro_batches(samples, all_indices, token_budget=budget, pad_id=pad_id)
+
+    proximal_by_sample = None
+    if needs_proximal_pass(cfg):
+        proximal = backend.compute_logprobs(step_batches, temperature=temperature)
+        proximal_by_sample = gather_responses(samples, step_batches, proximal)
+    reference_by_sample = None
+    if algo.kl_loss_coef > 0:
+        reference = backend.compute_logprobs(step_batches, temperature=temperature, reference=True)
+        reference_by_sample = gather_responses(samples, step_batches, reference)
+
+    response_mask = _response_tensor(samples, "loss_mask")
+    behaviour_by_sample = _response_tensor(samples, "logprobs")
+    advantages = _advantages(
+        cfg, samples, group_size, response_mask, proximal_by_sample, reference_by_sample
+    )
+    metrics = _batch_metrics(samples, response_mask, behaviour_by_sample, proximal_by_sample)
+
+    mini_batches = _split(all_indices, cfg.optimizer_steps_per_step)
+    loss_fn = make_loss_fn(cfg)
+    need_entropy = True
+    sums: dict[str, float] = {}
+    for indices in mini_batches:
+        micro_batches = pack_micro_batches(samples, indices, token_budget=budget, pad_id=pad_id)
+        for micro_batch in micro_batches:
+            micro_batch.advantages = scatter_responses(samples, micro_batch, advantages)
+            if proximal_by_sample is not None:
+                micro_batch.proximal_logprobs = scatter_responses(
+                    samples, micro_batch, proximal_by_sample
+                )
+            if reference_by_sample is not None:
+                micro_batch.reference_logprobs = scatter_responses(
+                    samples, micro_batch, reference_by_sample
+                )
+        result = backend.train_mini_batch(
+            micro_batches, loss_fn, temperature=temperature, need_entropy=need_entropy
+        )
+        for key, value in result.items():
+            sums[key] = sums.get(key, 0.0) + value
+    metrics.update({f"train/{k}": v / len(mini_batches) for k, v in sums.items()})
+    if proximal_by_sample is None:  # the mismatch moments came from the training forward
+        w_mean, w2_mean = (
+            metrics.pop("train/importance_w_mean"),
+            metrics.pop("train/importance_w2_mean"),
+        )
+        metrics["train/importance_ess"] = w_mean**2 / w2_mean if w2_mean > 0 else 0.0
+    metrics["train/optimizer_steps"] = len(mini_batches)
+    return metrics
+
+
+def needs_proximal_pass(cfg: RunConfig) -> bool:
+    """Whether pi_prox needs a forward pass before training.
+
+    pi_prox is the policy before this step. With one optimizer step per step
+    every micro-batch's training forward runs on exactly those weights, so its
+    detached logprobs are pi_prox (u = 1 in value, the gradient unchanged) and
+    the extra pass (a third of the step's compute) is skipped. A separate pass
+    is needed with several optimizer steps per step (later mini-batches run on
+    updated weights) and for REINFORCE++'s KL term in the advantages, which is
+    computed before training."""
+    algo = cfg.algorithm
+    kl_in_advantages = algo.advantage_estimator == "reinforce_plus_plus" and algo.kl_loss_coef > 0
+    return cfg.optimizer_steps_per_step > 1 or kl_in_advantages
+
+
+def make_loss_fn(cfg: RunConfig):
+    """The per-micro-batch loss of `cfg.algorithm` (see the module docstring)."""
+    algo = cfg.algorithm
+    kl_in_loss = algo.kl_loss_coef > 0 and algo.advantage_estimator != "reinforce_plus_plus"
+
+    def loss_fn(
+        micro_batch: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = micro_batch.loss_mask
+        per_token, parts = algorithms.policy_loss(
+            logprobs,
+            micro_batch.proximal_logprobs,
+            micro_batch.behaviour_logprobs,
+            micro_batch.advantages,
+            mask,
+            eps_clip=algo.eps_clip,
+            eps_clip_high=algo.eps_clip_high,
+            dual_clip_c=algo.dual_clip_c,
+            correction=algo.off_policy_correction,
+            tis_clip=algo.tis_clip,
+            behaviour_weight_cap=algo.behaviour_weight_cap,
+        )
+
+        def reduce(values: torch.Tensor) -> torch.Tensor:
+            return algorithms.aggregate(
+                values,
+                mask,
+                algo.loss_aggregation,
+                num_tokens=micro_batch.num_tokens_in_mini_batch,
+                num_sequences=micro_batch.num_sequences_in_mini_batch,
+            )
+
+        metrics = {
+            "pg_loss": reduce(per_token).detach(),
+            "clip_fraction": reduce(parts["clipped"]).detach(),
+            "behaviour_weight": reduce(parts["behaviour_weight"]).detach(),
+        }
+        if micro_batch.proximal_logprobs is None:
+            metrics.update(_mismatch_moments(micro_batch, logprobs.detach()))
+        loss_per_token = per_token
+        if kl_in_loss:
+            kl = algorithms.kl_penalty(logprobs, micro_batch.reference_logprobs, algo.kl_loss_type)
+            loss_per_token = loss_per_token + algo.kl_loss_coef * kl
+            metrics["kl"] = reduce(kl).detach()
+        if entropy is not None:
+            if algo.entropy_coef > 0:
+                loss_per_token = loss_per_token - algo.entropy_coef * entropy
+            metrics["entropy"] = reduce(entropy).detach()
+        loss = reduce(loss_per_token)
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def _advantages(
+    cfg: RunConfig,
+    samples: list[Sample],
+    group_size: int,
+    mask: torch.Tensor,
+    proximal: torch.Tensor | None,
+    reference: torch.Tensor | None,
+) -> torch.Tensor:
+    algo = cfg.algorithm
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    kl = None
+    if algo.advantage_estimator == "reinforce_plus_plus" and reference is not None:
+        kl = algorithms.kl_penalty(proximal, reference, algo.kl_loss_type)
+    return algorithms.token_advantages(
+        algo.advantage_estimator,
+        rewards,
+        group_size,
+        mask,
+        kl=kl,
+        kl_coef=algo.kl_loss_coef if kl is not None else 0.0,
+        gamma=algo.gamma,
+    )
+
+
+def _response_tensor(samples: list[Sample], field: str) -> torch.Tensor:
+    width = max((len(s.response_ids) for s in samples), default=0)
+    out = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        values = getattr(sample, field)
+        out[row, : len(values)] = torch.from_numpy(values.astype("float32"))
+    return out
+
+
+def _batch_metrics(
+    samples: list[Sample],
+    mask: torch.Tensor,
+    behaviour: torch.Tensor,
+    proximal: torch.Tensor | None,
+) -> dict[str, Any]:
+    """Engine-vs-learner mismatch and importance-weight health of the batch (without a
+    proximal pass these come from the training forward, `_mismatch_moments`; no max then)."""
+    on = mask > 0
+    metrics = {
+        "train/trained_tokens": float(on.sum()),
+        "train/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+    }
+    if proximal is None:
+        return metrics
+    diff = (proximal - behaviour)[on]
+    weights = torch.exp(diff.clamp(-20, 20))
+    num = max(int(on.sum()), 1)
+    ess = float(weights.sum() ** 2 / (num * (weights**2).sum())) if len(weights) else 1.0
+    metrics.update(
+        {
+            "train/logprob_abs_diff_mean": float(diff.abs().mean()) if len(diff) else 0.0,
+            "train/logprob_abs_diff_max": float(diff.abs().max()) if len(diff) else 0.0,
+            "train/mismatch_kl": float((-diff).mean()) if len(diff) else 0.0,
+            "train/importance_ess": ess if math.isfinite(ess) else 0.0,
+        }
+    )
+    return metrics
+
+
+def _mismatch_moments(micro_batch: MicroBatch, current: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This micro-batch's share of the mini-batch's token means of |log pi - log mu|,
+    log mu - log pi, w and w^2 (w = pi / mu): the batch metrics, from the training forward."""
+    on = micro_batch.loss_mask > 0
+    diff = torch.where(on, current - micro_batch.behaviour_logprobs, 0.0)
+    weights = torch.where(on, torch.exp(diff.clamp(-20, 20)), 0.0)
+    num_tokens = max(micro_batch.num_tokens_in_mini_batch, 1.0)
+    return {
+        "logprob_abs_diff_mean": diff.abs().sum() / num_tokens,
+        "mismatch_kl": -diff.sum() / num_tokens,
+        "importance_w_mean": weights.sum() / num_tokens,
+        "importance_w2_mean": (weights**2).sum() / num_tokens,
+    }
+
+
+def _split(indices: list[int], num_parts: int) -> list[list[int]]:
+    size = len(indices) // num_parts
+    return [indices[i * size : (i + 1) * size] for i in range(num_parts)]

@@ -1,0 +1,201 @@
+"""`RunConfig`: the sections composed into one run, the rules that span sections, and the
+values derived from several keys (staleness in force, buffer capacity, GPU placement, how
+weights travel).
+
+A rule that spans sections raises in `__post_init__` with a message that names the
+dotted keys; `streamrl.config.loading` turns it into a `ConfigError` naming the file.
+"""
+
+from __future__ import annotations
+
+from streamrl.config.sections import (
+    AlgorithmConfig,
+    BufferConfig,
+    ClusterConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LearnerConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainConfig,
+    WeightsConfig,
+    _Section,
+)
+from streamrl.placement import engine_gpu_ids
+
+
+class RunConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    engine: EngineConfig = EngineConfig()
+    buffer: BufferConfig = BufferConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self) -> None:
+        for problem in _cross_field_problems(self):
+            raise ValueError(problem)
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """eta actually enforced: `buffer.max_staleness`, or 0 in sync mode."""
+        return 0 if self.train.mode == "sync" else self.buffer.max_staleness
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * rollout.batch_size."""
+        if self.buffer.capacity:
+            return self.buffer.capacity
+        return (self.effective_max_staleness + 2) * self.rollout.batch_size
+
+    @property
+    def samples_per_step(self) -> int:
+        """rollout.batch_size * rollout.n_samples_per_prompt."""
+        return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """samples_per_step / learner.global_batch_size (1 when that is 0)."""
+        if not self.learner.global_batch_size:
+            return 1
+        return self.samples_per_step // self.learner.global_batch_size
+
+    @property
+    def learner_gpu_ids(self) -> set[int]:
+        """The CUDA devices of the learner ranks: `cluster.learner_gpus`, or 0..num_gpus-1."""
+        return set(self.cluster.learner_gpus or range(self.learner.num_gpus))
+
+    @property
+    def engine_gpu_ids(self) -> set[int]:
+        """The CUDA devices of the engines `streamrl run` starts (`streamrl.placement`); empty
+        for attached engines (`engine.urls`) or a placement the fleet will refuse."""
+        if self.engine.urls:
+            return set()
+        try:
+            placement = engine_gpu_ids(
+                self.engine.num_engines, self.engine.tp_size, self.cluster.engine_gpus
+            )
+        except ValueError:
+            return set()
+        return {gpu for gpus in placement for gpu in gpus}
+
+    def weight_transport(self, learner_device_type: str) -> str:
+        """`weights.transport` resolved: `auto` becomes NCCL when learner and engines are on
+        different GPUs; ipc when one embedded engine started here shares the learner's one
+        GPU (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
+        bench/results/gpu/*_h200x1_ipc.json); gloo otherwise (CPU, mixed placements, and
+        SGLang on a shared GPU). With `cluster.launcher = "ray"`, NCCL whenever the learner
+        is on CUDA and `engine.device` is not `cpu`: Ray gives each engine GPUs of its own."""
+        if self.weights.transport != "auto":
+            return self.weights.transport
+        if learner_device_type != "cuda" or self.engine.device == "cpu":
+            return "gloo"
+        if self.cluster.launcher == "ray":
+            return "nccl"  # Ray gives the engines GPUs of their own, maybe on other nodes
+        learner, engines = self.learner_gpu_ids, self.engine_gpu_ids
+        if engines and not engines & learner:
+            return "nccl"
+        is_local_embedded = self.engine.backend == "embedded" and not self.engine.urls
+        is_shared = len(learner) == 1 and engines == learner
+        if is_local_embedded and is_shared and not _ipc_problems(self):
+            return "ipc"
+        return "gloo"
+
+
+def _cross_field_problems(cfg: RunConfig) -> list[str]:
+    problems = []
+    gbs = cfg.learner.global_batch_size
+    if gbs and cfg.samples_per_step % gbs:
+        problems.append(
+            f"learner.global_batch_size = {gbs} must divide rollout.batch_size * "
+            f"rollout.n_samples_per_prompt = {cfg.samples_per_step}"
+        )
+    if (
+        cfg.train.mode == "async"
+        and cfg.buffer.max_staleness > 0
+        and cfg.algorithm.off_policy_correction == "none"
+        and not cfg.algorithm.allow_uncorrected_async
+    ):
+        problems.append(
+            "async training with buffer.max_staleness > 0 needs an off-policy correction: set "
+            "algorithm.off_policy_correction to 'decoupled_ppo' or 'tis', or buffer.max_staleness "
+            "= 0, or train.mode = 'sync' (algorithm.allow_uncorrected_async = true overrides this)"
+        )
+    if cfg.buffer.capacity and cfg.buffer.capacity < cfg.rollout.batch_size:
+        problems.append(
+            f"buffer.capacity = {cfg.buffer.capacity} is below rollout.batch_size = "
+            f"{cfg.rollout.batch_size}: the learner could never get a full batch"
+        )
+    if not cfg.data.path:
+        problems.append("data.path is required (a JSONL/Parquet file or builtin:<task>)")
+    if cfg.engine.backend == "sglang" and cfg.model.path.startswith(("random:", "smollm2")):
+        problems.append("engine.backend = 'sglang' needs model.path to be a Hugging Face directory")
+    if cfg.learner.backend == "torch" and cfg.learner.num_gpus > 1:
+        problems.append("learner.num_gpus > 1 needs learner.backend = 'megatron'")
+    mcfg = cfg.learner.megatron
+    if cfg.learner.backend == "torch":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(mcfg, key) > 1:
+                problems.append(f"learner.megatron.{key} > 1 needs learner.backend = 'megatron'")
+    if cfg.learner.backend == "megatron":
+        model_parallel = mcfg.tensor_parallel_size * mcfg.pipeline_parallel_size
+        if cfg.learner.num_gpus % model_parallel:
+            problems.append(
+                f"learner.num_gpus = {cfg.learner.num_gpus} must be a multiple of "
+                f"learner.megatron.tensor_parallel_size * pipeline_parallel_size = {model_parallel}"
+            )
+    if cfg.weights.transport == "ipc":
+        problems += _ipc_problems(cfg)
+    if cfg.cluster.launcher == "ray":
+        problems += _ray_problems(cfg)
+    names = [d.name for d in cfg.eval.datasets]
+    if len(set(names)) != len(names):
+        problems.append(f"eval.datasets names must be unique, got {names}")
+    return problems
+
+
+def _ray_problems(cfg: RunConfig) -> list[str]:
+    """Keys whose meaning assumes one machine, refused when Ray places the components."""
+    problems = []
+    if cfg.cluster.engine_gpus:
+        problems.append(
+            "cluster.engine_gpus must be empty with cluster.launcher = 'ray': Ray assigns each "
+            "engine engine.tp_size GPUs from its bundle"
+        )
+    if cfg.weights.transport == "ipc":
+        problems.append(
+            "weights.transport = 'ipc' needs the engines on the learner's GPU, which "
+            "cluster.launcher = 'ray' does not place them on: use 'nccl', 'gloo' or 'auto'"
+        )
+    return problems
+
+
+def _ipc_problems(cfg: RunConfig) -> list[str]:
+    """Weights by reference need every engine on the learner's (single) device."""
+    problems = []
+    if cfg.learner.num_gpus > 1:
+        problems.append("weights.transport = 'ipc' needs learner.num_gpus = 1")
+    devices = (cfg.engine.device, cfg.learner.device)
+    if cfg.engine.backend == "embedded" and "auto" not in devices and len(set(devices)) > 1:
+        problems.append(
+            f"weights.transport = 'ipc' needs the engines on the learner's device "
+            f"(engine.device = {devices[0]!r}, learner.device = {devices[1]!r})"
+        )
+    learner_gpu = (cfg.cluster.learner_gpus or [0])[0]
+    engines = cfg.engine_gpu_ids
+    if engines and engines != {learner_gpu}:
+        problems.append(
+            f"weights.transport = 'ipc' needs every engine on the learner's GPU: the engines "
+            f"would use GPU(s) {sorted(engines)} (cluster.engine_gpus = "
+            f"{cfg.cluster.engine_gpus}, engine.num_engines = {cfg.engine.num_engines}, "
+            f"engine.tp_size = {cfg.engine.tp_size}), the learner GPU {learner_gpu}"
+        )
+    return problems

@@ -1,0 +1,99 @@
+"""Model runners of the embedded engine, and the choice between them.
+
+- ``compact`` (`compact.CompactRunner` over `decoder.CompactModel`): our own decoder for Llama,
+  Qwen2 and Qwen3 with a per-slot KV cache, continuous batching and, on CUDA,
+  FlashAttention-2 and CUDA-graph decode steps.
+- ``hf`` (`hf.HFRunner`): any transformers causal LM, in waves.
+``auto`` picks compact whenever the config is one it supports.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RUNNER_NAMES = ("auto", "compact", "hf")
+
+
+def model_config(model_path: str):
+    """The transformers config behind a model path (HF dir, "smollm2", "random:<shape>")."""
+    from transformers import AutoConfig
+
+    from streamrl import models
+
+    if model_path.startswith(models.RANDOM_PREFIX):
+        return models.random_config(model_path.removeprefix(models.RANDOM_PREFIX))
+    if model_path == models.SMOLLM2_NAME:
+        return AutoConfig.from_pretrained(str(models.smollm2_model_dir()))
+    return AutoConfig.from_pretrained(model_path)
+
+
+def compact_supports(config) -> str:
+    """Empty when the compact runner can serve ``config``, else the reason it cannot."""
+    from streamrl.engine.runner.decoder import ModelDims
+    from streamrl.engine.runner.rope import UnsupportedModel, inverse_frequencies
+
+    try:
+        dims = ModelDims.from_config(config)
+        inverse_frequencies(config, dims.head_dim)
+    except UnsupportedModel as error:
+        return str(error)
+    return ""
+
+
+def build_runner(
+    model_path: str,
+    *,
+    runner: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_batch_size: int,
+    max_seq_len: int,
+    max_prefill_tokens: int,
+    cuda_graphs: bool,
+    compile_elementwise: bool,
+    seed: int,
+):
+    """``(runner, config)`` for a model path; weights come from `models.load_model`."""
+    from streamrl import models
+
+    if runner not in RUNNER_NAMES:
+        raise ValueError(f"runner {runner!r} is not one of {RUNNER_NAMES}")
+    config = model_config(model_path)
+    reason = compact_supports(config)
+    if runner == "compact" and reason:
+        raise ValueError(f"the compact runner cannot serve {model_path}: {reason}")
+    if runner == "hf" or (runner == "auto" and reason):
+        from streamrl.engine.runner.hf import HFRunner
+
+        if reason:
+            logger.info("using the transformers runner: %s", reason)
+        model, _ = models.load_model(model_path, device=device, dtype=dtype, seed=seed)
+        model.requires_grad_(False)
+        return HFRunner(
+            model,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=max_prefill_tokens,
+        ), model.config
+
+    from streamrl.engine.runner.compact import CompactRunner
+
+    source, _ = models.load_model(model_path, device="cpu", dtype=torch.float32, seed=seed)
+    state_dict = source.state_dict()
+    del source
+    built = CompactRunner(
+        config,
+        state_dict,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        max_prefill_tokens=max_prefill_tokens,
+        cuda_graphs=cuda_graphs,
+        compile_elementwise=compile_elementwise,
+    )
+    return built, config

@@ -1,0 +1,214 @@
+"""The embedded engine's weight endpoints: SGLang's weight-update protocol.
+
+    /init_weights_update_group        join a named group (the trainer is rank 0)
+    /update_weights_from_distributed  receive one call's tensors over it, then load them
+    /update_weights_from_tensor       tensors handed over by reference (CUDA IPC, or shared
+                                      memory on the CPU: `streamrl.weights.ipc`)
+    /update_weights_from_disk         a safetensors directory
+    /destroy_weights_update_group
+
+Group calls run in worker threads: the event loop keeps serving and the core
+keeps generating while the trainer's broadcast arrives; only the in-place copy
+(`EngineCore.update_weights`) happens at a step boundary. A join runs outside
+the weight lock, in a daemon thread: a join whose trainer gave up blocks until
+its rendezvous times out and must not hold up the next group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from streamrl.engine.core import EngineCore
+from streamrl.engine.protocol import json_response, read_json
+from streamrl.weights.group import (
+    DEFAULT_GROUP_NAME,
+    FLATTENED_BUCKET,
+    destroy_weight_update_group,
+    join_in_daemon_thread,
+    receive_tensors,
+)
+from streamrl.weights.ipc import deserialize_named_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def _weight_result(success: bool, message: str) -> web.Response:
+    return json_response({"success": success, "message": message}, 200 if success else 400)
+
+
+class WeightEndpoints:
+    """The weight routes of one engine server; `abort_all` ends every request (for the
+    `abort_all_requests` flag), `on_loaded_from_disk(path)` records a new model path."""
+
+    def __init__(
+        self,
+        core: Callable[[], EngineCore],
+        *,
+        abort_all: Callable[[], None],
+        on_loaded_from_disk: Callable[[str], None],
+    ) -> None:
+        self._core = core
+        self._abort_all = abort_all
+        self._on_loaded_from_disk = on_loaded_from_disk
+        self._lock = asyncio.Lock()
+        self._groups: dict[str, tuple[Any, str]] = {}  # group_name -> (group, backend)
+        self._joining: set[str] = set()
+        self.is_receiving = False
+        """Inside update_weights_from_distributed's receive (reported by /get_load)."""
+
+    @property
+    def core(self) -> EngineCore:
+        return self._core()
+
+    def routes(self) -> list[tuple[str, Callable]]:
+        """(path, handler) of every POST route."""
+        return [
+            ("/init_weights_update_group", self.init_weights_update_group),
+            ("/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("/destroy_weights_update_group", self.destroy_weights_update_group),
+        ]
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        missing = [k for k in ("master_address", "master_port", "world_size") if k not in body]
+        if missing:
+            return _weight_result(False, f"missing fields: {', '.join(missing)}")
+        group_name = body.get("group_name") or DEFAULT_GROUP_NAME
+        backend = body.get("backend") or "nccl"
+        async with self._lock:
+            if group_name in self._groups or group_name in self._joining:
+                return _weight_result(False, f"weight-update group {group_name!r} already exists")
+            self._joining.add(group_name)
+        # Joined outside the lock: a join whose trainer gave up (a member died before it
+        # joined) blocks until the rendezvous times out, and must not hold up the next group.
+        try:
+            group = await join_in_daemon_thread(
+                master_address=str(body["master_address"]),
+                master_port=int(body["master_port"]),
+                rank=int(body.get("rank_offset", 1)),
+                world_size=int(body["world_size"]),
+                group_name=group_name,
+                backend=backend,
+            )
+        except Exception as exc:
+            logger.exception("init_weights_update_group failed")
+            return _weight_result(False, f"failed to join {group_name!r}: {exc}")
+        finally:
+            self._joining.discard(group_name)
+        async with self._lock:
+            self._groups[group_name] = (group, backend)
+        return _weight_result(True, f"joined weight-update group {group_name!r}")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if (
+            not isinstance(names, list)
+            or not isinstance(dtypes, list)
+            or not isinstance(shapes, list)
+        ):
+            return _weight_result(False, "names, dtypes and shapes must be lists")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", FLATTENED_BUCKET):
+            return _weight_result(False, f"load_format {load_format!r} is not supported")
+        group_name = body.get("group_name") or DEFAULT_GROUP_NAME
+        async with self._lock:
+            if group_name not in self._groups:
+                return _weight_result(False, f"no weight-update group {group_name!r}")
+            group, backend = self._groups[group_name]
+            if body.get("abort_all_requests"):
+                self._abort_all()
+            device = self.core.device if backend == "nccl" else "cpu"
+            self.is_receiving = True
+            try:
+                tensors = await asyncio.to_thread(
+                    receive_tensors, group, names, dtypes, shapes, device, load_format
+                )
+            except Exception as exc:
+                logger.exception("receiving weights failed")
+                return _weight_result(False, f"receiving weights failed: {exc}")
+            finally:
+                self.is_receiving = False
+            return await self._apply(tensors, body, f"{len(tensors)} tensors over {group_name!r}")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        model_path = body.get("model_path")
+        if not model_path:
+            return _weight_result(False, "model_path is required")
+        async with self._lock:
+            if body.get("abort_all_requests"):
+                self._abort_all()
+            try:
+                tensors = await asyncio.to_thread(_load_safetensors, Path(model_path))
+            except Exception as exc:
+                return _weight_result(False, f"loading {model_path} failed: {exc}")
+            result = await self._apply(tensors, body, f"{len(tensors)} tensors from {model_path}")
+            if result.status == 200:
+                self._on_loaded_from_disk(str(model_path))
+            return result
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Tensors handed over by reference (CUDA IPC or shared memory; see
+        `streamrl.weights.ipc`): entry 0 of `serialized_named_tensors` (one GPU)."""
+        body = await read_json(request)
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            return _weight_result(False, "serialized_named_tensors must be a non-empty list")
+        if body.get("load_format") not in (None, "auto"):
+            return _weight_result(False, f"load_format {body['load_format']!r} is not supported")
+        async with self._lock:
+            if body.get("abort_all_requests"):
+                self._abort_all()
+            try:
+                tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
+            except Exception as exc:
+                logger.exception("update_weights_from_tensor: bad payload")
+                return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
+            try:
+                return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
+            finally:
+                del tensors  # release the sender's memory once copied
+
+    async def _apply(self, tensors: list, body: dict, what: str) -> web.Response:
+        version = body.get("weight_version")
+        version = self.core.weight_version if version is None else str(version)
+        try:
+            await self.core.update_weights(tensors, version)
+        except Exception as exc:
+            logger.exception("update_weights failed")
+            return _weight_result(False, f"loading weights failed: {exc}")
+        if body.get("flush_cache", True) and not self.core.flush_cache():
+            logger.info("cache not flushed after the update: requests are running")
+        logger.info("weights updated (%s); weight_version=%s", what, version)
+        return _weight_result(True, f"updated {what}; weight_version={version}")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        group_name = (await read_json(request)).get("group_name") or DEFAULT_GROUP_NAME
+        async with self._lock:
+            entry = self._groups.pop(group_name, None)
+            if entry is None:
+                return _weight_result(False, f"no weight-update group {group_name!r}")
+            await asyncio.to_thread(destroy_weight_update_group, entry[0])
+        return _weight_result(True, f"destroyed weight-update group {group_name!r}")
+
+
+def _load_safetensors(model_dir: Path) -> list:
+    """Every tensor of every `*.safetensors` file under `model_dir`, by its HF name."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else [model_dir]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    tensors = []
+    for path in files:
+        tensors.extend(load_file(str(path)).items())
+    return tensors

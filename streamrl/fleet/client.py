@@ -1,0 +1,286 @@
+"""`EngineClient`: an async client of one SGLang-protocol server (an SGLang engine, the
+embedded engine, or sglang-router for `/generate`).
+
+Every call maps to one endpoint of SGLang's native HTTP API (docs/engine.md lists the
+subset); a failed call raises `EngineError` with the HTTP status (None when no answer
+came). `streamrl.fleet.engine_set.EngineSet` holds every engine of a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+from streamrl.fleet.results import GenerateResult, parse_result, parse_version
+from streamrl.weights.layout import engine_gpu_count
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+class EngineError(RuntimeError):
+    """An engine call failed: HTTP 4xx/5xx (`status`), or no answer at all (`status` None)."""
+
+    def __init__(self, url: str, endpoint: str, status: int | None, body: str) -> None:
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.body = body
+        what = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"{url}{endpoint}: {what}: {body[:2000]}")
+
+
+class EngineClient:
+    """Async client of one SGLang-protocol server. Use as `async with`, or call `aclose()`."""
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        body: dict | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        timeout = httpx.Timeout(timeout_s, connect=10.0) if timeout_s is not None else None
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if body is not None:
+            kwargs["content"] = msgspec.json.encode(body)
+            kwargs["headers"] = {"content-type": "application/json"}
+        try:
+            response = await self._http.request(method, endpoint, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineError(self.url, endpoint, None, f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise EngineError(self.url, endpoint, response.status_code, response.text)
+        return response
+
+    async def _json(self, method: str, endpoint: str, body: dict | None = None, **kwargs) -> Any:
+        response = await self._request(method, endpoint, body, **kwargs)
+        if not response.content:
+            return None
+        try:
+            return msgspec.json.decode(response.content)
+        except msgspec.DecodeError:
+            return response.text
+
+    # ---- generation ------------------------------------------------------
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        """Generate one sample for one prompt (`sampling_params["n"]` must be 1)."""
+        if (sampling_params or {}).get("n", 1) not in (1, None):
+            raise ValueError("generate() makes one sample; use generate_many() for n > 1")
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        payload = await self._json("POST", "/generate", body)
+        if isinstance(payload, list):
+            payload = payload[0]
+        return parse_result(payload)
+
+    async def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: dict | None = None,
+        *,
+        rids: Sequence[str] | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateResult]:
+        """One batched call; with `n` > 1 the results are prompt-major (n per prompt).
+
+        sglang-router 0.3.2 refuses a list `rid` (422): pass `rids` only to engines."""
+        body: dict[str, Any] = {
+            "input_ids": [list(p) for p in prompts],
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+        }
+        if rids is not None:
+            body["rid"] = list(rids)
+        payload = await self._json("POST", "/generate", body)
+        payloads = payload if isinstance(payload, list) else [payload]
+        return [parse_result(item) for item in payloads]
+
+    # ---- health and info -------------------------------------------------
+    async def health(self) -> None:
+        """Raise `EngineError` unless GET /health answers 200."""
+        await self._request("GET", "/health", timeout_s=10.0)
+
+    async def is_healthy(self) -> bool:
+        try:
+            await self.health()
+        except EngineError:
+            return False
+        return True
+
+    async def health_generate(self, timeout_s: float = 30.0) -> None:
+        """Raise `EngineError` unless a one-token generation succeeds within `timeout_s`."""
+        await self._request("GET", "/health_generate", timeout_s=timeout_s)
+
+    async def _info(self, name: str) -> dict:
+        try:
+            return await self._json("GET", f"/{name}")
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            return await self._json("GET", f"/get_{name}")
+
+    async def model_info(self) -> dict:
+        return await self._info("model_info")
+
+    async def server_info(self) -> dict:
+        return await self._info("server_info")
+
+    async def weight_version(self) -> int:
+        return parse_version((await self.model_info()).get("weight_version"))
+
+    # ---- control ---------------------------------------------------------
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the engine refused (400: requests running)."""
+        try:
+            await self._request("POST", "/flush_cache")
+        except EngineError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request (by rid) or, with `abort_all`, every request."""
+        if rid is None and not abort_all:
+            raise ValueError("give a rid or abort_all=True")
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> dict:
+        """Pause generation: `abort` | `retract` | `in_place` (keeps the KV cache)."""
+        return await self._json("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self._json("POST", "/continue_generation", {})
+
+    # ---- weights ---------------------------------------------------------
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Blocks until every rank (the trainer as rank 0 too) has joined."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._json("POST", "/init_weights_update_group", body, timeout_s=timeout_s)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Blocks until the engine has received every broadcast and loaded the tensors.
+
+        `dtypes` may be torch dtypes or names ("bfloat16", "torch.bfloat16");
+        `load_format = "flattened_bucket"`: the tensors come as one flat broadcast."""
+        body = {
+            "names": list(names),
+            "dtypes": [str(dtype).removeprefix("torch.") for dtype in dtypes],
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._json(
+            "POST", "/update_weights_from_distributed", body, timeout_s=timeout_s
+        )
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | int | None = None
+    ) -> dict:
+        body = {
+            "model_path": model_path,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return await self._json("POST", "/update_weights_from_disk", body)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """Weights by reference, for an engine on the caller's own device: one entry per engine
+        GPU, each from `streamrl.weights.ipc.serialize_named_tensors`."""
+        body = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": None,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return await self._json("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        return await self._json("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def load(self) -> dict:
+        """The embedded engine's `/get_load` entry (running, waiting, paused requests)."""
+        return (await self._json("GET", "/get_load"))[0]
+
+
+async def engine_gpu_counts(engines: Sequence[EngineClient]) -> list[int]:
+    """Each engine's rank count (`engine_gpu_count` of its `/server_info`), in order."""
+    return [engine_gpu_count(await engine.server_info()) for engine in engines]

@@ -1,0 +1,77 @@
+"""`streamrl run CONFIG`: pick where the processes run, then run the trainer.
+
+    streamrl run ─► load + validate the config (exit 2 on a bad key)
+                 ─► refuse what cannot start (no SGLang, no Ray) before anything starts
+                 ─► Trainer(spawner = LocalSpawner | RaySpawner).run()   (streamrl.mains.trainer)
+                 ─► exit 0 done, 1 failed (the reason on stderr), 130 interrupted
+
+With `cluster.launcher = "local"` every process is a child of this one (they die
+with it: PDEATHSIG); with `"ray"` the engines and the rollout process run in Ray
+actors (`streamrl.launch.ray`). Either way the trainer stops every process it
+started, also on Ctrl-C, SIGTERM or a failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+from streamrl.config import ConfigError, RunConfig, load_config
+from streamrl.mains.trainer import RunError, Trainer
+from streamrl.process import ProcessDied
+
+
+def run_command(args) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # Both signals raise KeyboardInterrupt in the main thread. Left to asyncio, Ctrl-C would
+    # cancel the main task instead, and a cancellation absorbed on its way out (a shielded
+    # scope finishing cleanup) can end the run as if it had completed: exit 0, not 130.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    try:
+        summary = anyio.run(run, cfg, args.resume)
+    except KeyboardInterrupt:
+        print("streamrl: interrupted; every process stopped", file=sys.stderr)
+        return 130
+    except (RunError, ProcessDied, TimeoutError, ConfigError) as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"streamrl: done: {summary['steps']} steps, version {summary['version']}, "
+        f"run dir {cfg.train.output_dir}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run training to `train.steps`; returns the summary (also written to summary.json)."""
+    if cfg.engine.backend == "sglang":
+        from streamrl.fleet.sglang import check_sglang_backend
+
+        check_sglang_backend(cfg)  # before anything starts
+    if cfg.cluster.launcher == "ray":
+        from streamrl.launch.ray import require_ray
+
+        require_ray()  # before anything starts
+    trainer = Trainer(cfg, resume=resume)
+    try:
+        trainer.prepare()
+        if cfg.cluster.launcher == "ray":
+            from streamrl.launch.ray import RaySpawner
+
+            trainer.spawner = RaySpawner.start(cfg, trainer.run_dir)
+        return await trainer.run()
+    finally:
+        trainer.stop()

@@ -1,0 +1,318 @@
+"""The trainer process (`streamrl run`, learner rank 0): the actors side by side, and the
+processes it starts.
+
+    trainer process (one anyio task group)             processes it starts (via a Spawner)
+      Intake            receiver + admission + buffer ◄──ZeroMQ── rollout (`streamrl _rollout`)
+      LearnerLoop       take ─► train_step ─► publish          │ /generate
+      WeightPublisher   snapshot ─► pause/broadcast/continue ──┼──► engines (`streamrl engine
+      EngineSupervisor  health checks, restarts, router         │    serve` or SGLang), router
+                                                               └── learner ranks 1..N-1
+                                                                   (`streamrl _learner`)
+
+`Trainer.run()` prepares the run directory (or resumes from its newest
+checkpoint), starts the learner ranks and the engines while the learner loads
+its model, binds the intake, starts the rollout process, trains to
+`train.steps`, then stops in order: final checkpoint, engines settled on the
+final version, rollout, learner ranks. It returns the summary (also written to
+`summary.json`). Where the processes run is the spawner's business
+(`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.RaySpawner`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from streamrl import checkpoint
+from streamrl.config import RunConfig, dump_toml
+from streamrl.mains.follower import LearnerSpec
+from streamrl.mains.follower import write_spec as write_learner_spec
+from streamrl.mains.rollout import RolloutSpec, start_rollout
+from streamrl.metrics import MetricsWriter
+from streamrl.process import LocalSpawner, ProcessHandle, Spawner, free_port, streamrl_argv
+
+log = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; the message says why and where to look."""
+
+
+class Trainer:
+    """One run's trainer process: its actors, and the processes it starts through `spawner`."""
+
+    def __init__(self, cfg: RunConfig, *, resume: bool, spawner: Spawner | None = None) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.run_dir = Path(cfg.train.output_dir)
+        self.spawner: Spawner = spawner or LocalSpawner()
+        self.children: list[ProcessHandle] = []
+        self.supervisor = None
+        self.ranks = None
+        self.leader = None
+        self._prepared: tuple[checkpoint.TrainState, str, Path | None] | None = None
+
+    def stop(self) -> None:
+        """Stop every process this trainer started (idempotent; also after a failure)."""
+        for child in self.children:
+            child.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        self.spawner.close()
+
+    async def run(self) -> dict[str, Any]:
+        """Train to `train.steps`; returns the summary (see the module docstring)."""
+        from streamrl.backends.build import learner_devices
+
+        state, model_path, resume_from = self.prepare()
+        device, dtype = learner_devices(self.cfg)
+        self._start_learner_ranks(model_path, device)
+        backend = await self._start_engines_and_backend(model_path, device, dtype, state.version)
+        if resume_from is not None:
+            await anyio.to_thread.run_sync(backend.load, resume_from)
+        metrics = MetricsWriter(
+            self.run_dir,
+            tensorboard=self.cfg.logging.tensorboard,
+            progress=self.cfg.logging.progress,
+        )
+        try:
+            intake, publisher, loop = self._actors(backend, device, state, metrics)
+            rollout = start_rollout(
+                self.spawner,
+                self.run_dir,
+                RolloutSpec(
+                    buffer_address=intake.bind(),
+                    engine_urls=self.supervisor.urls,
+                    router_url=self.supervisor.router_url,
+                    model_path=model_path,
+                    position=loop.start_position,
+                    start_version=state.version,
+                ),
+                log_level=self.cfg.logging.level,
+            )
+            self.children.append(rollout)
+            started = time.monotonic()
+            engine_versions = await self._train(intake, publisher, loop, rollout)
+        finally:
+            metrics.close()
+        summary = {
+            "steps": loop.state.step,
+            "version": loop.version,
+            "wall_s": time.monotonic() - started,
+            **intake.summary(),
+            "engine_restarts": self.supervisor.restart_counts(),
+            "engine_versions": engine_versions,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    # ---- the run directory ---------------------------------------------------
+
+    def prepare(self) -> tuple[checkpoint.TrainState, str, Path | None]:
+        """Check and fill the run directory, once: (state, the model every process loads, the
+        checkpoint to restore or None). RunError when `--resume` finds nothing to resume, or
+        a new run finds checkpoints."""
+        if self._prepared is None:
+            self._prepared = self._prepare_run_dir()
+        return self._prepared
+
+    def _prepare_run_dir(self) -> tuple[checkpoint.TrainState, str, Path | None]:
+        latest = checkpoint.latest(self.run_dir)
+        if self.resume and latest is None:
+            raise RunError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+        if not self.resume and latest is not None:
+            raise RunError(
+                f"{self.run_dir} already holds checkpoints: pass --resume to continue, "
+                f"or set train.output_dir to a new directory"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+        if latest is None:
+            return checkpoint.TrainState(), self._initial_model(), None
+        state = checkpoint.read_state(latest)
+        log.info("resuming from %s: step %d, version %d", latest, state.step, state.version)
+        return state, str(latest), latest
+
+    def _initial_model(self) -> str:
+        """The model every process loads; a `random:` model is written once so all agree."""
+        path = self.cfg.model.path
+        if not path.startswith("random:"):
+            return path
+        from streamrl.models import save_random_model
+
+        target = self.run_dir / "initial_model"
+        if not (target / "config.json").exists():
+            save_random_model(path.removeprefix("random:"), target, seed=self.cfg.model.seed)
+        return str(target)
+
+    # ---- starting ------------------------------------------------------------
+
+    def _start_learner_ranks(self, model_path: str, device) -> None:
+        """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
+        if self.cfg.learner.backend != "megatron":
+            return
+        from streamrl.backends.rendezvous import init_distributed, start_ranks
+
+        world_size = self.cfg.learner.num_gpus
+        write_learner_spec(self.run_dir, LearnerSpec(model_path=model_path))
+        env = {}
+        if self.cfg.cluster.learner_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))
+        port = free_port()
+        if world_size > 1:
+            self.ranks = start_ranks(
+                streamrl_argv(
+                    "--log-level",
+                    self.cfg.logging.level,
+                    "_learner",
+                    "--run-dir",
+                    str(self.run_dir),
+                ),
+                world_size=world_size,
+                ranks=range(1, world_size),
+                log_dir=self.run_dir / "logs",
+                env=env,
+            )
+            port = self.ranks.master_port
+        init_distributed(rank=0, world_size=world_size, master_port=port, device=device.type)
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+
+    async def _start_engines_and_backend(self, model_path: str, device, dtype, version: int):
+        """Engines (and router) start while the learner loads its model in a thread."""
+        from streamrl.actors.supervisor import EngineSupervisor
+        from streamrl.backends.build import build_backend
+        from streamrl.fleet.commands import engine_argv_factory
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            backend_future = pool.submit(build_backend, self.cfg, model_path, device, dtype)
+            self.supervisor = EngineSupervisor(
+                self.cfg,
+                run_dir=self.run_dir,
+                engine_argv=engine_argv_factory(self.cfg, model_path, version),
+                spawner=self.spawner,
+            )
+            self.supervisor.start()  # in the main thread: children die with the thread that forks
+            backend = await anyio.to_thread.run_sync(backend_future.result)
+        if self.ranks is not None:
+            from streamrl.backends.ranks import Leader
+
+            backend = self.leader = Leader(backend)
+        return backend
+
+    def _actors(self, backend, device, state: checkpoint.TrainState, metrics: MetricsWriter):
+        """The intake, the weight publisher and the learner loop of this run, connected: the
+        publisher reports new versions to the intake; the loop sees the intake and publisher."""
+        from streamrl.actors.learner import LearnerLoop
+        from streamrl.actors.publisher import WeightPublisher
+        from streamrl.backends.build import pad_token_id
+        from streamrl.queues.intake import Intake
+
+        cfg = self.cfg
+        intake = Intake(
+            f"tcp://{self.spawner.reachable(cfg.buffer.host)}:{cfg.buffer.port}",
+            batch_size=cfg.rollout.batch_size,
+            max_staleness=cfg.effective_max_staleness,
+            capacity=cfg.buffer_capacity,
+            filters=cfg.buffer.filters,
+            start_version=state.version,
+        )
+        transport = cfg.weight_transport(device.type)
+        publisher = WeightPublisher(
+            weights=backend.hf_weights,
+            members=self.supervisor.live_clients,
+            on_published=intake.on_published,
+            bucket_bytes=cfg.weights.bucket_bytes,
+            flattened=cfg.weights.flattened_buckets,
+            pause_mode=cfg.weights.pause_mode,
+            transport=transport,
+            master_address=self.spawner.reachable(cfg.weights.master_address),
+            staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",
+            stages=self._remote_stages(transport),
+        )
+        loop = LearnerLoop(
+            cfg,
+            backend=backend,
+            intake=intake,
+            publisher=publisher,
+            metrics=metrics,
+            run_dir=self.run_dir,
+            state=state,
+            pad_id=pad_token_id(backend),
+        )
+        return intake, publisher, loop
+
+    def _remote_stages(self, transport: str):
+        """Pipeline stages 1..PP-1 publish from their own ranks (None without PP)."""
+        if self.leader is None or not self.leader.stage_publisher_ranks:
+            return None
+        from streamrl.weights.stages import RemoteStages
+
+        return RemoteStages(self.leader, staging="cuda" if transport == "nccl" else "cpu")
+
+    # ---- training --------------------------------------------------------------
+
+    async def _train(
+        self, intake, publisher, loop, rollout: ProcessHandle
+    ) -> dict[str, int | None]:
+        """Run the learner loop to `train.steps` with everything around it; stop in order:
+        final checkpoint, engines settled on the final version, rollout, learner ranks."""
+        cfg, supervisor = self.cfg, self.supervisor
+        async with anyio.create_task_group() as tg:
+            await tg.start(intake.run)
+            await tg.start(publisher.run)
+            if not cfg.engine.urls:
+                tg.start_soon(supervisor.monitor, publisher)
+            watch = anyio.CancelScope()
+            tg.start_soon(_watch, rollout, watch)
+            await loop.run()
+            if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
+                await loop.save()
+            watch.cancel()
+            with anyio.fail_after(cfg.engine.startup_timeout_s):
+                await supervisor.wait_settled()  # an engine mid-restart gets the final weights
+            await _final_resync(publisher, supervisor)
+            engine_versions = await supervisor.versions()
+            await intake.stop("training finished")
+            await _wait_exit(rollout, timeout_s=30.0)
+            loop.record_eval_reports()
+            tg.cancel_scope.cancel()
+        if self.leader is not None:
+            self.leader.close()
+            await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
+        return engine_versions
+
+
+async def _final_resync(publisher, supervisor) -> None:
+    """Engines that came back during the last step hold the version of the snapshot they
+    were synced from; bring every engine to the final one."""
+    versions = await supervisor.versions()
+    if len(set(versions.values())) > 1:
+        await publisher.resync()
+
+
+async def _watch(child: ProcessHandle, scope: anyio.CancelScope) -> None:
+    """Fail the run if `child` exits before `scope` is cancelled (it was told to stop)."""
+    with scope:
+        code = await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
+    if scope.cancel_called:
+        return
+    raise RunError(
+        f"the {child.name} process exited with code {code} during training; "
+        f"last lines of {child.log_path}:\n{child.log_tail()}"
+    )
+
+
+async def _wait_exit(child: ProcessHandle, *, timeout_s: float) -> None:
+    with anyio.move_on_after(timeout_s):
+        await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)

@@ -1,0 +1,255 @@
+"""Child processes that never outlive their parent, and readiness waits.
+
+Every component process (engines, router, rollout, learner ranks) is started
+through `spawn`: its own process group (so a whole tree can be signalled),
+`PR_SET_PDEATHSIG` = SIGKILL on Linux (so a `kill -9` of the parent leaves no
+orphan), output to a log file whose tail goes into error messages.
+
+PDEATHSIG fires when the *thread* that forked the child exits, so spawn from
+the main thread or another thread that lives as long as the child should
+(never from a short-lived worker thread such as `anyio.to_thread`).
+
+`Spawner` is the launcher's seam: `LocalSpawner` spawns here, the Ray launcher
+(`streamrl.launch.ray`) in actors; both hand back a `ProcessHandle`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+ServerArgv = Callable[[int, str, int], tuple[list[str], dict[str, str]]]
+"""How to start server `index` on `host:port`: (index, host, port) -> (argv, extra env)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ChildProcess:
+    """A started child: its Popen, name and log file."""
+
+    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path | None) -> None:
+        self.name = name
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def signal(self, signum: int) -> None:
+        """Signal the child's whole process group."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signum)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the group, then SIGKILL what is left after `timeout_s`; returns the exit code."""
+        if self.is_alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+        # Reap grandchildren that ignored SIGTERM.
+        self.signal(signal.SIGKILL)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the child exits (subprocess.TimeoutExpired after `timeout_s`)."""
+        return self.popen.wait(timeout_s)
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where the process runs, for engines.json: nothing to add on this machine."""
+        return {}
+
+
+class ProcessHandle(Protocol):
+    """What the launcher and the engine fleet use of a started process: a `ChildProcess`
+    here, or a process that a Ray actor started on its node (`streamrl.launch.ray`)."""
+
+    name: str
+    log_path: Path | None
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def placement(self) -> dict[str, str]: ...
+    def poll(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def log_tail(self, num_lines: int = 30) -> str: ...
+    def stop(self, timeout_s: float = 10.0) -> int | None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout_s: float | None = None) -> int: ...
+
+
+class Spawner(Protocol):
+    """Where component processes run: here (`LocalSpawner`) or in Ray actors
+    (`streamrl.launch.ray.RaySpawner`). The handles it returns act like `ChildProcess`."""
+
+    name: str
+    """The launcher's name, `local` or `ray` (recorded in engines.json)."""
+
+    def reachable(self, host: str) -> str:
+        """The address to bind on this machine for something configured at `host` that
+        other components must reach (buffer, router, weight-update master)."""
+        ...
+
+    def address(self, name: str, host: str) -> tuple[str, int]:
+        """Host and free port for the server process `name` (configured at `host`)."""
+        ...
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ProcessHandle:
+        """Start `argv` as the process `name`; a restart spawns the same name again."""
+        ...
+
+    def close(self) -> None:
+        """Stop everything started through this spawner and release what it holds."""
+        ...
+
+
+class LocalSpawner:
+    """Every process a child of this one (PDEATHSIG, own process group, log in `log_path`)."""
+
+    name = "local"
+
+    def reachable(self, host: str) -> str:
+        return host
+
+    def address(self, name: str, host: str) -> tuple[str, int]:
+        return host, free_port(host)
+
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ChildProcess:
+        return spawn(name, argv, log_path=log_path, env=env)
+
+    def close(self) -> None:
+        """Nothing held: the job stops its own children."""
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> ChildProcess:
+    """Start `argv` in its own process group, killed if this process dies."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        stdout = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+    else:
+        stdout = subprocess.DEVNULL
+    try:
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            cwd=cwd,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if log_path is not None:
+            stdout.close()
+    return ChildProcess(name, popen, log_path)
+
+
+def streamrl_argv(*args: str) -> list[str]:
+    """argv that runs `streamrl ARGS` with this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-m", "streamrl", *args]
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+def wait_http_ready(
+    url: str,
+    *,
+    timeout_s: float,
+    process: ProcessHandle | None = None,
+    path: str = "/health",
+) -> None:
+    """Poll `url + path` until it answers 200; fail early with the log tail if `process` dies.
+
+    Polls with a growing interval (readiness, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    last_error = ""
+    while time.monotonic() < deadline:
+        if process is not None and not process.is_alive():
+            raise ProcessDied(
+                f"{process.name} exited with code {process.poll()} before it was ready; "
+                f"last lines of {process.log_path}:\n{process.log_tail()}"
+            )
+        try:
+            response = httpx.get(url + path, timeout=5.0)
+            if response.status_code == 200:
+                return
+            last_error = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last_error = type(exc).__name__
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+    tail = f"; last lines of its log:\n{process.log_tail()}" if process is not None else ""
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s ({last_error}){tail}")
