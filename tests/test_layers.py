@@ -103,9 +103,7 @@ def imports_of(path: Path) -> set[str]:
 PATHS = sorted(PACKAGE.rglob("*.py"))
 MODULES = {module_name(path) for path in PATHS}
 GRAPH = {
-    module_name(path): {
-        target for target in imports_of(path) if target.split(".")[0] == "streamrl"
-    }
+    module_name(path): {target for target in imports_of(path) if target.split(".")[0] == "streamrl"}
     - {module_name(path)}
     for path in PATHS
 }

@@ -61,8 +61,20 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     engine_log = out / "push_engine.log"
     engine = spawn(
         "engine",
-        streamrl_argv("engine", "serve", "--model", str(model_dir), "--port", str(port),
-                      "--device", device, "--max-batch-size", "64", "--max-seq-len", "1024"),
+        streamrl_argv(
+            "engine",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--max-batch-size",
+            "64",
+            "--max-seq-len",
+            "1024",
+        ),
         env={"CUDA_VISIBLE_DEVICES": str(engine_gpu)},
         log_path=engine_log,
     )
@@ -70,23 +82,37 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
         init_distributed(rank=0, world_size=1, master_port=free_port(), device=device)
         if not smoke:
             torch.cuda.set_device(0)
-        cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": str(model_dir)},
-                                "learner": {"backend": "megatron", "lr": 5e-4}})
-        backend = MegatronBackend(str(model_dir), cfg.learner, algorithm_cfg=cfg.algorithm,
-                                  device=device, seed=0,
-                                  dtype=torch.float32 if smoke else torch.bfloat16)
+        cfg = config_from_dict(
+            {
+                "data": {"path": "x"},
+                "model": {"path": str(model_dir)},
+                "learner": {"backend": "megatron", "lr": 5e-4},
+            }
+        )
+        backend = MegatronBackend(
+            str(model_dir),
+            cfg.learner,
+            algorithm_cfg=cfg.algorithm,
+            device=device,
+            seed=0,
+            dtype=torch.float32 if smoke else torch.bfloat16,
+        )
         wait_http_ready(f"http://127.0.0.1:{port}", timeout_s=400, process=engine)
 
         rng = np.random.default_rng(0)
         prompt = rng.integers(100, 40_000, 64).tolist()
 
         def learner_logprobs(output_ids: list[int]) -> np.ndarray:
-            sample = Sample(prompt_ids=prompt, response_ids=output_ids,
-                            logprobs=[0.0] * len(output_ids), versions=[0] * len(output_ids),
-                            loss_mask=[1] * len(output_ids))
+            sample = Sample(
+                prompt_ids=prompt,
+                response_ids=output_ids,
+                logprobs=[0.0] * len(output_ids),
+                versions=[0] * len(output_ids),
+                loss_mask=[1] * len(output_ids),
+            )
             batches = pack_micro_batches([sample], [0], token_budget=4096, pad_id=0)
             values = backend.compute_logprobs(batches, temperature=1.0)[0][0]
-            return values[len(prompt):].numpy()
+            return values[len(prompt) :].numpy()
 
         def train_once() -> None:
             ids = torch.tensor([rng.integers(100, 40_000, 256).tolist()] * 4)
@@ -94,9 +120,14 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
 
             mask = torch.ones_like(ids, dtype=torch.float32)
             mask[:, 0] = 0
-            batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               loss_mask=mask, behaviour_logprobs=torch.zeros_like(mask),
-                               sample_indices=[0, 1, 2, 3], num_tokens_in_mini_batch=float(mask.sum()))
+            batch = MicroBatch(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                loss_mask=mask,
+                behaviour_logprobs=torch.zeros_like(mask),
+                sample_indices=[0, 1, 2, 3],
+                num_tokens_in_mini_batch=float(mask.sum()),
+            )
 
             def loss_fn(mb, logprobs, entropy):
                 loss = -(logprobs * mb.loss_mask).sum() / mb.num_tokens_in_mini_batch
@@ -110,16 +141,22 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
 
         async def main() -> None:
             params = {"max_new_tokens": 128, "temperature": 1.0, "ignore_eos": True}
-            async with EngineClient(f"http://127.0.0.1:{port}") as client, \
-                    anyio.create_task_group() as tg:
+            async with (
+                EngineClient(f"http://127.0.0.1:{port}") as client,
+                anyio.create_task_group() as tg,
+            ):
                 before = await client.generate(prompt, params)
-                result["engine_vs_learner_version0"] = diff(before.logprobs, learner_logprobs(before.output_ids))
+                result["engine_vs_learner_version0"] = diff(
+                    before.logprobs, learner_logprobs(before.output_ids)
+                )
 
                 async def published(version: int) -> None:
                     pass
 
                 publisher = WeightPublisher(
-                    weights=backend.hf_weights, members=lambda: [client], on_published=published,
+                    weights=backend.hf_weights,
+                    members=lambda: [client],
+                    on_published=published,
                     transport=transport,
                     staging_device="cpu" if transport == "gloo" or smoke else "cuda:0",
                 )
@@ -130,19 +167,31 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
                     started = time.perf_counter()
                     await publisher.publish(version)
                     await publisher.wait_idle()
-                    records.append({**publisher.records[-1].as_metrics(),
-                                    "ok": publisher.records[-1].ok,
-                                    "publish_to_engines_s": time.perf_counter() - started})
+                    records.append(
+                        {
+                            **publisher.records[-1].as_metrics(),
+                            "ok": publisher.records[-1].ok,
+                            "publish_to_engines_s": time.perf_counter() - started,
+                        }
+                    )
                 result["publishes"] = records
                 after = await client.generate(prompt, params)
                 result["engine_versions_after"] = sorted(set(after.versions))
-                result["engine_vs_learner_after_push"] = diff(after.logprobs, learner_logprobs(after.output_ids))
+                result["engine_vs_learner_after_push"] = diff(
+                    after.logprobs, learner_logprobs(after.output_ids)
+                )
                 # The same tokens under the old and the new weights differ: the push changed the outputs.
-                result["old_tokens_logprob_change"] = diff(before.logprobs, learner_logprobs(before.output_ids))
+                result["old_tokens_logprob_change"] = diff(
+                    before.logprobs, learner_logprobs(before.output_ids)
+                )
                 tg.cancel_scope.cancel()
 
         anyio.run(main)
-        captures = [line for line in engine_log.read_text().splitlines() if "captured" in line and "graphs" in line]
+        captures = [
+            line
+            for line in engine_log.read_text().splitlines()
+            if "captured" in line and "graphs" in line
+        ]
         result["graph_capture_log_lines"] = captures
         result["graphs_recaptured"] = len(captures) > 1
     finally:
@@ -156,11 +205,25 @@ def run(out: Path) -> dict:
     run_dir = out / "run"
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "run", str(config), "--set", f"train.output_dir='{run_dir}'"],
-        cwd=REPO, capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            "-m",
+            "streamrl",
+            "run",
+            str(config),
+            "--set",
+            f"train.output_dir='{run_dir}'",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
-    result = {"returncode": proc.returncode, "wall_s": time.time() - started,
-              "stderr_tail": proc.stderr[-4000:]}
+    result = {
+        "returncode": proc.returncode,
+        "wall_s": time.time() - started,
+        "stderr_tail": proc.stderr[-4000:],
+    }
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         shutil.copy(metrics, out / "run_metrics.jsonl")
@@ -169,7 +232,9 @@ def run(out: Path) -> dict:
         result["steps"] = len(steps)
         result["reward_curve"] = [round(r["reward_mean"], 4) for r in steps]
         result["staleness_max"] = max((r["staleness_max"] for r in steps), default=None)
-        result["trained_tokens_per_s_final"] = steps[-1]["throughput/trained_tokens_per_s"] if steps else None
+        result["trained_tokens_per_s_final"] = (
+            steps[-1]["throughput/trained_tokens_per_s"] if steps else None
+        )
         try:
             import matplotlib
 
@@ -198,14 +263,22 @@ def main() -> None:
     parser.add_argument("section", choices=["push", "run"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "ipc"],
-                        help="push: how weights reach the engine (auto: nccl with 2 GPUs, else gloo)")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl", "ipc"],
+        help="push: how weights reach the engine (auto: nccl with 2 GPUs, else gloo)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     record = {"section": args.section, "commit": os.environ.get("STREAMRL_COMMIT", "")}
     try:
-        record.update(push(args.out, args.cpu_smoke, args.backend) if args.section == "push" else run(args.out))
+        record.update(
+            push(args.out, args.cpu_smoke, args.backend)
+            if args.section == "push"
+            else run(args.out)
+        )
     except Exception:
         record["error"] = traceback.format_exc()
     text = json.dumps(record, indent=1, default=str)

@@ -247,7 +247,9 @@ class Check:
     def engine(self, shape: str, **kwargs) -> tuple[EngineCore, float]:
         started = time.perf_counter()
         kwargs.setdefault("max_seq_len", 512)
-        engine = EngineCore(EngineOptions(model=f"random:{shape}", device=self.plan.device, **kwargs))
+        engine = EngineCore(
+            EngineOptions(model=f"random:{shape}", device=self.plan.device, **kwargs)
+        )
         engine.start()
         return engine, time.perf_counter() - started
 
