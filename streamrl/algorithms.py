@@ -23,6 +23,14 @@ KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 CORRECTIONS = ("decoupled_ppo", "tis", "none")
 AGGREGATIONS = ("token_mean", "seq_mean")
 
+LOG_RATIO_BOUND = 20.0
+"""Bound on |log(pi / pi_prox)| and |log(pi_prox / pi_behav)| in `policy_loss`, applied before exp.
+
+exp(20) ~ 4.85e8 is finite in fp32 (exp overflows past ~88.7), and so is the
+product of both ratios with an advantage (exp(40) ~ 2.4e17); a token that far
+off-policy carries no usable signal anyway. verl clamps its log-ratio to the
+same +-20 before exp. Ordinary ratios (|log u| of a few units at most) are unchanged."""
+
 _CHUNK_ELEMENTS = 1 << 24
 """Logit elements (B * positions * V) converted to fp32 at once by the logits helpers (64 MiB)."""
 
@@ -214,8 +222,15 @@ def policy_loss(
     2008; as slime's --tis-clip); `none` w = 1. Only `logprobs` carries a
     gradient; `proximal_logprobs=None` means pi_prox = pi_theta detached (u = 1).
 
+    Both log-ratios, log u and log(pi_prox / pi_behav), are clamped to
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before exp, so a stale token or a
+    -inf / -1e9 sentinel logprob gives a large but finite loss and gradient.
+    A token whose log u was clamped gets no gradient through u (as a clipped one).
+
     Metrics, each [B, T] and 0 off the mask: `clipped` 1 where a clip binds
-    (the token gives no gradient), `ratio` u, `behaviour_weight` w.
+    (the token gives no gradient), `ratio` u, `behaviour_weight` w,
+    `log_ratio_clamped` 1 where a log-ratio that enters the loss (log u, and
+    log(pi_prox / pi_behav) unless correction is `none`) was clamped.
     """
     if correction not in CORRECTIONS:
         raise ValueError(
@@ -226,8 +241,8 @@ def policy_loss(
     is_trained = loss_mask > 0
     proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
     advantages = advantages.detach()
-    # Off the mask the exponents are forced to 0 so padding can never overflow into NaN.
-    ratio = torch.exp(torch.where(is_trained, logprobs - proximal, 0.0))
+    log_ratio, is_ratio_clamped = _bounded_log_ratio(logprobs - proximal, is_trained)
+    ratio = torch.exp(log_ratio)
     high = eps_clip_high or eps_clip
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
@@ -240,8 +255,11 @@ def policy_loss(
         is_clipped = is_clipped | is_dual
     if correction == "none":
         weight = torch.ones_like(proximal)
+        is_weight_clamped = torch.zeros_like(is_trained)
     else:
-        weight = torch.exp(torch.where(is_trained, proximal - behaviour_logprobs.detach(), 0.0))
+        behaviour = behaviour_logprobs.detach()
+        log_weight, is_weight_clamped = _bounded_log_ratio(proximal - behaviour, is_trained)
+        weight = torch.exp(log_weight)
         if correction == "tis":
             weight = weight.clamp(max=tis_clip)
         elif behaviour_weight_cap > 0:
@@ -251,8 +269,19 @@ def policy_loss(
         "clipped": (is_clipped & is_trained).float(),
         "ratio": torch.where(is_trained, ratio.detach(), 0.0),
         "behaviour_weight": torch.where(is_trained, weight, 0.0),
+        "log_ratio_clamped": (is_ratio_clamped | is_weight_clamped).float(),
     }
     return loss, metrics
+
+
+def _bounded_log_ratio(log_ratio: Tensor, is_trained: Tensor) -> tuple[Tensor, Tensor]:
+    """log_ratio clamped to +-LOG_RATIO_BOUND on trained tokens and 0 off them, and where it was clamped.
+
+    Off the mask the value is forced to 0 so padding can never overflow into NaN;
+    a NaN log-ratio (-inf minus -inf) stays NaN and is not reported as clamped."""
+    log_ratio = torch.where(is_trained, log_ratio, 0.0)
+    is_clamped = log_ratio.abs() > LOG_RATIO_BOUND
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), is_clamped
 
 
 def aggregate(

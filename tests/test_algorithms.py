@@ -321,6 +321,89 @@ def test_padding_with_extreme_logprobs_gives_zero_loss_metrics_and_finite_gradie
     close(logprobs.grad, [[-1.0, 0.0]])
 
 
+# Each token of one row pushes one log-ratio far out (a stale or sentinel logprob):
+#   t0: log(pi / pi_prox) = -0.5 - (-100.5) = +100, log(pi_prox / pi_behav) = 0
+#   t1: log(pi / pi_prox) = -100.5 - (-0.5) = -100, log(pi_prox / pi_behav) = 0
+#   t2: log(pi_prox / pi_behav) = +inf (behaviour logprob -inf)
+#   t3: log(pi_prox / pi_behav) = 1e9 - 0.5 (behaviour logprob -1e9, a "missing" sentinel)
+#   t4: log(pi_prox / pi_behav) = -100.5 - (-0.5) = -100
+#   t5: both +100: pi -0.5, pi_prox -100.5, pi_behav -200.5
+# exp(+100) overflows fp32 (max ~3.4e38 = exp(88.7)), so unbounded ratios give inf or NaN.
+EXTREME_LOGPROBS = t([-0.5, -100.5, -0.5, -0.5, -100.5, -0.5])
+EXTREME_PROXIMAL = t([-100.5, -0.5, -0.5, -0.5, -100.5, -100.5])
+EXTREME_BEHAVIOUR = t([-100.5, -0.5, float("-inf"), -1e9, -0.5, -200.5])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive_A", "negative_A"])
+@pytest.mark.parametrize("dual_clip_c", [0.0, 3.0], ids=["no_dual_clip", "dual_clip"])
+@pytest.mark.parametrize(
+    ("correction", "cap"),
+    [("decoupled_ppo", 0.0), ("decoupled_ppo", 5.0), ("tis", 0.0)],
+    ids=["decoupled_uncapped", "decoupled_capped", "tis"],
+)
+@pytest.mark.parametrize("has_proximal", [True, False], ids=["proximal", "no_proximal"])
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient(
+    sign, dual_clip_c, correction, cap, has_proximal
+):
+    logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
+    proximal = EXTREME_PROXIMAL if has_proximal else None
+    loss, metrics = policy_loss(
+        logprobs,
+        proximal,
+        EXTREME_BEHAVIOUR,
+        torch.full((1, 6), sign),
+        torch.ones(1, 6),
+        eps_clip=0.2,
+        dual_clip_c=dual_clip_c,
+        correction=correction,
+        behaviour_weight_cap=cap,
+    )
+    assert torch.isfinite(loss).all(), loss
+    loss.sum().backward()
+    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
+    for name, value in metrics.items():
+        assert torch.isfinite(value).all(), (name, value)
+
+
+def test_log_ratios_beyond_the_bound_are_clamped_to_it_and_counted():
+    # Bound 20, e^20 = 485165195.4; decoupled PPO, uncapped, eps 0.2.
+    #   t0: log u = -0.5 - (-100.5) = 100 -> 20, w = 1, A = -1:
+    #       obj = min(-e^20, -1.2) = -e^20, loss e^20; the clamp passes no gradient.
+    #   t1: log u = 0, log w = -1 - (-inf) -> 20, A = 1: loss -e^20 * 1, gradient -w u A = -e^20.
+    #   t2: log u = 0.1, log w = 0.5 (both inside the bound), A = 1, u = 1.105 < 1.2 unclipped:
+    #       loss = gradient = -e^0.5 * e^0.1 = -e^0.6 = -1.8221188.
+    #   t3: padding with sentinel logprobs: all 0.
+    assert algorithms.LOG_RATIO_BOUND == 20.0
+    logprobs = t([-0.5, -1.0, -1.4, -1e9]).requires_grad_()
+    proximal = t([-100.5, -1.0, -1.5, 0.0])
+    behaviour = t([-100.5, float("-inf"), -2.0, float("-inf")])
+    loss, metrics = policy_loss(
+        logprobs, proximal, behaviour, t([-1.0, 1.0, 1.0, 1.0]), t([1, 1, 1, 0]), eps_clip=0.2
+    )
+    close(loss, [[485165195.4, -485165195.4, -1.8221188, 0.0]], atol=1e-5)
+    close(metrics["log_ratio_clamped"], [[1.0, 1.0, 0.0, 0.0]])
+    close(metrics["ratio"], [[485165195.4, 1.0, 1.1051709, 0.0]], atol=1e-5)
+    close(metrics["behaviour_weight"], [[1.0, 485165195.4, 1.6487213, 0.0]], atol=1e-5)
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, -485165195.4, -1.8221188, 0.0]], atol=1e-5)
+
+
+def test_uncorrected_loss_counts_only_the_clamped_policy_ratio():
+    # correction none: the behaviour logprob -inf enters nothing, so t0 is not counted;
+    # t1 has log u = -30 -> -20 (counted), A = -1: obj = min(-e^-20, -0.8) = -0.8, loss 0.8.
+    loss, metrics = policy_loss(
+        t([-1.0, -31.0]),
+        t([-1.0, -1.0]),
+        t([float("-inf"), -1.0]),
+        t([1.0, -1.0]),
+        torch.ones(1, 2),
+        eps_clip=0.2,
+        correction="none",
+    )
+    close(loss, [[-1.0, 0.8]])
+    close(metrics["log_ratio_clamped"], [[0.0, 1.0]])
+
+
 def test_policy_loss_rejects_unknown_corrections():
     zeros = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="unknown off-policy correction 'is'"):
