@@ -410,6 +410,183 @@ def test_policy_loss_rejects_unknown_corrections():
         policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, correction="is")
 
 
+# ---------------------------------------------------------------- GSPO and CISPO
+
+
+def test_gspo_clips_whole_sequences_by_their_mean_log_ratio():
+    # pi_prox = e^-1 everywhere; log r on trained tokens, eps 0.2 -> [0.8, 1.2], correction none:
+    #   row 0: log r = 0.3, -0.1 (t2 is padding with log r = 50, excluded): mean 0.1,
+    #          s = e^0.1 = 1.1051709, A = 1, inside the range: loss -s, gradient -s A = -1.1051709
+    #          on both (PPO would clip t0, u = e^0.3 = 1.35, and give it no gradient).
+    #   row 1: log r = 0.9, -0.1, 0.4: mean 0.4, s = e^0.4 = 1.4918247 > 1.2, A = 1: obj 1.2,
+    #          loss -1.2 and no gradient on every token (PPO would keep t1, u = e^-0.1 = 0.905).
+    #   row 2: log r = 0.5, 0.3, 0.4: s = 1.4918247, A = -1: min(-1.4918, -1.2) = -1.4918,
+    #          loss 1.4918247, gradient -s A = +1.4918247.
+    #   row 3: no trained token: 0 everywhere.
+    logprobs = t(
+        [-0.7, -1.1, 5.0], [-0.1, -1.1, -0.6], [-0.5, -0.7, -0.6], [-1.0, -1.0, -1.0]
+    ).requires_grad_()
+    proximal = t([-1.0, -1.0, -45.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0])
+    mask = t([1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0])
+    advantages = t([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0])
+    loss, metrics = policy_loss(
+        logprobs, proximal, proximal, advantages, mask, eps_clip=0.2, correction="none", loss="gspo"
+    )
+    s01, s04 = 1.1051709, 1.4918247
+    close(loss, [[-s01, -s01, 0], [-1.2, -1.2, -1.2], [s04, s04, s04], [0, 0, 0]])
+    close(metrics["ratio"], [[s01, s01, 0], [s04, s04, s04], [s04, s04, s04], [0, 0, 0]])
+    close(metrics["clipped"], [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-s01, -s01, 0], [0, 0, 0], [s04, s04, s04], [0, 0, 0]])
+
+
+def test_gspo_weights_each_token_by_its_behaviour_ratio():
+    # log r = 0.2, -0.2: mean 0, s = 1. pi_prox / pi_behav = e^ln2 = 2 and e^-ln2 = 0.5, A = 1:
+    # loss = gradient = -w s A = -2 and -0.5.
+    logprobs = t([-0.8, -1.2]).requires_grad_()
+    proximal = t([-1.0, -1.0])
+    behaviour = t([-1.0 - math.log(2), -1.0 + math.log(2)])
+    loss, metrics = policy_loss(
+        logprobs, proximal, behaviour, t([1.0, 1.0]), torch.ones(1, 2), eps_clip=0.2, loss="gspo"
+    )
+    close(loss, [[-2.0, -0.5]])
+    close(metrics["behaviour_weight"], [[2.0, 0.5]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-2.0, -0.5]])
+
+
+def test_gspo_token_loss_averaged_per_sequence_has_the_sequence_objectives_gradient():
+    # GSPO's objective for one row: s_i(theta) A_i, s_i = exp(mean_t log r_t); its gradient is
+    # s_i A_i / |y_i| * grad log pi_t, the same as the per-token form's row mean.
+    generator = torch.Generator().manual_seed(3)
+    proximal = -torch.rand(3, 5, generator=generator) - 0.5
+    logprobs = (proximal + 0.05 * torch.randn(3, 5, generator=generator)).requires_grad_()
+    mask = t([0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0])
+    advantages = t(0.7, -1.3, 0.4)[:, None].expand(3, 5)
+    loss, _ = policy_loss(
+        logprobs,
+        proximal,
+        proximal,
+        advantages,
+        mask,
+        eps_clip=10.0,
+        correction="none",
+        loss="gspo",
+    )
+    (actual,) = torch.autograd.grad(
+        aggregate(loss, mask, "seq_mean", num_tokens=10, num_sequences=3), logprobs
+    )
+    sequence_ratio = torch.exp(masked_mean(logprobs - proximal, mask, dim=1))
+    objective = (sequence_ratio * advantages[:, 0]).sum() / 3
+    (expected,) = torch.autograd.grad(-objective, logprobs)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_cispo_clips_and_detaches_the_weight_so_every_token_keeps_a_gradient():
+    # eps 0.2, high 0.28 -> weights in [0.8, 1.28]; loss = -sg[clip(r)] A log pi, gradient -clip(r) A.
+    #   t0: r = e^(-0.5 - -1) = e^0.5 = 1.6487 -> 1.28, A = 1:  loss -1.28 * 1 * -0.5 = 0.64,
+    #       gradient -1.28 (PPO would give it none).
+    #   t1: r = e^-0.5 = 0.6065 -> 0.8, A = -1:  loss -0.8 * -1 * -1.5 = -1.2, gradient 0.8.
+    #   t2: r = e^0.1 = 1.1051709 unclipped, A = 2:  loss -1.1051709 * 2 * -0.9 = 1.9893076,
+    #       gradient -2.2103418.
+    #   t3: padding with log pi = -inf: 0.
+    logprobs = t([-0.5, -1.5, -0.9, float("-inf")]).requires_grad_()
+    proximal = t([-1.0, -1.0, -1.0, -1.0])
+    loss, metrics = policy_loss(
+        logprobs,
+        proximal,
+        proximal,
+        t([1.0, -1.0, 2.0, 1.0]),
+        t([1, 1, 1, 0]),
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        correction="none",
+        loss="cispo",
+    )
+    close(loss, [[0.64, -1.2, 1.9893076, 0.0]])
+    close(metrics["clipped"], [[1.0, 1.0, 0.0, 0.0]])
+    close(metrics["ratio"], [[1.6487213, 0.6065307, 1.1051709, 0.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-1.28, 0.8, -2.2103418, 0.0]])
+
+
+def test_cispo_with_eps_clip_of_one_or_more_has_no_lower_bound():
+    # MiniMax-M1's setting: eps_clip = 1 puts the lower bound at 0, so r = e^-0.5 = 0.6065307
+    # is kept: loss -0.6065307 * -1 * -1.5 = -0.9097960, gradient 0.6065307.
+    logprobs = t([-1.5]).requires_grad_()
+    loss, metrics = policy_loss(
+        logprobs,
+        t([-1.0]),
+        t([-1.0]),
+        t([-1.0]),
+        torch.ones(1, 1),
+        eps_clip=1.0,
+        eps_clip_high=0.28,
+        loss="cispo",
+    )
+    close(loss, [[-0.9097960]])
+    close(metrics["clipped"], [[0.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.6065307]])
+
+
+def test_cispo_without_proximal_weights_the_log_likelihood_by_the_behaviour_ratio():
+    # r = 1; w = pi_prox / pi_behav = e^(-1 - -1.5) = e^0.5 = 1.6487213, A = 0.5:
+    # loss -w A log pi = -1.6487213 * 0.5 * -1 = 0.8243607, gradient -w A = -0.8243607.
+    logprobs = t([-1.0]).requires_grad_()
+    loss, _ = policy_loss(
+        logprobs, None, t([-1.5]), t([0.5]), torch.ones(1, 1), eps_clip=0.2, loss="cispo"
+    )
+    close(loss, [[0.8243607]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-0.8243607]])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive_A", "negative_A"])
+@pytest.mark.parametrize(
+    ("loss_name", "dual_clip_c"),
+    [("gspo", 0.0), ("gspo", 3.0), ("cispo", 0.0)],
+    ids=["gspo", "gspo_dual_clip", "cispo"],
+)
+@pytest.mark.parametrize(
+    ("correction", "cap"),
+    [("decoupled_ppo", 0.0), ("decoupled_ppo", 5.0), ("tis", 0.0)],
+    ids=["decoupled_uncapped", "decoupled_capped", "tis"],
+)
+@pytest.mark.parametrize("has_proximal", [True, False], ids=["proximal", "no_proximal"])
+def test_gspo_and_cispo_give_a_finite_loss_and_gradient_for_extreme_log_ratios(
+    sign, loss_name, dual_clip_c, correction, cap, has_proximal
+):
+    logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
+    loss, metrics = policy_loss(
+        logprobs,
+        EXTREME_PROXIMAL if has_proximal else None,
+        EXTREME_BEHAVIOUR,
+        torch.full((1, 6), sign),
+        torch.ones(1, 6),
+        eps_clip=0.2,
+        dual_clip_c=dual_clip_c,
+        correction=correction,
+        behaviour_weight_cap=cap,
+        loss=loss_name,
+    )
+    assert torch.isfinite(loss).all(), loss
+    loss.sum().backward()
+    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
+    for name, value in metrics.items():
+        assert torch.isfinite(value).all(), (name, value)
+
+
+def test_policy_loss_rejects_unknown_losses_and_dual_clip_with_cispo():
+    zeros = torch.zeros(1, 1)
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'grpo'; expected one of ppo, gspo, cispo"
+    ):
+        policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, loss="grpo")
+    with pytest.raises(ValueError, match="cispo has no min to clip"):
+        policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, dual_clip_c=3.0, loss="cispo")
+
+
 # ---------------------------------------------------------------- aggregation
 
 
