@@ -12,6 +12,8 @@ from streamrl.algorithms import (
     aggregate,
     entropy_from_logits,
     entropy_of_rows,
+    explained_variance,
+    gae_advantages,
     group_advantages,
     kl_penalty,
     logprobs_from_logits,
@@ -20,6 +22,7 @@ from streamrl.algorithms import (
     masked_whiten,
     policy_loss,
     token_advantages,
+    value_loss,
 )
 
 
@@ -617,6 +620,97 @@ def test_aggregates_of_micro_batches_sum_to_the_mini_batch_mean(mode):
 def test_aggregate_rejects_unknown_modes():
     with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
         aggregate(PER_TOKEN, MASK, "sum", num_tokens=1, num_sequences=1)
+
+
+# ---------------------------------------------------------------- critic
+
+
+def test_gae_with_gamma_and_lambda_one_is_the_remaining_reward_minus_the_value():
+    # Trained t1, t2, t4 (t0 prompt, t3 tool output: their rewards and values are ignored).
+    # Remaining rewards: t4 1, t2 0.5 + 1 = 1.5, t1 0 + 1.5 = 1.5.
+    # A = G - V: t4 1 - 0.7 = 0.3, t2 1.5 - 0.6 = 0.9, t1 1.5 - 0.2 = 1.3; R = A + V = G.
+    rewards = t([9.0, 0.0, 0.5, 7.0, 1.0])
+    values = t([9.0, 0.2, 0.6, 9.0, 0.7])
+    advantages, returns = gae_advantages(rewards, values, t([0, 1, 1, 0, 1]), gamma=1.0, lam=1.0)
+    close(advantages, [[0.0, 1.3, 0.9, 0.0, 0.3]], atol=1e-6)
+    close(returns, [[0.0, 1.5, 1.5, 0.0, 1.0]], atol=1e-6)
+
+
+def test_gae_skips_holes_and_bootstraps_from_the_next_trained_token():
+    # Row 0: trained t0, t2, t3 with r = 0, 0, 1 and V = 0.5, 0.4, 0.8; t1 is a hole (r 5, V 99).
+    # gamma 0.9, lam 0.5 (gamma * lam = 0.45), V after the last token = 0:
+    #   t3: delta = 1 + 0.9 * 0 - 0.8 = 0.2;        A = 0.2
+    #   t2: delta = 0 + 0.9 * 0.8 - 0.4 = 0.32;     A = 0.32 + 0.45 * 0.2 = 0.41
+    #   t0: delta = 0 + 0.9 * 0.4 - 0.5 = -0.14;    A = -0.14 + 0.45 * 0.41 = 0.0445
+    #   R = A + V: 0.5445, 0.81, 1.0.
+    # Row 1 has no trained token: all 0.
+    rewards = t([0.0, 5.0, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0])
+    values = t([0.5, 99.0, 0.4, 0.8], [1.0, 1.0, 1.0, 1.0])
+    mask = t([1, 0, 1, 1], [0, 0, 0, 0])
+    advantages, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    close(advantages, [[0.0445, 0.0, 0.41, 0.2], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
+    close(returns, [[0.5445, 0.0, 0.81, 1.0], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
+
+
+def test_gae_rejects_mismatched_shapes_and_factors_outside_zero_one():
+    ones = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="must both be"):
+        gae_advantages(ones, torch.ones(2, 4), ones, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="loss_mask shape"):
+        gae_advantages(ones, ones, torch.ones(2, 4), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"lam must be in \[0, 1\], got 1.5"):
+        gae_advantages(ones, ones, ones, gamma=1.0, lam=1.5)
+
+
+def test_value_loss_without_clipping_is_half_the_squared_error():
+    # V - R = -0.5, 1.0 -> loss 0.125, 0.5, gradient V - R; t2 is off the mask.
+    values = t([1.0, 2.0, 0.5]).requires_grad_()
+    loss, metrics = value_loss(
+        values, t([9.0, 9.0, 9.0]), t([1.5, 1.0, 7.0]), t([1, 1, 0]), clip=0.0
+    )
+    close(loss, [[0.125, 0.5, 0.0]])
+    close(metrics["value_clipped"], [[0.0, 0.0, 0.0]])
+    loss.sum().backward()
+    close(values.grad, [[-0.5, 1.0, 0.0]])
+
+
+def test_clipped_value_loss_takes_the_larger_error_of_the_clipped_prediction():
+    # c = 0.2.
+    #   t0: V 1, V_old 0.5 -> clip 0.7, R 1.5: (1 - 1.5)^2 = 0.25 < (0.7 - 1.5)^2 = 0.64,
+    #       loss 0.32, clipped, no gradient.
+    #   t1: V 2, V_old 1.9 -> inside [1.7, 2.1], R 1: both 1, loss 0.5, gradient V - R = 1.
+    #   t2: V 1, V_old 0.5 -> clip 0.7, R 0: (1 - 0)^2 = 1 > 0.49, loss 0.5, gradient 1
+    #       (the clipped prediction is closer to R, so the unclipped error is kept).
+    #   t3: off the mask.
+    values = t([1.0, 2.0, 1.0, 5.0]).requires_grad_()
+    old_values = t([0.5, 1.9, 0.5, 0.0])
+    returns = t([1.5, 1.0, 0.0, 0.0])
+    loss, metrics = value_loss(values, old_values, returns, t([1, 1, 1, 0]), clip=0.2)
+    close(loss, [[0.32, 0.5, 0.5, 0.0]])
+    close(metrics["value_clipped"], [[1.0, 0.0, 0.0, 0.0]])
+    loss.sum().backward()
+    close(values.grad, [[0.0, 1.0, 1.0, 0.0]])
+
+
+def test_value_loss_rejects_a_negative_clip():
+    with pytest.raises(ValueError, match="value clip must be >= 0"):
+        value_loss(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), clip=-1
+        )
+
+
+def test_explained_variance_compares_the_residual_and_return_variances():
+    # R = 1, 2, 4 (t3 off the mask): mean 7/3, Var = (16 + 1 + 25) / 9 / 3 = 14/9.
+    # R - V = 0, 0, 1: mean 1/3, Var = (1 + 1 + 4) / 9 / 3 = 2/9.  1 - (2/9) / (14/9) = 6/7.
+    values, returns, mask = t([1.0, 2.0, 3.0, 50.0]), t([1.0, 2.0, 4.0, -50.0]), t([1, 1, 1, 0])
+    close(explained_variance(values, returns, mask), 6 / 7)
+    close(explained_variance(returns, returns, mask), 1.0)
+    close(explained_variance(torch.full((1, 4), 7 / 3), returns, mask), 0.0)
+
+
+def test_explained_variance_is_zero_when_the_returns_do_not_vary():
+    close(explained_variance(t([0.0, 1.0]), t([2.0, 2.0]), t([1, 1])), 0.0)
+    close(explained_variance(t([0.0, 1.0]), t([2.0, 3.0]), t([0, 0])), 0.0)
 
 
 # ---------------------------------------------------------------- logits
