@@ -6,7 +6,8 @@ is 1 on trained (model-produced) tokens; the samples of one group are
 consecutive rows. The training loop composes these functions: advantages once
 per step (`token_advantages`), then per micro-batch `policy_loss` (plus
 `kl_penalty` and entropy) reduced with `aggregate` against the mini-batch
-totals.
+totals. With a critic, `gae_advantages` gives the advantages and value
+targets, and `value_loss` is reduced the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 ADVANTAGE_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 CORRECTIONS = ("decoupled_ppo", "tis", "none")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean")
+
+LOG_RATIO_BOUND = 20.0
+"""Bound on |log(pi / pi_prox)| and |log(pi_prox / pi_behav)| in `policy_loss`, applied before exp.
+
+exp(20) ~ 4.85e8 is finite in fp32 (exp overflows past ~88.7), and so is the
+product of both ratios with an advantage (exp(40) ~ 2.4e17); a token that far
+off-policy carries no usable signal anyway. verl clamps its log-ratio to the
+same +-20 before exp. Ordinary ratios (|log u| of a few units at most) are unchanged."""
 
 _CHUNK_ELEMENTS = 1 << 24
 """Logit elements (B * positions * V) converted to fp32 at once by the logits helpers (64 MiB)."""
@@ -200,37 +210,109 @@ def policy_loss(
     correction: str = "decoupled_ppo",
     tis_clip: float = 2.0,
     behaviour_weight_cap: float = 0.0,
+    loss: str = "ppo",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token clipped policy-gradient loss [B, T] to minimise (0 off the mask), and metrics.
+    """Per-token policy-gradient loss [B, T] to minimise (0 off the mask), and metrics.
 
-    u = pi_theta / pi_prox and obj = min(u A, clip(u, 1 - eps_clip, 1 + high) A)
-    (PPO, arXiv 1707.06347), with high = eps_clip_high or eps_clip (DAPO's
-    clip-higher, arXiv 2503.14476). With dual_clip_c = c > 1, obj >= c A for
-    A < 0 (dual-clip PPO, arXiv 1912.09729). The loss is -w * obj where w
-    corrects for the behaviour policy that sampled the tokens:
+    With r = pi_theta / pi_prox per token and high = eps_clip_high or eps_clip
+    (DAPO's clip-higher, arXiv 2503.14476), `loss` picks the objective:
+
+    - `ppo`: obj = min(u A, clip(u, 1 - eps_clip, 1 + high) A), u = r (PPO, arXiv 1707.06347).
+    - `gspo`: the same obj with u = s_i,t = sg[s_i] * pi_t / sg[pi_t], where
+      s_i = exp(mean of log r over the trained tokens of row i) (GSPO, arXiv
+      2507.18071, Eq. 7, and its GSPO-token form). Each row is one sequence:
+      u equals s_i on all its tokens, so the clip binds per sequence, and the
+      gradient of the row's token mean (`aggregate` seq_mean) is GSPO's
+      sequence-level one when A is constant over the row (token_mean weighs
+      long rows more). eps_clip and eps_clip_high are used as given, and GSPO's
+      are far smaller than PPO's (the paper: 3e-4 and 4e-4). A row without
+      trained tokens has s_i = 1 and loss 0.
+    - `cispo`: obj = sg[clip(r, 1 - eps_clip, 1 + high)] * A * log pi_theta
+      (CISPO, MiniMax-M1, arXiv 2506.13585): the importance weight is clipped
+      and detached, so no token loses its gradient. MiniMax set no lower bound
+      in practice and tuned only the upper one: eps_clip >= 1 does that here.
+      The loss value contains log pi, so it is not comparable with ppo's.
+
+    With dual_clip_c = c > 1 (ppo and gspo), obj >= c A for A < 0 (dual-clip
+    PPO, arXiv 1912.09729). The loss is -w * obj where w corrects for the
+    behaviour policy that sampled the tokens:
     `decoupled_ppo` w = pi_prox / pi_behav (AReaL, arXiv 2505.24298, Eq. 5),
     capped at `behaviour_weight_cap` when that is > 0; `tis` w =
     min(pi_prox / pi_behav, tis_clip) (truncated importance sampling, Ionides
     2008; as slime's --tis-clip); `none` w = 1. Only `logprobs` carries a
-    gradient; `proximal_logprobs=None` means pi_prox = pi_theta detached (u = 1).
+    gradient; `proximal_logprobs=None` means pi_prox = pi_theta detached (r = 1).
+
+    Both log-ratios, log r and log(pi_prox / pi_behav), are clamped to
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before exp, so a stale token or a
+    -inf / -1e9 sentinel logprob gives a large but finite loss and gradient.
+    Under `ppo` a token whose log r was clamped gets no gradient (as a clipped one).
 
     Metrics, each [B, T] and 0 off the mask: `clipped` 1 where a clip binds
-    (the token gives no gradient), `ratio` u, `behaviour_weight` w.
+    (ppo, gspo: the token gives no gradient; cispo: its weight was truncated),
+    `ratio` u (gspo: s_i; cispo: r before clipping), `behaviour_weight` w,
+    `log_ratio_clamped` 1 where a log-ratio that enters the loss (log r, and
+    log(pi_prox / pi_behav) unless correction is `none`) was clamped.
     """
+    _check_policy_loss_options(loss, correction, dual_clip_c)
+    is_trained = loss_mask > 0
+    proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
+    advantages = advantages.detach()
+    log_ratio, is_ratio_clamped = _bounded_log_ratio(logprobs - proximal, is_trained)
+    high = eps_clip_high or eps_clip
+    current = torch.where(is_trained, logprobs, 0.0)  # padding may hold -inf
+    if loss == "cispo":
+        ratio = torch.exp(log_ratio.detach())
+        is_weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+        objective = is_weight * advantages * current
+        is_clipped = is_weight != ratio
+    else:
+        if loss == "gspo":
+            sequence_ratio = torch.exp(masked_mean(log_ratio.detach(), loss_mask, dim=1))
+            ratio = sequence_ratio[:, None] * torch.exp(current - current.detach())
+        else:
+            ratio = torch.exp(log_ratio)
+        objective, is_clipped = _clipped_objective(
+            ratio, advantages, low=1.0 - eps_clip, high=1.0 + high, dual_clip_c=dual_clip_c
+        )
+    weight, is_weight_clamped = _behaviour_weight(
+        proximal,
+        behaviour_logprobs.detach(),
+        is_trained,
+        correction,
+        tis_clip,
+        behaviour_weight_cap,
+    )
+    per_token = torch.where(is_trained, -weight * objective, 0.0)
+    metrics = {
+        "clipped": (is_clipped & is_trained).float(),
+        "ratio": torch.where(is_trained, ratio.detach(), 0.0),
+        "behaviour_weight": torch.where(is_trained, weight, 0.0),
+        "log_ratio_clamped": (is_ratio_clamped | is_weight_clamped).float(),
+    }
+    return per_token, metrics
+
+
+def _check_policy_loss_options(loss: str, correction: str, dual_clip_c: float) -> None:
+    if loss not in POLICY_LOSSES:
+        raise ValueError(
+            f"unknown policy loss {loss!r}; expected one of {', '.join(POLICY_LOSSES)}"
+        )
     if correction not in CORRECTIONS:
         raise ValueError(
             f"unknown off-policy correction {correction!r}; expected one of {', '.join(CORRECTIONS)}"
         )
     if dual_clip_c != 0.0 and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
-    is_trained = loss_mask > 0
-    proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs.detach()
-    advantages = advantages.detach()
-    # Off the mask the exponents are forced to 0 so padding can never overflow into NaN.
-    ratio = torch.exp(torch.where(is_trained, logprobs - proximal, 0.0))
-    high = eps_clip_high or eps_clip
+    if dual_clip_c and loss == "cispo":
+        raise ValueError("dual_clip_c applies to the ppo and gspo losses; cispo has no min to clip")
+
+
+def _clipped_objective(
+    ratio: Tensor, advantages: Tensor, *, low: float, high: float, dual_clip_c: float
+) -> tuple[Tensor, Tensor]:
+    """min(u A, clip(u, low, high) A), raised to c A for A < 0 under dual clip; and where a clip binds."""
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
+    clipped = ratio.clamp(low, high) * advantages
     objective = torch.minimum(unclipped, clipped)
     is_clipped = clipped < unclipped
     if dual_clip_c > 1.0:
@@ -238,21 +320,37 @@ def policy_loss(
         is_dual = (advantages < 0) & (objective < floor)
         objective = torch.where(is_dual, floor, objective)
         is_clipped = is_clipped | is_dual
+    return objective, is_clipped
+
+
+def _behaviour_weight(
+    proximal: Tensor,
+    behaviour: Tensor,
+    is_trained: Tensor,
+    correction: str,
+    tis_clip: float,
+    cap: float,
+) -> tuple[Tensor, Tensor]:
+    """The off-policy weight w of `policy_loss` (detached), and where its log-ratio was clamped."""
     if correction == "none":
-        weight = torch.ones_like(proximal)
-    else:
-        weight = torch.exp(torch.where(is_trained, proximal - behaviour_logprobs.detach(), 0.0))
-        if correction == "tis":
-            weight = weight.clamp(max=tis_clip)
-        elif behaviour_weight_cap > 0:
-            weight = weight.clamp(max=behaviour_weight_cap)
-    loss = torch.where(is_trained, -weight * objective, 0.0)
-    metrics = {
-        "clipped": (is_clipped & is_trained).float(),
-        "ratio": torch.where(is_trained, ratio.detach(), 0.0),
-        "behaviour_weight": torch.where(is_trained, weight, 0.0),
-    }
-    return loss, metrics
+        return torch.ones_like(proximal), torch.zeros_like(is_trained)
+    log_weight, is_clamped = _bounded_log_ratio(proximal - behaviour, is_trained)
+    weight = torch.exp(log_weight)
+    if correction == "tis":
+        weight = weight.clamp(max=tis_clip)
+    elif cap > 0:
+        weight = weight.clamp(max=cap)
+    return weight, is_clamped
+
+
+def _bounded_log_ratio(log_ratio: Tensor, is_trained: Tensor) -> tuple[Tensor, Tensor]:
+    """log_ratio clamped to +-LOG_RATIO_BOUND on trained tokens and 0 off them, and where it was clamped.
+
+    Off the mask the value is forced to 0 so padding can never overflow into NaN;
+    a NaN log-ratio (-inf minus -inf) stays NaN and is not reported as clamped."""
+    log_ratio = torch.where(is_trained, log_ratio, 0.0)
+    is_clamped = log_ratio.abs() > LOG_RATIO_BOUND
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), is_clamped
 
 
 def aggregate(
@@ -273,6 +371,102 @@ def aggregate(
     raise ValueError(
         f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}"
     )
+
+
+# ---------------------------------------------------------------- critic
+
+
+def gae_advantages(
+    rewards_per_token: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimates and value targets over trained tokens; two [N, T] float32.
+
+    delta_t = r_t + gamma * V_next - V_t and A_t = delta_t + gamma * lam * A_next
+    (GAE, Schulman et al., arXiv 1506.02438), where "next" is the row's next
+    trained token: positions off `loss_mask` (prompt, tool output, padding) are
+    skipped, earning no discount step and not breaking the chain (as the
+    REINFORCE++ returns of `token_advantages`), and their rewards and values are
+    ignored. After a row's last trained token V_next = 0 and A_next = 0 (the
+    sample ends there). Returns R_t = A_t + V_t, the lambda-returns a critic
+    regresses on (gamma = lam = 1: R_t = sum of the remaining rewards). Both are
+    0 off the mask and carry no gradient.
+    """
+    if rewards_per_token.dim() != 2 or values.shape != rewards_per_token.shape:
+        raise ValueError(
+            f"rewards_per_token and values must both be [N, T], got shapes "
+            f"{tuple(rewards_per_token.shape)} and {tuple(values.shape)}"
+        )
+    if loss_mask.shape != rewards_per_token.shape:
+        raise ValueError(
+            f"loss_mask shape {tuple(loss_mask.shape)} does not match the rewards' "
+            f"{tuple(rewards_per_token.shape)}"
+        )
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    is_trained = loss_mask > 0
+    rewards = rewards_per_token.detach().float()
+    values = values.detach().float()
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        is_on = is_trained[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(is_on, values[:, t], next_value)
+        next_advantage = torch.where(is_on, advantage, next_advantage)
+        advantages[:, t] = torch.where(is_on, advantage, 0.0)
+    returns = torch.where(is_trained, advantages + values, 0.0)
+    return advantages, returns
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *, clip: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss per token [B, T] to minimise (0 off the mask), and metrics.
+
+    0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) with c = `clip`,
+    the value clipping of PPO's reference implementation (OpenAI baselines'
+    ppo2; studied in Engstrom et al., arXiv 2005.12729); clip = 0 turns it off:
+    0.5 * (V - R)^2. Only `values` carries a gradient.
+
+    Metrics, [B, T] and 0 off the mask: `value_clipped` 1 where the clipped
+    term is the larger (V left the band around V_old: the token gives no gradient).
+    """
+    if clip < 0:
+        raise ValueError(f"value clip must be >= 0 (0 turns clipping off), got {clip}")
+    is_trained = loss_mask > 0
+    returns = returns.detach()
+    unclipped = (values - returns).square()
+    if clip > 0:
+        old_values = old_values.detach()
+        clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
+        clipped = (clipped_values - returns).square()
+        squared_error = torch.maximum(unclipped, clipped)
+        is_clipped = clipped > unclipped
+    else:
+        squared_error = unclipped
+        is_clipped = torch.zeros_like(is_trained)
+    per_token = torch.where(is_trained, 0.5 * squared_error, 0.0)
+    return per_token, {"value_clipped": (is_clipped & is_trained).float()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var[R - V] / Var[R] over the masked tokens; a float32 scalar, no gradient.
+
+    1 for a perfect critic, 0 for one that predicts the mean return, negative
+    for one worse than that. Variances are population ones, taken in float64.
+    When Var[R] = 0 (constant returns, or no masked token) there is nothing to
+    explain and the result is 0, never NaN, so averages of it stay finite.
+    """
+    is_on = mask > 0
+    returns = returns.detach().double()[is_on]
+    residuals = returns - values.detach().double()[is_on]
+    returns_variance = returns.var(correction=0) if returns.numel() else returns.new_zeros(())
+    if returns_variance == 0:
+        return torch.zeros((), dtype=torch.float32, device=values.device)
+    return (1.0 - residuals.var(correction=0) / returns_variance).float()
 
 
 # ---------------------------------------------------------------- logits

@@ -12,6 +12,8 @@ from streamrl.algorithms import (
     aggregate,
     entropy_from_logits,
     entropy_of_rows,
+    explained_variance,
+    gae_advantages,
     group_advantages,
     kl_penalty,
     logprobs_from_logits,
@@ -20,6 +22,7 @@ from streamrl.algorithms import (
     masked_whiten,
     policy_loss,
     token_advantages,
+    value_loss,
 )
 
 
@@ -321,10 +324,270 @@ def test_padding_with_extreme_logprobs_gives_zero_loss_metrics_and_finite_gradie
     close(logprobs.grad, [[-1.0, 0.0]])
 
 
+# Each token of one row pushes one log-ratio far out (a stale or sentinel logprob):
+#   t0: log(pi / pi_prox) = -0.5 - (-100.5) = +100, log(pi_prox / pi_behav) = 0
+#   t1: log(pi / pi_prox) = -100.5 - (-0.5) = -100, log(pi_prox / pi_behav) = 0
+#   t2: log(pi_prox / pi_behav) = +inf (behaviour logprob -inf)
+#   t3: log(pi_prox / pi_behav) = 1e9 - 0.5 (behaviour logprob -1e9, a "missing" sentinel)
+#   t4: log(pi_prox / pi_behav) = -100.5 - (-0.5) = -100
+#   t5: both +100: pi -0.5, pi_prox -100.5, pi_behav -200.5
+# exp(+100) overflows fp32 (max ~3.4e38 = exp(88.7)), so unbounded ratios give inf or NaN.
+EXTREME_LOGPROBS = t([-0.5, -100.5, -0.5, -0.5, -100.5, -0.5])
+EXTREME_PROXIMAL = t([-100.5, -0.5, -0.5, -0.5, -100.5, -100.5])
+EXTREME_BEHAVIOUR = t([-100.5, -0.5, float("-inf"), -1e9, -0.5, -200.5])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive_A", "negative_A"])
+@pytest.mark.parametrize("dual_clip_c", [0.0, 3.0], ids=["no_dual_clip", "dual_clip"])
+@pytest.mark.parametrize(
+    ("correction", "cap"),
+    [("decoupled_ppo", 0.0), ("decoupled_ppo", 5.0), ("tis", 0.0)],
+    ids=["decoupled_uncapped", "decoupled_capped", "tis"],
+)
+@pytest.mark.parametrize("has_proximal", [True, False], ids=["proximal", "no_proximal"])
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient(
+    sign, dual_clip_c, correction, cap, has_proximal
+):
+    logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
+    proximal = EXTREME_PROXIMAL if has_proximal else None
+    loss, metrics = policy_loss(
+        logprobs,
+        proximal,
+        EXTREME_BEHAVIOUR,
+        torch.full((1, 6), sign),
+        torch.ones(1, 6),
+        eps_clip=0.2,
+        dual_clip_c=dual_clip_c,
+        correction=correction,
+        behaviour_weight_cap=cap,
+    )
+    assert torch.isfinite(loss).all(), loss
+    loss.sum().backward()
+    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
+    for name, value in metrics.items():
+        assert torch.isfinite(value).all(), (name, value)
+
+
+def test_log_ratios_beyond_the_bound_are_clamped_to_it_and_counted():
+    # Bound 20, e^20 = 485165195.4; decoupled PPO, uncapped, eps 0.2.
+    #   t0: log u = -0.5 - (-100.5) = 100 -> 20, w = 1, A = -1:
+    #       obj = min(-e^20, -1.2) = -e^20, loss e^20; the clamp passes no gradient.
+    #   t1: log u = 0, log w = -1 - (-inf) -> 20, A = 1: loss -e^20 * 1, gradient -w u A = -e^20.
+    #   t2: log u = 0.1, log w = 0.5 (both inside the bound), A = 1, u = 1.105 < 1.2 unclipped:
+    #       loss = gradient = -e^0.5 * e^0.1 = -e^0.6 = -1.8221188.
+    #   t3: padding with sentinel logprobs: all 0.
+    assert algorithms.LOG_RATIO_BOUND == 20.0
+    logprobs = t([-0.5, -1.0, -1.4, -1e9]).requires_grad_()
+    proximal = t([-100.5, -1.0, -1.5, 0.0])
+    behaviour = t([-100.5, float("-inf"), -2.0, float("-inf")])
+    loss, metrics = policy_loss(
+        logprobs, proximal, behaviour, t([-1.0, 1.0, 1.0, 1.0]), t([1, 1, 1, 0]), eps_clip=0.2
+    )
+    close(loss, [[485165195.4, -485165195.4, -1.8221188, 0.0]], atol=1e-5)
+    close(metrics["log_ratio_clamped"], [[1.0, 1.0, 0.0, 0.0]])
+    close(metrics["ratio"], [[485165195.4, 1.0, 1.1051709, 0.0]], atol=1e-5)
+    close(metrics["behaviour_weight"], [[1.0, 485165195.4, 1.6487213, 0.0]], atol=1e-5)
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, -485165195.4, -1.8221188, 0.0]], atol=1e-5)
+
+
+def test_uncorrected_loss_counts_only_the_clamped_policy_ratio():
+    # correction none: the behaviour logprob -inf enters nothing, so t0 is not counted;
+    # t1 has log u = -30 -> -20 (counted), A = -1: obj = min(-e^-20, -0.8) = -0.8, loss 0.8.
+    loss, metrics = policy_loss(
+        t([-1.0, -31.0]),
+        t([-1.0, -1.0]),
+        t([float("-inf"), -1.0]),
+        t([1.0, -1.0]),
+        torch.ones(1, 2),
+        eps_clip=0.2,
+        correction="none",
+    )
+    close(loss, [[-1.0, 0.8]])
+    close(metrics["log_ratio_clamped"], [[0.0, 1.0]])
+
+
 def test_policy_loss_rejects_unknown_corrections():
     zeros = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="unknown off-policy correction 'is'"):
         policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, correction="is")
+
+
+# ---------------------------------------------------------------- GSPO and CISPO
+
+
+def test_gspo_clips_whole_sequences_by_their_mean_log_ratio():
+    # pi_prox = e^-1 everywhere; log r on trained tokens, eps 0.2 -> [0.8, 1.2], correction none:
+    #   row 0: log r = 0.3, -0.1 (t2 is padding with log r = 50, excluded): mean 0.1,
+    #          s = e^0.1 = 1.1051709, A = 1, inside the range: loss -s, gradient -s A = -1.1051709
+    #          on both (PPO would clip t0, u = e^0.3 = 1.35, and give it no gradient).
+    #   row 1: log r = 0.9, -0.1, 0.4: mean 0.4, s = e^0.4 = 1.4918247 > 1.2, A = 1: obj 1.2,
+    #          loss -1.2 and no gradient on every token (PPO would keep t1, u = e^-0.1 = 0.905).
+    #   row 2: log r = 0.5, 0.3, 0.4: s = 1.4918247, A = -1: min(-1.4918, -1.2) = -1.4918,
+    #          loss 1.4918247, gradient -s A = +1.4918247.
+    #   row 3: no trained token: 0 everywhere.
+    logprobs = t(
+        [-0.7, -1.1, 5.0], [-0.1, -1.1, -0.6], [-0.5, -0.7, -0.6], [-1.0, -1.0, -1.0]
+    ).requires_grad_()
+    proximal = t([-1.0, -1.0, -45.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0])
+    mask = t([1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0])
+    advantages = t([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, 1.0, 1.0])
+    loss, metrics = policy_loss(
+        logprobs, proximal, proximal, advantages, mask, eps_clip=0.2, correction="none", loss="gspo"
+    )
+    s01, s04 = 1.1051709, 1.4918247
+    close(loss, [[-s01, -s01, 0], [-1.2, -1.2, -1.2], [s04, s04, s04], [0, 0, 0]])
+    close(metrics["ratio"], [[s01, s01, 0], [s04, s04, s04], [s04, s04, s04], [0, 0, 0]])
+    close(metrics["clipped"], [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-s01, -s01, 0], [0, 0, 0], [s04, s04, s04], [0, 0, 0]])
+
+
+def test_gspo_weights_each_token_by_its_behaviour_ratio():
+    # log r = 0.2, -0.2: mean 0, s = 1. pi_prox / pi_behav = e^ln2 = 2 and e^-ln2 = 0.5, A = 1:
+    # loss = gradient = -w s A = -2 and -0.5.
+    logprobs = t([-0.8, -1.2]).requires_grad_()
+    proximal = t([-1.0, -1.0])
+    behaviour = t([-1.0 - math.log(2), -1.0 + math.log(2)])
+    loss, metrics = policy_loss(
+        logprobs, proximal, behaviour, t([1.0, 1.0]), torch.ones(1, 2), eps_clip=0.2, loss="gspo"
+    )
+    close(loss, [[-2.0, -0.5]])
+    close(metrics["behaviour_weight"], [[2.0, 0.5]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-2.0, -0.5]])
+
+
+def test_gspo_token_loss_averaged_per_sequence_has_the_sequence_objectives_gradient():
+    # GSPO's objective for one row: s_i(theta) A_i, s_i = exp(mean_t log r_t); its gradient is
+    # s_i A_i / |y_i| * grad log pi_t, the same as the per-token form's row mean.
+    generator = torch.Generator().manual_seed(3)
+    proximal = -torch.rand(3, 5, generator=generator) - 0.5
+    logprobs = (proximal + 0.05 * torch.randn(3, 5, generator=generator)).requires_grad_()
+    mask = t([0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 0])
+    advantages = t(0.7, -1.3, 0.4)[:, None].expand(3, 5)
+    loss, _ = policy_loss(
+        logprobs,
+        proximal,
+        proximal,
+        advantages,
+        mask,
+        eps_clip=10.0,
+        correction="none",
+        loss="gspo",
+    )
+    (actual,) = torch.autograd.grad(
+        aggregate(loss, mask, "seq_mean", num_tokens=10, num_sequences=3), logprobs
+    )
+    sequence_ratio = torch.exp(masked_mean(logprobs - proximal, mask, dim=1))
+    objective = (sequence_ratio * advantages[:, 0]).sum() / 3
+    (expected,) = torch.autograd.grad(-objective, logprobs)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_cispo_clips_and_detaches_the_weight_so_every_token_keeps_a_gradient():
+    # eps 0.2, high 0.28 -> weights in [0.8, 1.28]; loss = -sg[clip(r)] A log pi, gradient -clip(r) A.
+    #   t0: r = e^(-0.5 - -1) = e^0.5 = 1.6487 -> 1.28, A = 1:  loss -1.28 * 1 * -0.5 = 0.64,
+    #       gradient -1.28 (PPO would give it none).
+    #   t1: r = e^-0.5 = 0.6065 -> 0.8, A = -1:  loss -0.8 * -1 * -1.5 = -1.2, gradient 0.8.
+    #   t2: r = e^0.1 = 1.1051709 unclipped, A = 2:  loss -1.1051709 * 2 * -0.9 = 1.9893076,
+    #       gradient -2.2103418.
+    #   t3: padding with log pi = -inf: 0.
+    logprobs = t([-0.5, -1.5, -0.9, float("-inf")]).requires_grad_()
+    proximal = t([-1.0, -1.0, -1.0, -1.0])
+    loss, metrics = policy_loss(
+        logprobs,
+        proximal,
+        proximal,
+        t([1.0, -1.0, 2.0, 1.0]),
+        t([1, 1, 1, 0]),
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        correction="none",
+        loss="cispo",
+    )
+    close(loss, [[0.64, -1.2, 1.9893076, 0.0]])
+    close(metrics["clipped"], [[1.0, 1.0, 0.0, 0.0]])
+    close(metrics["ratio"], [[1.6487213, 0.6065307, 1.1051709, 0.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-1.28, 0.8, -2.2103418, 0.0]])
+
+
+def test_cispo_with_eps_clip_of_one_or_more_has_no_lower_bound():
+    # MiniMax-M1's setting: eps_clip = 1 puts the lower bound at 0, so r = e^-0.5 = 0.6065307
+    # is kept: loss -0.6065307 * -1 * -1.5 = -0.9097960, gradient 0.6065307.
+    logprobs = t([-1.5]).requires_grad_()
+    loss, metrics = policy_loss(
+        logprobs,
+        t([-1.0]),
+        t([-1.0]),
+        t([-1.0]),
+        torch.ones(1, 1),
+        eps_clip=1.0,
+        eps_clip_high=0.28,
+        loss="cispo",
+    )
+    close(loss, [[-0.9097960]])
+    close(metrics["clipped"], [[0.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.6065307]])
+
+
+def test_cispo_without_proximal_weights_the_log_likelihood_by_the_behaviour_ratio():
+    # r = 1; w = pi_prox / pi_behav = e^(-1 - -1.5) = e^0.5 = 1.6487213, A = 0.5:
+    # loss -w A log pi = -1.6487213 * 0.5 * -1 = 0.8243607, gradient -w A = -0.8243607.
+    logprobs = t([-1.0]).requires_grad_()
+    loss, _ = policy_loss(
+        logprobs, None, t([-1.5]), t([0.5]), torch.ones(1, 1), eps_clip=0.2, loss="cispo"
+    )
+    close(loss, [[0.8243607]])
+    loss.sum().backward()
+    close(logprobs.grad, [[-0.8243607]])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive_A", "negative_A"])
+@pytest.mark.parametrize(
+    ("loss_name", "dual_clip_c"),
+    [("gspo", 0.0), ("gspo", 3.0), ("cispo", 0.0)],
+    ids=["gspo", "gspo_dual_clip", "cispo"],
+)
+@pytest.mark.parametrize(
+    ("correction", "cap"),
+    [("decoupled_ppo", 0.0), ("decoupled_ppo", 5.0), ("tis", 0.0)],
+    ids=["decoupled_uncapped", "decoupled_capped", "tis"],
+)
+@pytest.mark.parametrize("has_proximal", [True, False], ids=["proximal", "no_proximal"])
+def test_gspo_and_cispo_give_a_finite_loss_and_gradient_for_extreme_log_ratios(
+    sign, loss_name, dual_clip_c, correction, cap, has_proximal
+):
+    logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
+    loss, metrics = policy_loss(
+        logprobs,
+        EXTREME_PROXIMAL if has_proximal else None,
+        EXTREME_BEHAVIOUR,
+        torch.full((1, 6), sign),
+        torch.ones(1, 6),
+        eps_clip=0.2,
+        dual_clip_c=dual_clip_c,
+        correction=correction,
+        behaviour_weight_cap=cap,
+        loss=loss_name,
+    )
+    assert torch.isfinite(loss).all(), loss
+    loss.sum().backward()
+    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
+    for name, value in metrics.items():
+        assert torch.isfinite(value).all(), (name, value)
+
+
+def test_policy_loss_rejects_unknown_losses_and_dual_clip_with_cispo():
+    zeros = torch.zeros(1, 1)
+    with pytest.raises(
+        ValueError, match="unknown policy loss 'grpo'; expected one of ppo, gspo, cispo"
+    ):
+        policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, loss="grpo")
+    with pytest.raises(ValueError, match="cispo has no min to clip"):
+        policy_loss(zeros, zeros, zeros, zeros, zeros, eps_clip=0.2, dual_clip_c=3.0, loss="cispo")
 
 
 # ---------------------------------------------------------------- aggregation
@@ -357,6 +620,97 @@ def test_aggregates_of_micro_batches_sum_to_the_mini_batch_mean(mode):
 def test_aggregate_rejects_unknown_modes():
     with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
         aggregate(PER_TOKEN, MASK, "sum", num_tokens=1, num_sequences=1)
+
+
+# ---------------------------------------------------------------- critic
+
+
+def test_gae_with_gamma_and_lambda_one_is_the_remaining_reward_minus_the_value():
+    # Trained t1, t2, t4 (t0 prompt, t3 tool output: their rewards and values are ignored).
+    # Remaining rewards: t4 1, t2 0.5 + 1 = 1.5, t1 0 + 1.5 = 1.5.
+    # A = G - V: t4 1 - 0.7 = 0.3, t2 1.5 - 0.6 = 0.9, t1 1.5 - 0.2 = 1.3; R = A + V = G.
+    rewards = t([9.0, 0.0, 0.5, 7.0, 1.0])
+    values = t([9.0, 0.2, 0.6, 9.0, 0.7])
+    advantages, returns = gae_advantages(rewards, values, t([0, 1, 1, 0, 1]), gamma=1.0, lam=1.0)
+    close(advantages, [[0.0, 1.3, 0.9, 0.0, 0.3]], atol=1e-6)
+    close(returns, [[0.0, 1.5, 1.5, 0.0, 1.0]], atol=1e-6)
+
+
+def test_gae_skips_holes_and_bootstraps_from_the_next_trained_token():
+    # Row 0: trained t0, t2, t3 with r = 0, 0, 1 and V = 0.5, 0.4, 0.8; t1 is a hole (r 5, V 99).
+    # gamma 0.9, lam 0.5 (gamma * lam = 0.45), V after the last token = 0:
+    #   t3: delta = 1 + 0.9 * 0 - 0.8 = 0.2;        A = 0.2
+    #   t2: delta = 0 + 0.9 * 0.8 - 0.4 = 0.32;     A = 0.32 + 0.45 * 0.2 = 0.41
+    #   t0: delta = 0 + 0.9 * 0.4 - 0.5 = -0.14;    A = -0.14 + 0.45 * 0.41 = 0.0445
+    #   R = A + V: 0.5445, 0.81, 1.0.
+    # Row 1 has no trained token: all 0.
+    rewards = t([0.0, 5.0, 0.0, 1.0], [3.0, 3.0, 3.0, 3.0])
+    values = t([0.5, 99.0, 0.4, 0.8], [1.0, 1.0, 1.0, 1.0])
+    mask = t([1, 0, 1, 1], [0, 0, 0, 0])
+    advantages, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    close(advantages, [[0.0445, 0.0, 0.41, 0.2], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
+    close(returns, [[0.5445, 0.0, 0.81, 1.0], [0.0, 0.0, 0.0, 0.0]], atol=1e-6)
+
+
+def test_gae_rejects_mismatched_shapes_and_factors_outside_zero_one():
+    ones = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="must both be"):
+        gae_advantages(ones, torch.ones(2, 4), ones, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="loss_mask shape"):
+        gae_advantages(ones, ones, torch.ones(2, 4), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match=r"lam must be in \[0, 1\], got 1.5"):
+        gae_advantages(ones, ones, ones, gamma=1.0, lam=1.5)
+
+
+def test_value_loss_without_clipping_is_half_the_squared_error():
+    # V - R = -0.5, 1.0 -> loss 0.125, 0.5, gradient V - R; t2 is off the mask.
+    values = t([1.0, 2.0, 0.5]).requires_grad_()
+    loss, metrics = value_loss(
+        values, t([9.0, 9.0, 9.0]), t([1.5, 1.0, 7.0]), t([1, 1, 0]), clip=0.0
+    )
+    close(loss, [[0.125, 0.5, 0.0]])
+    close(metrics["value_clipped"], [[0.0, 0.0, 0.0]])
+    loss.sum().backward()
+    close(values.grad, [[-0.5, 1.0, 0.0]])
+
+
+def test_clipped_value_loss_takes_the_larger_error_of_the_clipped_prediction():
+    # c = 0.2.
+    #   t0: V 1, V_old 0.5 -> clip 0.7, R 1.5: (1 - 1.5)^2 = 0.25 < (0.7 - 1.5)^2 = 0.64,
+    #       loss 0.32, clipped, no gradient.
+    #   t1: V 2, V_old 1.9 -> inside [1.7, 2.1], R 1: both 1, loss 0.5, gradient V - R = 1.
+    #   t2: V 1, V_old 0.5 -> clip 0.7, R 0: (1 - 0)^2 = 1 > 0.49, loss 0.5, gradient 1
+    #       (the clipped prediction is closer to R, so the unclipped error is kept).
+    #   t3: off the mask.
+    values = t([1.0, 2.0, 1.0, 5.0]).requires_grad_()
+    old_values = t([0.5, 1.9, 0.5, 0.0])
+    returns = t([1.5, 1.0, 0.0, 0.0])
+    loss, metrics = value_loss(values, old_values, returns, t([1, 1, 1, 0]), clip=0.2)
+    close(loss, [[0.32, 0.5, 0.5, 0.0]])
+    close(metrics["value_clipped"], [[1.0, 0.0, 0.0, 0.0]])
+    loss.sum().backward()
+    close(values.grad, [[0.0, 1.0, 1.0, 0.0]])
+
+
+def test_value_loss_rejects_a_negative_clip():
+    with pytest.raises(ValueError, match="value clip must be >= 0"):
+        value_loss(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), clip=-1
+        )
+
+
+def test_explained_variance_compares_the_residual_and_return_variances():
+    # R = 1, 2, 4 (t3 off the mask): mean 7/3, Var = (16 + 1 + 25) / 9 / 3 = 14/9.
+    # R - V = 0, 0, 1: mean 1/3, Var = (1 + 1 + 4) / 9 / 3 = 2/9.  1 - (2/9) / (14/9) = 6/7.
+    values, returns, mask = t([1.0, 2.0, 3.0, 50.0]), t([1.0, 2.0, 4.0, -50.0]), t([1, 1, 1, 0])
+    close(explained_variance(values, returns, mask), 6 / 7)
+    close(explained_variance(returns, returns, mask), 1.0)
+    close(explained_variance(torch.full((1, 4), 7 / 3), returns, mask), 0.0)
+
+
+def test_explained_variance_is_zero_when_the_returns_do_not_vary():
+    close(explained_variance(t([0.0, 1.0]), t([2.0, 2.0]), t([1, 1])), 0.0)
+    close(explained_variance(t([0.0, 1.0]), t([2.0, 3.0]), t([0, 0])), 0.0)
 
 
 # ---------------------------------------------------------------- logits
