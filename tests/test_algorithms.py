@@ -735,7 +735,7 @@ def test_logprobs_divide_by_temperature_and_treat_zero_as_one():
 def test_logprobs_match_log_softmax_and_gather_with_the_same_gradient(
     monkeypatch, chunk_elements, temperature
 ):
-    monkeypatch.setattr(algorithms, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(algorithms.logits, "_CHUNK_ELEMENTS", chunk_elements)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 6, 11, generator=generator).requires_grad_()
     ids = torch.randint(0, 11, (2, 6), generator=generator)
@@ -774,7 +774,7 @@ def test_entropy_of_known_distributions():
 
 @pytest.mark.parametrize("chunk_elements", [1 << 24, 3 * 13])
 def test_entropy_matches_the_direct_formula(monkeypatch, chunk_elements):
-    monkeypatch.setattr(algorithms, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(algorithms.logits, "_CHUNK_ELEMENTS", chunk_elements)
     logits = 3 * torch.randn(3, 5, 13, generator=torch.Generator().manual_seed(2))
     z = logits[:, :-1] / 0.8
     direct = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
