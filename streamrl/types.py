@@ -81,6 +81,10 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     status: SampleStatus = SampleStatus.OK
     response_text: str = ""
     metadata: dict[str, Any] = {}
+    versions_exact: bool = True
+    """False when some token's version is a lower bound of the version that produced it
+    (an SGLang response that may straddle an update: `streamrl.agents.api.VersionRule`);
+    staleness computed from it is then an upper bound."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)

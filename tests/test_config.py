@@ -162,7 +162,7 @@ def test_the_configuration_page_is_generated_from_the_code():
         ("cuda", {}, "ipc"),  # one embedded engine on GPU 0, the learner's
         ("cuda", {"cluster": {"learner_gpus": [3], "engine_gpus": [3]}}, "ipc"),
         ("cuda", {"engine": {"num_engines": 2}}, "gloo"),  # engines on GPUs 0 and 1
-        ("cuda", {"engine": {"backend": "sglang"}}, "gloo"),  # SGLang pairing not run
+        ("cuda", {"engine": {"backend": "sglang"}}, "ipc"),  # SGLang on the learner's GPU
         ("cuda", {"engine": {"urls": ["http://other:30000"]}}, "gloo"),  # attached elsewhere
         ("cuda", {"engine": {"device": "cpu"}}, "gloo"),
         ("cuda", {"weights": {"transport": "gloo"}}, "gloo"),  # an explicit choice stands

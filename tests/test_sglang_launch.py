@@ -25,12 +25,14 @@ MODEL = "/models/Qwen2.5-7B-Instruct"
 
 def sglang_config(**engine) -> RunConfig:
     cluster = engine.pop("cluster", {})
+    weights = engine.pop("weights", {})
     return config_from_dict(
         {
             "model": {"path": MODEL, "seed": 10},
             "data": {"path": "prompts.jsonl"},
             "engine": {"backend": "sglang", **engine},
             "cluster": cluster,
+            "weights": weights,
         }
     )
 
@@ -133,14 +135,22 @@ def test_too_few_or_repeated_gpus_are_a_config_error_naming_the_keys():
 
 
 def test_engines_on_the_learners_gpu_are_refused_when_weights_travel_over_nccl():
+    nccl = {"transport": "nccl"}
     with pytest.raises(
         ConfigError, match=r"GPU\(s\) \[0, 1\].*cluster.engine_gpus = \[2, 3, 4, 5\]"
     ):
         check_sglang_backend(
-            sglang_config(num_engines=2, tp_size=2, cluster={"learner_gpus": [0, 1]})
+            sglang_config(
+                num_engines=2, tp_size=2, cluster={"learner_gpus": [0, 1]}, weights=nccl
+            )
         )
     with pytest.raises(ConfigError, match=r"GPU\(s\) \[0\]"):
-        check_sglang_backend(sglang_config())  # defaults: learner on 0, engine 0 on 0
+        check_sglang_backend(sglang_config(weights=nccl))  # learner on 0, engine 0 on 0
+    # With `auto`, an SGLang engine on the learner's one GPU takes its weights by CUDA IPC
+    # handle (/update_weights_from_tensor), which passes the GPU check.
+    assert sglang_config().weight_transport("cuda") == "ipc"
+    with contextlib.suppress(SGLangUnavailable):
+        check_sglang_backend(sglang_config())
     gloo = config_from_dict(
         {
             "model": {"path": MODEL},

@@ -181,10 +181,14 @@ class LearnerLoop:
             "generation_failures",
             "reward_failures",
             "resumes",
+            "resume_prompt_tokens",
+            "inexact_version_samples",
             "groups_started",
         ):
             if key in rollout:
                 record[f"rollout/{key}"] = rollout[key]
+        for reason, count in rollout.get("rejected", {}).items():
+            record[f"rollout/rejected/{reason}"] = count
         if "response_tokens" in rollout:
             record["throughput/generated_tokens_per_s"] = rollout["response_tokens"] / max(
                 elapsed, 1e-9

@@ -257,6 +257,14 @@ class WeightPublisher:
         self._idle.set()
         self._idle = anyio.Event()
 
+    def _flushes(self, weight_version: int | None) -> bool:
+        """Whether an update call asks the engine to flush its prefix cache: on the call that
+        tags the new version, and only in `abort` mode, where the engines hold no request
+        (SGLang asserts that a flush it was asked for succeeds, and it cannot while
+        requests are held; a cache left unflushed would serve new requests prefixes
+        computed with the old weights)."""
+        return weight_version is not None and self.pause_mode == "abort"
+
     @property
     def by_reference(self) -> bool:
         """Engines on this process's device map the staging buffers (`weights.transport = "ipc"`)
@@ -307,7 +315,7 @@ class WeightPublisher:
                 bucket.shapes,
                 group_name=group.name,
                 weight_version=weight_version,
-                flush_cache=False,
+                flush_cache=self._flushes(weight_version),
                 load_format=FLATTENED_BUCKET if self.flattened else None,
             )
             if not result.get("success", False):
@@ -341,7 +349,9 @@ class WeightPublisher:
 
         async def update(engine: EngineClient, num_gpus: int) -> None:
             result = await engine.update_weights_from_tensor(
-                [payload] * num_gpus, weight_version=weight_version, flush_cache=False
+                [payload] * num_gpus,
+                weight_version=weight_version,
+                flush_cache=self._flushes(weight_version),
             )
             if not result.get("success", False):
                 raise RuntimeError(f"{engine.url}: {result.get('message')}")

@@ -21,8 +21,15 @@ from typing import Any
 
 import anyio
 
-from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory, score_trajectory
+from streamrl.agents.api import (
+    GenerateContext,
+    GenerateFn,
+    Trajectory,
+    VersionRule,
+    score_trajectory,
+)
 from streamrl.fleet.engine_set import EngineSet
+from streamrl.fleet.limits import RequestRejected
 from streamrl.queues.transport import StreamSender
 from streamrl.types import FinishReason, Group, Prompt, Sample, SampleStatus
 
@@ -38,12 +45,22 @@ class RolloutCounters:
     generation_failures: int = 0
     reward_failures: int = 0
     resumes: int = 0
+    resume_prompt_tokens: int = 0
+    """Prompt tokens sent again to resume aborted calls (the extra prefill of `abort`)."""
+    inexact_version_samples: int = 0
+    """Samples some of whose tokens carry a lower bound of their version (`VersionRule`)."""
+    rejected: Counter = field(default_factory=Counter)
+    """Samples whose request the client refused before sending, by reason."""
     finish_reasons: Counter = field(default_factory=Counter)
     busy_s: float = 0.0
     """Sum over samples of generate-call wall time (engine-side occupancy proxy)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "finish_reasons": dict(self.finish_reasons)}
+        return {
+            **self.__dict__,
+            "finish_reasons": dict(self.finish_reasons),
+            "rejected": dict(self.rejected),
+        }
 
 
 class RolloutWorker:
@@ -65,6 +82,7 @@ class RolloutWorker:
         reward_timeout_s: float = 60.0,
         retry_timeout_s: float = 300.0,
         report_interval_s: float = 2.0,
+        version_rule: VersionRule | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -79,6 +97,7 @@ class RolloutWorker:
         self.reward_timeout_s = reward_timeout_s
         self.retry_timeout_s = retry_timeout_s
         self.report_interval_s = report_interval_s
+        self.version_rule = version_rule or VersionRule(floor=lambda: sender.version)
         self.counters = RolloutCounters()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -144,6 +163,7 @@ class RolloutWorker:
             kwargs=self.generate_kwargs,
             session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
+            version_rule=self.version_rule,
         )
 
     async def _generate(self, prompt: Prompt) -> list[tuple[Trajectory, str | None]]:
@@ -181,6 +201,8 @@ class RolloutWorker:
         """Keep a record of a sample that could not be generated (the group will be filtered)."""
         log.warning("generate failed for prompt %d sample %d: %r", prompt.seq, index, exc)
         self.counters.generation_failures += 1
+        if isinstance(exc, RequestRejected):
+            self.counters.rejected[exc.reason] += 1
         return Trajectory(finish_reason=FinishReason.ERROR), f"{type(exc).__name__}: {exc}"
 
     async def _to_sample(
@@ -205,6 +227,8 @@ class RolloutWorker:
                 metadata["reward_error"] = outcome.error
         self.counters.samples += 1
         self.counters.resumes += trajectory.num_resumes
+        self.counters.resume_prompt_tokens += trajectory.resume_prompt_tokens
+        self.counters.inexact_version_samples += not trajectory.versions_exact
         self.counters.response_tokens += len(trajectory.response_ids)
         self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
         return Sample(
@@ -218,4 +242,5 @@ class RolloutWorker:
             status=status,
             response_text=trajectory.text,
             metadata=metadata,
+            versions_exact=trajectory.versions_exact,
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,12 +48,57 @@ class Completion:
     finish_reason: FinishReason = FinishReason.STOP
     num_engine_calls: int = 0
     num_resumes: int = 0
+    versions_exact: bool = True
+    """False when some call's tokens may come from an older version than they are labelled
+    with: they are then labelled with the oldest version possible (see `VersionRule`)."""
+    resume_prompt_tokens: int = 0
+    """Tokens sent again as the prompt of a resumed call (prompt + partial output: the extra
+    prefill an abort costs)."""
 
-    def extend(self, result: GenerateResult) -> None:
+    def extend(self, result: GenerateResult, versions: list[int], *, is_exact: bool) -> None:
         self.output_ids.extend(result.output_ids)
         self.logprobs.extend(result.logprobs)
-        self.versions.extend(result.versions)
+        self.versions.extend(versions)
+        self.versions_exact &= is_exact
         self.text += result.text
+
+    def append(self, rest: Completion) -> None:
+        """Continue this turn with `rest` (a resumed call's completion)."""
+        self.output_ids += rest.output_ids
+        self.logprobs += rest.logprobs
+        self.versions += rest.versions
+        self.text += rest.text
+        self.finish_reason = rest.finish_reason
+        self.num_engine_calls += rest.num_engine_calls
+        self.num_resumes += 1 + rest.num_resumes
+        self.versions_exact &= rest.versions_exact
+        self.resume_prompt_tokens += rest.resume_prompt_tokens
+
+
+@dataclass(frozen=True)
+class VersionRule:
+    """How the tokens of one engine response get their weight versions.
+
+    A response with `weight_versions` spans (the embedded engine) is exact token by token.
+    SGLang sends one `weight_version` per response, the version when it finished. With
+    `weights.pause_mode = "abort"` every request in flight at an update is aborted and
+    resumed as a new request, so no response straddles an update: `single_version` says
+    so, and each response's version is exact. Otherwise a response is exact when it
+    finished at `floor()`, the version the engines were known to serve when it was sent
+    (versions only grow); else its tokens are labelled with that floor, the oldest they
+    can be, so the staleness bound stays safe (it overestimates staleness), and the
+    sample is counted as inexact."""
+
+    single_version: bool = False
+    floor: Callable[[], int] = lambda: 0
+
+    def versions(self, result: GenerateResult, floor: int) -> tuple[list[int], bool]:
+        """(per-token versions, exact?) of `result`, sent when the floor was `floor`."""
+        if result.versions_exact or self.single_version:
+            return list(result.versions), True
+        if result.weight_version == floor or not result.output_ids:
+            return list(result.versions), True
+        return [min(floor, result.weight_version)] * len(result.output_ids), False
 
 
 @dataclass
@@ -75,6 +121,10 @@ class Trajectory:
     prompt_ids: list[int] | None = None
     """Set when the episode started from other tokens than `prompt.input_ids` (an
     environment whose first observation is not the prompt); the sample's prompt then."""
+    versions_exact: bool = True
+    """False when some model token's version is a lower bound (`VersionRule`)."""
+    resume_prompt_tokens: int = 0
+    """Prompt tokens sent again to resume aborted calls (`Completion.resume_prompt_tokens`)."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
@@ -86,6 +136,8 @@ class Trajectory:
         self.finish_reason = completion.finish_reason
         self.num_turns += 1
         self.num_resumes += completion.num_resumes
+        self.versions_exact &= completion.versions_exact
+        self.resume_prompt_tokens += completion.resume_prompt_tokens
 
     def add_observation(self, token_ids: list[int]) -> None:
         """Append tokens the policy did not produce (tool results, environment feedback): masked."""
@@ -116,6 +168,8 @@ class GenerateContext:
     session_key: str = field(default_factory=lambda: uuid.uuid4().hex)
     retry_timeout_s: float = 300.0
     """Engine failures are retried with backoff for this long (an engine may be restarting)."""
+    version_rule: VersionRule = field(default_factory=VersionRule)
+    """How responses' tokens get their versions (exact, or a safe lower bound)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -129,8 +183,10 @@ class GenerateContext:
         while True:
             params["max_new_tokens"] = budget - len(completion.output_ids)
             engine = self._engine(failures)
+            floor = self.version_rule.floor()
+            sent = input_ids + completion.output_ids
             try:
-                result = await engine.generate(input_ids + completion.output_ids, params)
+                result = await engine.generate(sent, params)
             except EngineError as exc:
                 failures += 1
                 is_client_error = exc.status is not None and 400 <= exc.status < 500
@@ -139,8 +195,11 @@ class GenerateContext:
                 log.warning("engine call failed (%s); retry %d", exc, failures)
                 await anyio.sleep(min(0.25 * 2**failures, 5.0))
                 continue
+            if completion.num_engine_calls:
+                completion.resume_prompt_tokens += len(sent)
             completion.num_engine_calls += 1
-            completion.extend(result)
+            versions, is_exact = self.version_rule.versions(result, floor)
+            completion.extend(result, versions, is_exact=is_exact)
             if not result.is_aborted:
                 completion.finish_reason = FinishReason(result.finish_reason.type)
                 return completion
@@ -158,6 +217,7 @@ class GenerateContext:
         its own through `generate`. An engine failure falls back to n separate `generate`s."""
         params = {**self.sampling_params, **overrides}
         budget = params.get("max_new_tokens", 128)
+        floor = self.version_rule.floor()
         try:
             results = await self._engine(0).generate_many([input_ids], {**params, "n": n})
         except EngineError as exc:
@@ -171,7 +231,8 @@ class GenerateContext:
 
         async def finish(completion: Completion, result: GenerateResult) -> None:
             completion.num_engine_calls = 1
-            completion.extend(result)
+            versions, is_exact = self.version_rule.versions(result, floor)
+            completion.extend(result, versions, is_exact=is_exact)
             if not result.is_aborted:
                 completion.finish_reason = FinishReason(result.finish_reason.type)
                 return
@@ -179,16 +240,10 @@ class GenerateContext:
             if remaining <= 0:
                 completion.finish_reason = FinishReason.LENGTH
                 return
-            rest = await self.generate(
-                input_ids + completion.output_ids, **{**overrides, "max_new_tokens": remaining}
-            )
-            completion.output_ids += rest.output_ids
-            completion.logprobs += rest.logprobs
-            completion.versions += rest.versions
-            completion.text += rest.text
-            completion.finish_reason = rest.finish_reason
-            completion.num_engine_calls += rest.num_engine_calls
-            completion.num_resumes += 1 + rest.num_resumes
+            resumed_from = input_ids + completion.output_ids
+            rest = await self.generate(resumed_from, **{**overrides, "max_new_tokens": remaining})
+            rest.resume_prompt_tokens += len(resumed_from)
+            completion.append(rest)
 
         async with anyio.create_task_group() as tg:
             for completion, result in zip(completions, results, strict=True):

@@ -122,6 +122,22 @@ def _weight_sync(commands) -> None:
     parser.set_defaults(entry="streamrl.bench.weight_sync:weight_sync_command")
 
 
+def _pause(commands) -> None:
+    parser = commands.add_parser(
+        "pause", help="what each pause mode costs a running engine per weight update"
+    )
+    parser.add_argument("--url", required=True, help="the engine (SGLang or embedded)")
+    parser.add_argument("--model", default="", help="(recorded) the served model's directory")
+    parser.add_argument("--modes", default="in_place,abort", help="comma-separated pause modes")
+    parser.add_argument("--requests", type=int, default=64, help="requests decoding at once")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--updates", type=int, default=5, help="weight updates per mode")
+    parser.add_argument("--interval-s", type=float, default=0.5, help="time between updates")
+    parser.add_argument("--json", default="", help="write the result (and a PNG) here")
+    parser.set_defaults(entry="streamrl.bench.pause:pause_command")
+
+
 def _collective(commands) -> None:
     parser = commands.add_parser(
         "collective", help="peak broadcast / all-gather bandwidth between two processes"
@@ -198,6 +214,7 @@ COMMANDS = (
     _merge,
     _sync_async,
     _weight_sync,
+    _pause,
     _collective,
     _collective_worker,
     _run_one,

@@ -87,13 +87,21 @@ class RunConfig(_Section):
             return set()
         return {gpu for gpus in placement for gpu in gpus}
 
+    @property
+    def pause_mode(self) -> str:
+        """`weights.pause_mode` resolved: `auto` is `abort` for SGLang, `in_place` otherwise."""
+        if self.weights.pause_mode != "auto":
+            return self.weights.pause_mode
+        return "abort" if self.engine.backend == "sglang" else "in_place"
+
     def weight_transport(self, learner_device_type: str) -> str:
         """`weights.transport` resolved: `auto` becomes NCCL when learner and engines are on
-        different GPUs; ipc when one embedded engine started here shares the learner's one
-        GPU (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
-        bench/results/gpu/*_h200x1_ipc.json); gloo otherwise (CPU, mixed placements, and
-        SGLang on a shared GPU). With `cluster.launcher = "ray"`, NCCL whenever the learner
-        is on CUDA and `engine.device` is not `cpu`: Ray gives each engine GPUs of its own."""
+        different GPUs; ipc when the engines started here (embedded or SGLang) share the
+        learner's one GPU (gloo through host memory ran at ~1 GB/s there, ipc at 25-48 GB/s:
+        bench/results/gpu/*_h200x1_ipc.json; SGLang's /update_weights_from_tensor took the
+        same payload: docs/sglang.md); gloo otherwise (CPU, mixed placements, attached
+        engines). With `cluster.launcher = "ray"`, NCCL whenever the learner is on CUDA and
+        `engine.device` is not `cpu`: Ray gives each engine GPUs of its own."""
         if self.weights.transport != "auto":
             return self.weights.transport
         if learner_device_type != "cuda" or self.engine.device == "cpu":
@@ -103,9 +111,8 @@ class RunConfig(_Section):
         learner, engines = self.learner_gpu_ids, self.engine_gpu_ids
         if engines and not engines & learner:
             return "nccl"
-        is_local_embedded = self.engine.backend == "embedded" and not self.engine.urls
         is_shared = len(learner) == 1 and engines == learner
-        if is_local_embedded and is_shared and not _ipc_problems(self):
+        if is_shared and not self.engine.urls and not _ipc_problems(self):
             return "ipc"
         return "gloo"
 
@@ -138,6 +145,19 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("data.path is required (a JSONL/Parquet file or builtin:<task>)")
     if cfg.engine.backend == "sglang" and cfg.model.path.startswith(("random:", "smollm2")):
         problems.append("engine.backend = 'sglang' needs model.path to be a Hugging Face directory")
+    if (
+        cfg.engine.backend == "sglang"
+        and cfg.pause_mode != "abort"
+        and "--disable-radix-cache" not in cfg.engine.extra_args
+    ):
+        problems.append(
+            f"weights.pause_mode = {cfg.pause_mode!r} with engine.backend = 'sglang': SGLang "
+            f"keeps the KV of requests held across an update in its radix cache, computed "
+            f"with the old weights, and new requests with the same prefix would reuse it "
+            f"(the cache cannot be flushed while requests are held); use weights.pause_mode "
+            f"= 'abort' (the default for SGLang) or add '--disable-radix-cache' to "
+            f"engine.extra_args"
+        )
     if cfg.learner.backend == "torch" and cfg.learner.num_gpus > 1:
         problems.append("learner.num_gpus > 1 needs learner.backend = 'megatron'")
     mcfg = cfg.learner.megatron

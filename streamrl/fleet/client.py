@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from streamrl.fleet.limits import RequestLimits
 from streamrl.fleet.results import GenerateResult, parse_result, parse_version
 from streamrl.weights.layout import engine_gpu_count
 
@@ -35,9 +36,13 @@ class EngineError(RuntimeError):
 class EngineClient:
     """Async client of one SGLang-protocol server. Use as `async with`, or call `aclose()`."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 600.0, limits: RequestLimits | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.limits = limits
+        """Checked before every `/generate` (`streamrl.fleet.limits`); None checks nothing."""
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -95,9 +100,13 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> GenerateResult:
-        """Generate one sample for one prompt (`sampling_params["n"]` must be 1)."""
+        """Generate one sample for one prompt (`sampling_params["n"]` must be 1).
+
+        Raises `RequestRejected` (nothing sent) when the request breaks `limits`."""
         if (sampling_params or {}).get("n", 1) not in (1, None):
             raise ValueError("generate() makes one sample; use generate_many() for n > 1")
+        if self.limits is not None:
+            self.limits.check([input_ids], sampling_params or {})
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -121,6 +130,8 @@ class EngineClient:
         """One batched call; with `n` > 1 the results are prompt-major (n per prompt).
 
         sglang-router 0.3.2 refuses a list `rid` (422): pass `rids` only to engines."""
+        if self.limits is not None:
+            self.limits.check(prompts, sampling_params or {})
         body: dict[str, Any] = {
             "input_ids": [list(p) for p in prompts],
             "sampling_params": dict(sampling_params or {}),
@@ -245,12 +256,20 @@ class EngineClient:
         )
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | int | None = None
+        self,
+        model_path: str,
+        *,
+        weight_version: str | int | None = None,
+        flush_cache: bool | None = None,
     ) -> dict:
-        body = {
+        """Load a checkpoint directory. `flush_cache` None leaves the server's default
+        (SGLang: flush, which it asserts succeeds: never while requests are held)."""
+        body: dict[str, Any] = {
             "model_path": model_path,
             "weight_version": None if weight_version is None else str(weight_version),
         }
+        if flush_cache is not None:
+            body["flush_cache"] = flush_cache
         return await self._json("POST", "/update_weights_from_disk", body)
 
     async def update_weights_from_tensor(

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import anyio
 
 from streamrl.fleet.client import DEFAULT_GROUP_NAME, EngineClient, EngineError, engine_gpu_counts
+from streamrl.fleet.limits import RequestLimits, context_length_of
 from streamrl.fleet.results import GenerateResult
 from streamrl.weights.layout import weight_group_layout
 
@@ -42,12 +43,18 @@ class EngineSet:
     """All engines of a run; `router_url` (optional) serves `/generate`."""
 
     def __init__(
-        self, engine_urls: Sequence[str], *, router_url: str | None = None, timeout_s: float = 600.0
+        self,
+        engine_urls: Sequence[str],
+        *,
+        router_url: str | None = None,
+        timeout_s: float = 600.0,
+        limits: RequestLimits | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("an EngineSet needs at least one engine URL")
         self.engines = [EngineClient(url, timeout_s=timeout_s) for url in engine_urls]
         self.router = EngineClient(router_url, timeout_s=timeout_s) if router_url else None
+        self.set_limits(limits)
         self._down: set[str] = set()
         self._round_robin = itertools.count()
 
@@ -60,6 +67,19 @@ class EngineSet:
     async def aclose(self) -> None:
         for client in [*self.engines, *([self.router] if self.router else [])]:
             await client.aclose()
+
+    def set_limits(self, limits: RequestLimits | None) -> None:
+        """Check every `/generate` of every client against `limits` before sending."""
+        self.limits = limits
+        for client in [*self.engines, *([self.router] if self.router else [])]:
+            client.limits = limits
+
+    async def read_limits(self, *, vocab_size: int, model_max: int) -> RequestLimits:
+        """The limits of these engines: `vocab_size` (the model's embedding rows) and the
+        smallest context length any engine reports (`model_max` where none does)."""
+        infos = [await engine.server_info() for engine in self.engines]
+        context = min(context_length_of(info, model_max) for info in infos)
+        return RequestLimits(vocab_size=vocab_size, context_length=context)
 
     @property
     def urls(self) -> list[str]:

@@ -106,10 +106,7 @@ def check_sglang_backend(cfg: RunConfig) -> None:
 def _check_disjoint_from_learner(cfg: RunConfig, engine_gpus: list[list[int]]) -> None:
     """NCCL refuses two ranks of one group on one GPU, and the learner is rank 0 of the
     weight-update group: with NCCL its GPUs and the engines' must differ."""
-    is_nccl = cfg.weights.transport == "nccl" or (
-        cfg.weights.transport == "auto" and cfg.learner.device != "cpu"
-    )
-    if not is_nccl:
+    if cfg.weight_transport("cpu" if cfg.learner.device == "cpu" else "cuda") != "nccl":
         return
     learner = cfg.learner_gpu_ids
     shared = sorted(learner & {gpu for gpus in engine_gpus for gpu in gpus})

@@ -77,6 +77,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
     """Run the rollout worker (and the evaluator) until the receiver says stop."""
     from streamrl.actors.evaluator import Evaluator
     from streamrl.actors.rollout import RolloutWorker
+    from streamrl.agents.api import VersionRule
     from streamrl.data import PromptSource
     from streamrl.fleet.engine_set import EngineSet
     from streamrl.models import load_tokenizer
@@ -94,6 +95,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         spec.buffer_address, sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups
     )
     engines = EngineSet(spec.engine_urls, router_url=spec.router_url or None)
+    engines.set_limits(await _request_limits(engines, spec.model_path))
     generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
     worker = RolloutWorker(
         worker_id="rollout-0",
@@ -108,6 +110,9 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         generate_kwargs=dict(cfg.rollout.generate_kwargs),
         reward_timeout_s=cfg.rollout.reward_timeout_s,
         retry_timeout_s=cfg.rollout.retry_timeout_s,
+        version_rule=VersionRule(
+            single_version=cfg.pause_mode == "abort", floor=lambda: sender.version
+        ),
     )
     async with engines, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
@@ -130,6 +135,16 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         await worker.run()
         log.info("rollout stopped: %s", worker.counters.as_dict())
         tg.cancel_scope.cancel()
+
+
+async def _request_limits(engines, model_path: str):
+    """What the engines accept (`streamrl.fleet.limits`): the model's embedding rows and the
+    smallest context length an engine reports."""
+    from streamrl.models import model_config
+
+    config = await anyio.to_thread.run_sync(model_config, model_path)
+    model_max = int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
+    return await engines.read_limits(vocab_size=int(config.vocab_size), model_max=model_max)
 
 
 async def _cancel_on_sigterm(scope: anyio.CancelScope) -> None:

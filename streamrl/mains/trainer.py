@@ -234,7 +234,7 @@ class Trainer:
             on_published=intake.on_published,
             bucket_bytes=cfg.weights.bucket_bytes,
             flattened=cfg.weights.flattened_buckets,
-            pause_mode=cfg.weights.pause_mode,
+            pause_mode=cfg.pause_mode,
             transport=transport,
             master_address=self.spawner.reachable(cfg.weights.master_address),
             staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",

@@ -18,19 +18,6 @@ logger = logging.getLogger(__name__)
 RUNNER_NAMES = ("auto", "compact", "hf")
 
 
-def model_config(model_path: str):
-    """The transformers config behind a model path (HF dir, "smollm2", "random:<shape>")."""
-    from transformers import AutoConfig
-
-    from streamrl import models
-
-    if model_path.startswith(models.RANDOM_PREFIX):
-        return models.random_config(model_path.removeprefix(models.RANDOM_PREFIX))
-    if model_path == models.SMOLLM2_NAME:
-        return AutoConfig.from_pretrained(str(models.smollm2_model_dir()))
-    return AutoConfig.from_pretrained(model_path)
-
-
 def compact_supports(config) -> str:
     """Empty when the compact runner can serve ``config``, else the reason it cannot."""
     from streamrl.engine.runner.decoder import ModelDims
@@ -62,7 +49,7 @@ def build_runner(
 
     if runner not in RUNNER_NAMES:
         raise ValueError(f"runner {runner!r} is not one of {RUNNER_NAMES}")
-    config = model_config(model_path)
+    config = models.model_config(model_path)
     reason = compact_supports(config)
     if runner == "compact" and reason:
         raise ValueError(f"the compact runner cannot serve {model_path}: {reason}")

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# streamrl against the real SGLang 0.5.17 on the one-GPU H200, in three calls on one warm
+# machine (the carry limit is 64 MiB: the SGLang bundle, 43.6 MiB, and SmolLM2's GGUF,
+# 98 MB, cannot travel together):
+#
+#   bench/gpu/sglang_h200.sh conformance OUT   carry .sgl .whl: the conformance suite against
+#                                              SGLang on a tiny random Qwen3, then
+#                                              `streamrl bench pause` (in_place, abort, retract)
+#   bench/gpu/sglang_h200.sh stash OUT         carry .gguf/part.aa: keep it in /tmp
+#   bench/gpu/sglang_h200.sh learn OUT         carry .gguf/part.ab: join the GGUF, convert it
+#                                              to a Hugging Face directory, and
+#                                              `streamrl run configs/gpu/sglang_capitals.toml`
+#
+# Run from the repository root on the GPU machine. Everything it measures lands in OUT.
+set -uo pipefail
+PART=${1:?usage: sglang_h200.sh conformance|stash|learn OUT}
+OUT=$(mkdir -p "${2:?usage: sglang_h200.sh PART OUT}" && cd "$2" && pwd)
+cd "$(dirname "$0")/../.."
+export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1
+
+if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    touch /tmp/site/.installed
+fi
+
+sglang_env() {  # the bundle first on PYTHONPATH, then the carried wheels and this checkout
+  # shellcheck disable=SC1091
+  source .sgl/run-server.sh --env || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/site:$PWD"
+}
+
+wait_health() {  # wait_health URL TIMEOUT_S
+  for _ in $(seq "$2"); do
+    curl -sf "$1/health" >/dev/null && return 0
+    sleep 1
+  done
+  echo "no /health from $1 after $2 s" >&2
+  return 1
+}
+
+case "$PART" in
+conformance)
+  sglang_env
+  python3 -c "import sglang, transformers; print('sglang', sglang.__version__, 'transformers', transformers.__version__)" |
+    tee "$OUT/versions.txt"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >>"$OUT/versions.txt"
+  python3 -c "from streamrl.models import save_random_model; save_random_model('qwen3-tiny', '/tmp/tiny')"
+  started=$(date +%s)
+  python3 -m sglang.launch_server --model-path /tmp/tiny --host 127.0.0.1 --port 30000 \
+    "${SGLANG_SAFE_ARGS[@]}" --mem-fraction-static 0.3 >"$OUT/sglang_tiny.log" 2>&1 &
+  server=$!
+  wait_health http://127.0.0.1:30000 420 || { tail -50 "$OUT/sglang_tiny.log"; exit 1; }
+  echo "sglang ready after $(($(date +%s) - started)) s" | tee -a "$OUT/versions.txt"
+  STREAMRL_CONFORMANCE_URL=http://127.0.0.1:30000 STREAMRL_CONFORMANCE_MODEL=/tmp/tiny \
+    STREAMRL_CONFORMANCE_BACKEND=gloo timeout 300 \
+    python3 -m pytest tests/conformance -k "not router" -v -p no:cacheprovider 2>&1 |
+    tee "$OUT/conformance_sglang_h200x1.txt" | tail -40
+  timeout 150 python3 -m streamrl --log-level warning bench pause --url http://127.0.0.1:30000 \
+    --model /tmp/tiny --modes in_place,abort,retract --requests 64 --prompt-tokens 128 \
+    --max-new-tokens 1024 --updates 5 --interval-s 0.5 --json "$OUT/sglang_pause_h200x1.json"
+  curl -sf http://127.0.0.1:30000/health >/dev/null && echo "sglang still healthy"
+  kill "$server"
+  wait "$server" 2>/dev/null
+  tail -20 "$OUT/sglang_tiny.log"
+  ;;
+stash)
+  cp .gguf/part.aa /tmp/smollm2.gguf.aa && ls -la /tmp/smollm2.gguf.aa
+  ;;
+learn)
+  mkdir -p /tmp/smollm2 &&
+    cat /tmp/smollm2.gguf.aa .gguf/part.ab >/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
+    (cd /tmp/smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee "$OUT/gguf_sha256.txt"
+  sglang_env
+  export STREAMRL_SMOLLM2_GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  model=$(python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())") ||
+    exit 1
+  echo "model $model"
+  run=/tmp/run-sglang-capitals
+  rm -rf "$run"
+  timeout 540 python3 -m streamrl run configs/gpu/sglang_capitals.toml \
+    --set "model.path=\"$model\"" --set "train.output_dir=\"$run\"" 2>&1 | tail -60
+  for f in metrics.jsonl summary.json events.jsonl config.toml; do
+    [ -f "$run/$f" ] && cp "$run/$f" "$OUT/sglang_capitals_h200x1_$f"
+  done
+  tail -40 "$run/logs/engine-0.log" >"$OUT/sglang_capitals_h200x1_engine_tail.txt" 2>/dev/null
+  python3 -m streamrl plot "$run" --out "$OUT/sglang_capitals_h200x1_reward.png" \
+    --title "SmolLM2-135M on capitals: SGLang 0.5.17 + Megatron, one H200"
+  ;;
+*)
+  echo "unknown part $PART" >&2
+  exit 2
+  ;;
+esac
