@@ -140,9 +140,7 @@ def test_engines_on_the_learners_gpu_are_refused_when_weights_travel_over_nccl()
         ConfigError, match=r"GPU\(s\) \[0, 1\].*cluster.engine_gpus = \[2, 3, 4, 5\]"
     ):
         check_sglang_backend(
-            sglang_config(
-                num_engines=2, tp_size=2, cluster={"learner_gpus": [0, 1]}, weights=nccl
-            )
+            sglang_config(num_engines=2, tp_size=2, cluster={"learner_gpus": [0, 1]}, weights=nccl)
         )
     with pytest.raises(ConfigError, match=r"GPU\(s\) \[0\]"):
         check_sglang_backend(sglang_config(weights=nccl))  # learner on 0, engine 0 on 0

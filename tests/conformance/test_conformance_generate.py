@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conformance_support import PROMPT, assert_matches_teacher, assert_spans_cover
 
-from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.fleet.client import EngineClient
 from streamrl.fleet.results import parse_result, parse_version
 
 pytestmark = pytest.mark.anyio
