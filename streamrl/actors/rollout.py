@@ -97,7 +97,9 @@ class RolloutWorker:
         self.reward_timeout_s = reward_timeout_s
         self.retry_timeout_s = retry_timeout_s
         self.report_interval_s = report_interval_s
-        self.version_rule = version_rule or VersionRule(floor=lambda: sender.version)
+        if version_rule is None:  # the engines serve at least what the trainer announced
+            version_rule = VersionRule(floor=lambda: sender.version if sender else 0)
+        self.version_rule = version_rule
         self.counters = RolloutCounters()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
