@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamrl.agents.api import GenerateContext, VersionRule
+from streamrl.fleet.client import EngineError
 from streamrl.fleet.results import parse_result
 
 
@@ -52,7 +53,10 @@ class _ScriptedEngine:
 
     async def generate(self, input_ids, params):
         self.prompts.append(list(input_ids))
-        return parse_result(self.answers.pop(0))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return parse_result(answer)
 
 
 class _Engines:
@@ -96,3 +100,20 @@ async def test_a_straddling_response_without_spans_is_labelled_with_the_floor():
     )
     completion = await ctx.generate([1])
     assert completion.versions == [4, 4] and not completion.versions_exact
+
+
+@pytest.mark.anyio
+async def test_a_request_aborted_before_it_ran_is_sent_again():
+    # SGLang 0.5.17's abort pause also aborts requests waiting at its gate: HTTP 499, no token.
+    aborted = EngineError("http://e", "/generate", 499, "Request r was aborted")
+    engine = _ScriptedEngine([response([10, 11], 3, aborted=True), aborted, response([12, 13], 4)])
+    ctx = GenerateContext(
+        engines=_Engines(engine),
+        tokenizer=None,
+        sampling_params={"max_new_tokens": 4},
+        version_rule=VersionRule(single_version=True),
+    )
+    completion = await ctx.generate([1])
+    assert completion.output_ids == [10, 11, 12, 13] and completion.versions == [3, 3, 4, 4]
+    assert engine.prompts == [[1], [1, 10, 11], [1, 10, 11]]
+    assert completion.resume_prompt_tokens == 3  # the call that ran, not the one aborted

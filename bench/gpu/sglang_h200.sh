@@ -58,7 +58,7 @@ conformance)
     tee "$OUT/conformance_sglang_h200x1.txt" | tail -40
   timeout 150 python3 -m streamrl --log-level warning bench pause --url http://127.0.0.1:30000 \
     --model /tmp/tiny --modes in_place,abort,retract --requests 64 --prompt-tokens 128 \
-    --max-new-tokens 1024 --updates 5 --interval-s 0.5 --json "$OUT/sglang_pause_h200x1.json"
+    --max-new-tokens 3500 --updates 5 --interval-s 0.3 --json "$OUT/sglang_pause_h200x1.json"
   curl -sf http://127.0.0.1:30000/health >/dev/null && echo "sglang still healthy"
   kill "$server"
   wait "$server" 2>/dev/null

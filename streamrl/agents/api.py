@@ -37,6 +37,13 @@ from streamrl.types import NO_VERSION, FinishReason, Prompt
 log = logging.getLogger(__name__)
 
 
+ABORTED_BEFORE_START = 499
+"""SGLang 0.5.17's answer to a request that a pause in `abort` mode aborted before it ran
+(seen on the H200: `{"error": {"message": "Request ... was aborted"}}`): the pause aborts
+every request it knows of, including ones waiting at the pause gate, such as a sample
+resumed after the first abort. No token was generated, so the request is sent again."""
+
+
 @dataclass
 class Completion:
     """One model turn, possibly assembled from several engine calls (after aborts or failures)."""
@@ -188,6 +195,8 @@ class GenerateContext:
             try:
                 result = await engine.generate(sent, params)
             except EngineError as exc:
+                if exc.status == ABORTED_BEFORE_START and time.monotonic() < deadline:
+                    continue  # no token was made: send it again (it waits out the pause)
                 failures += 1
                 is_client_error = exc.status is not None and 400 <= exc.status < 500
                 if is_client_error or time.monotonic() > deadline:
@@ -221,7 +230,8 @@ class GenerateContext:
         try:
             results = await self._engine(0).generate_many([input_ids], {**params, "n": n})
         except EngineError as exc:
-            if exc.status is not None and 400 <= exc.status < 500:
+            is_client_error = exc.status is not None and 400 <= exc.status < 500
+            if is_client_error and exc.status != ABORTED_BEFORE_START:
                 raise
             log.warning("batched engine call failed (%s); generating samples one by one", exc)
             results = []

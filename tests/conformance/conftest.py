@@ -62,7 +62,9 @@ def target(request, tmp_path_factory) -> Iterator[Target]:
 
 @pytest.fixture(scope="module")
 def router(target, tmp_path_factory) -> Iterator[Router]:
-    """The real sglang-router with the server under test as its only worker."""
+    """The real sglang-router with the server under test as its only worker (skipped where
+    it is not installed: the H200 machine, whose carry limit leaves no room for its wheel)."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     logs = tmp_path_factory.mktemp("conformance-router")
     with Router.start([target.url], log_path=logs / "router.log", policy="round_robin") as started:
         yield started

@@ -136,9 +136,12 @@ async def test_flush_cache_is_200_when_idle_and_never_an_error_while_requests_ru
         await engine.abort(abort_all=True)
 
 
-async def test_health_and_health_generate_answer_200(target, router, engine):
+async def test_health_and_health_generate_answer_200(target, engine):
     await engine.health()
     await engine.health_generate(timeout_s=60)
+
+
+def test_the_router_answers_health_itself(router):
     assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
 
 
