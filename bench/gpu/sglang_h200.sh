@@ -25,8 +25,14 @@ if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
 fi
 
 sglang_env() {  # the bundle first on PYTHONPATH, then the carried wheels and this checkout
-  # shellcheck disable=SC1091
-  source .sgl/run-server.sh --env || exit 1
+  if [ -f .sgl/run-server.sh ]; then
+    # shellcheck disable=SC1091
+    source .sgl/run-server.sh --env || exit 1
+  else  # a later call on the same machine: the bundle was unpacked by an earlier one
+    [ -f /tmp/sglang-site/.bundle ] || { echo "no SGLang bundle: carry .sgl" >&2; exit 1; }
+    export PYTHONPATH="/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
+    export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH="/usr/local/cuda/bin:$PATH"
+  fi
   export PYTHONPATH="$PYTHONPATH:/tmp/site:$PWD"
 }
 
