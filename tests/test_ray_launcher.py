@@ -26,14 +26,12 @@ from streamrl.config import ConfigError, config_from_dict
 
 ray = pytest.importorskip("ray")
 
-from streamrl.launch.ray import (  # noqa: E402 - after the skip
-    LOST_EXIT_CODE,
-    ProcessHost,
-    RayProcess,
+from streamrl.launch.placement import (  # noqa: E402 - after the skip
     engines_use_gpus,
     gpus_for_own_instance,
     placement_bundles,
 )
+from streamrl.launch.ray import LOST_EXIT_CODE, ProcessHost, RayProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 

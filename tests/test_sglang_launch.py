@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from streamrl.actors import publisher as publisher_module
+from streamrl.actors import update_groups as update_groups_module
 from streamrl.config import ConfigError, RunConfig, config_from_dict
 from streamrl.fleet.sglang import (
     SGLangUnavailable,
@@ -302,9 +303,9 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
     async def host(**kwargs) -> None:
         hosted.append(kwargs)
 
-    monkeypatch.setattr(publisher_module, "join_in_daemon_thread", host)
+    monkeypatch.setattr(update_groups_module, "join_in_daemon_thread", host)
     monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: sent.append(flat))
-    monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
+    monkeypatch.setattr(update_groups_module, "destroy_weight_update_group", lambda group: None)
     engines = [RecordingEngine(f"http://engine-{i}") for i in range(3)]
     published: list[int] = []
 

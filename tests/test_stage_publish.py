@@ -169,13 +169,14 @@ class RecordingStages:
 
 def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
     from streamrl.actors import publisher as publisher_module
+    from streamrl.actors import update_groups as update_groups_module
 
     async def host(**kwargs) -> str:
         return kwargs["group_name"]
 
-    monkeypatch.setattr(publisher_module, "join_in_daemon_thread", host)
+    monkeypatch.setattr(update_groups_module, "join_in_daemon_thread", host)
     monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: None)
-    monkeypatch.setattr(publisher_module, "destroy_weight_update_group", lambda group: None)
+    monkeypatch.setattr(update_groups_module, "destroy_weight_update_group", lambda group: None)
 
     async def one_gpu_each(clients) -> list[int]:
         return [1] * len(clients)

@@ -32,31 +32,25 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import anyio
 import torch
 
+from streamrl.actors.update_groups import UpdateGroup, UpdateGroups
 from streamrl.fleet.client import EngineClient, EngineError, engine_gpu_counts
-from streamrl.process import free_port
 from streamrl.weights.group import (
     FLATTENED_BUCKET,
     broadcast_flat,
     broadcast_tensors,
-    destroy_weight_update_group,
-    join_in_daemon_thread,
 )
 from streamrl.weights.ipc import serialize_named_tensors
-from streamrl.weights.layout import WeightGroupLayout, weight_group_layout
-from streamrl.weights.stages import BucketSpec, Drop, Host, RemoteStages, Send, StagePlan
+from streamrl.weights.stages import BucketSpec, RemoteStages, Send, StagePlan
 from streamrl.weights.staging import Bucket, Staging
 
 log = logging.getLogger(__name__)
 
-DESTROY_TIMEOUT_S = 10.0
-"""A member that does not confirm leaving the old group within this is left behind."""
 IPC = "ipc"
 """`transport` for engines on the learner's own device: no group, weights by reference."""
 
@@ -105,15 +99,6 @@ class PublishRecord:
 
 
 @dataclass
-class _UpdateGroup:
-    name: str
-    members: tuple[str, ...]
-    handle: object
-    """This process's side of the group (stage 0); None for a group a stage rank hosts."""
-    stage: int = 0
-
-
-@dataclass
 class WeightPublisher:
     """Owns the weight-update group and the background broadcast (see the module docstring)."""
 
@@ -135,9 +120,7 @@ class WeightPublisher:
     stages: RemoteStages | None = None
     """Pipeline stages 1..PP-1, which publish their own layers; None without PP."""
     records: list[PublishRecord] = field(default_factory=list)
-    _groups: list[_UpdateGroup] = field(default_factory=list)
-    """One weight-update group per pipeline stage, in stage order."""
-    _is_stale: bool = False
+    _groups: UpdateGroups = field(init=False)
     _idle: anyio.Event = field(default_factory=anyio.Event)
     _busy: bool = False
     _latest: Snapshot | None = None
@@ -146,6 +129,13 @@ class WeightPublisher:
 
     def __post_init__(self) -> None:
         self._staging = Staging(self.bucket_bytes, self.staging_device)
+        self._groups = UpdateGroups(
+            transport=self.transport,
+            master_address=self.master_address,
+            members=self.members,
+            gpu_counts=self.gpu_counts,
+            stages=self.stages,
+        )
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the task group that background broadcasts run in; cancel to stop."""
@@ -158,14 +148,7 @@ class WeightPublisher:
             self._task_group = None
             if self.stages is not None:
                 self.stages.close()  # stage ranks destroy their groups when they stop
-            groups, self._groups = self._groups, []
-            # Cancelled (that is how run() stops), so the cleanup is shielded and bounded.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(DESTROY_TIMEOUT_S):
-                for group in groups:
-                    if group.handle is not None:
-                        await anyio.to_thread.run_sync(
-                            destroy_weight_update_group, group.handle, abandon_on_cancel=True
-                        )
+            await self._groups.close()
 
     async def publish(self, version: int) -> PublishRecord:
         """Snapshot the weights as `version` and start broadcasting; returns once the learner
@@ -202,7 +185,7 @@ class WeightPublisher:
 
     def invalidate(self) -> None:
         """An engine left: rebuild the groups before the next broadcast."""
-        self._is_stale = True
+        self._groups.is_stale = True
 
     async def wait_idle(self) -> None:
         while self._busy:
@@ -246,7 +229,7 @@ class WeightPublisher:
             record.ok = not failed
             self.records.append(record)
             if failed:
-                await self._drop_groups()
+                await self._groups.drop()
             else:
                 await self.on_published(snapshot.version)
         finally:
@@ -278,7 +261,7 @@ class WeightPublisher:
         if self.by_reference:
             gpu_counts = await self.gpu_counts(engines)
         else:
-            groups = await self._ensure_groups(engines, 1 + len(snapshot.stages))
+            groups = await self._groups.ensure(engines, 1 + len(snapshot.stages))
         paused_at = time.perf_counter()
         await _each(engines, lambda e: e.pause(self.pause_mode))
         try:
@@ -300,7 +283,7 @@ class WeightPublisher:
     async def _send_bucket(
         self,
         engines: list[EngineClient],
-        group: _UpdateGroup,
+        group: UpdateGroup,
         bucket: Bucket | BucketSpec,
         weight_version: int | None,
         broadcast: Callable[[], Awaitable[None]] | None = None,
@@ -361,7 +344,7 @@ class WeightPublisher:
                 tg.start_soon(update, engine, num_gpus)
 
     async def _send_stage(
-        self, engines: list[EngineClient], group: _UpdateGroup, plan: StagePlan, *, is_last: bool
+        self, engines: list[EngineClient], group: UpdateGroup, plan: StagePlan, *, is_last: bool
     ) -> None:
         """A pipeline stage's buckets: the engines' update calls from here, the broadcasts from
         the stage's rank (one `Send` request per bucket)."""
@@ -370,92 +353,6 @@ class WeightPublisher:
             request = Send(group.name, plan.version, index, is_flattened=self.flattened)
             broadcast = functools.partial(self.stages.request, group.stage, request)
             await self._send_bucket(engines, group, spec, tag, broadcast)
-
-    async def _ensure_groups(
-        self, engines: list[EngineClient], num_stages: int
-    ) -> list[_UpdateGroup]:
-        members = tuple(engine.url for engine in engines)
-        is_current = len(self._groups) == num_stages and not self._is_stale
-        if is_current and all(group.members == members for group in self._groups):
-            return self._groups
-        self._is_stale = False
-        await self._drop_groups()
-        layout = weight_group_layout(await self.gpu_counts(engines))
-        # One group at a time: an engine joins one group at a time, so engines joining
-        # different groups at once would each wait for the other.
-        for stage in range(num_stages):
-            self._groups.append(await self._create_group(engines, layout, stage))
-        return self._groups
-
-    async def _create_group(
-        self, engines: list[EngineClient], layout: WeightGroupLayout, stage: int
-    ) -> _UpdateGroup:
-        """A new group over `engines` whose rank 0 is this process (stage 0) or stage's rank."""
-        name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
-        port = free_port(self.master_address)
-        handle = None
-
-        async def host() -> None:
-            nonlocal handle
-            if stage:
-                request = Host(name, self.master_address, port, layout.world_size, self.transport)
-                await self.stages.request(stage, request)
-                return
-            # Abandoned if an engine's join fails (it died before joining): the rendezvous
-            # would otherwise hold this update until it times out.
-            handle = await join_in_daemon_thread(
-                master_address=self.master_address,
-                master_port=port,
-                rank=0,
-                world_size=layout.world_size,
-                group_name=name,
-                backend=self.transport,
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(host)
-            for engine, rank_offset in zip(engines, layout.rank_offsets, strict=True):
-                tg.start_soon(
-                    lambda e=engine, r=rank_offset: e.init_weights_update_group(
-                        master_address=self.master_address,
-                        master_port=port,
-                        rank_offset=r,
-                        world_size=layout.world_size,
-                        group_name=name,
-                        backend=self.transport,
-                    )
-                )
-        log.info(
-            "weight-update group %s: learner stage %d + %d engines (world size %d)",
-            name,
-            stage,
-            len(engines),
-            layout.world_size,
-        )
-        return _UpdateGroup(name, tuple(engine.url for engine in engines), handle, stage)
-
-    async def _drop_groups(self) -> None:
-        """Every stage's group, on the engines and on its rank 0."""
-        groups, self._groups = self._groups, []
-        for group in groups:
-            for url in group.members:
-                engine = next((e for e in self.members() if e.url == url), None)
-                if engine is not None:
-                    try:
-                        with anyio.fail_after(DESTROY_TIMEOUT_S):
-                            await engine.destroy_weights_update_group(group.name)
-                    except (EngineError, TimeoutError) as exc:
-                        log.info("could not destroy group on %s: %s", url, exc or "timeout")
-            if group.handle is not None:
-                await anyio.to_thread.run_sync(destroy_weight_update_group, group.handle)
-            elif group.stage:
-                try:  # the stage destroys it after the broadcast it may still be stuck in
-                    with anyio.fail_after(DESTROY_TIMEOUT_S):
-                        await self.stages.request(group.stage, Drop(group.name))
-                except (RuntimeError, TimeoutError) as exc:
-                    log.info(
-                        "stage %d kept group %s: %s", group.stage, group.name, exc or "timeout"
-                    )
 
 
 async def _each(engines: list[EngineClient], call) -> None:
