@@ -269,6 +269,9 @@ class RecordingEngine:
         self.calls.append((name, kwargs))
         return {"success": True, "message": "ok", "status": "ok"}
 
+    async def accepts_digest(self) -> bool:
+        return False  # as an SGLang server: no weights_digest field
+
     async def pause(self, mode: str) -> dict:
         return await self._ok("pause", mode=mode)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from streamrl.actors.publisher import WeightPublisher
+from streamrl.weights.digest import digest
 from streamrl.weights.stages import (
     BucketSpec,
     Drop,
@@ -126,6 +127,9 @@ class RecordingEngine:
     async def _ok(self, name: str, **kwargs) -> dict:
         self.calls.append((name, kwargs))
         return {"success": True, "message": "ok"}
+
+    async def accepts_digest(self) -> bool:
+        return False  # as an SGLang server: no weights_digest field
 
     async def pause(self, mode: str) -> dict:
         return await self._ok("pause")
@@ -254,7 +258,9 @@ async def test_a_stage_refuses_a_version_it_does_not_hold_and_a_group_it_has_not
             await stages.request(1, Drop("nothing"))
         assert list(stages.snapshot(4, bucket_bytes=1024)) == []
         (plan,) = stages.plans(4)
-        assert plan.buckets == [BucketSpec(["model.norm.weight"], ["float32"], [[3]])]
+        (spec,) = plan.buckets
+        assert (spec.names, spec.dtypes, spec.shapes) == (["model.norm.weight"], ["float32"], [[3]])
+        assert spec.digest == digest([torch.ones(3)])  # the stage's bytes, digested where staged
         with pytest.raises(RuntimeError, match="stage 1 holds version 4, not 5"):
             await stages.request(1, Send("g", 5, 0))
         with pytest.raises(RuntimeError, match="stage 1 holds no g"):

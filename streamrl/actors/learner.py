@@ -102,6 +102,7 @@ class LearnerLoop:
             self._trained_tokens += int(step_metrics["train/trained_tokens"])
             record = self._record(groups, trained_version, idle_s, train_s, step_metrics)
             record["weights/learner_stall_s"] = publish.learner_stall_s
+            record["weights/digest_mismatches"] = self.publisher.num_digest_mismatches
             record["step_time_s"] = time.perf_counter() - wait_started
             if self.publisher.records:
                 last = self.publisher.records[-1].as_metrics()

@@ -40,6 +40,7 @@ import torch
 
 from streamrl.actors.update_groups import UpdateGroup, UpdateGroups
 from streamrl.fleet.client import EngineClient, EngineError, engine_gpu_counts
+from streamrl.weights.digest import digest
 from streamrl.weights.group import (
     FLATTENED_BUCKET,
     broadcast_flat,
@@ -51,6 +52,8 @@ from streamrl.weights.staging import Bucket, Staging
 
 log = logging.getLogger(__name__)
 
+MAX_RESENDS = 2
+"""Sends of one bucket after a digest mismatch before the update fails."""
 IPC = "ipc"
 """`transport` for engines on the learner's own device: no group, weights by reference."""
 
@@ -66,6 +69,10 @@ class Snapshot:
     def num_bytes(self) -> int:
         local = sum(bucket.layout.num_bytes for bucket in self.buckets)
         return local + sum(plan.num_bytes for plan in self.stages)
+
+
+class WeightsCorrupted(RuntimeError):
+    """An engine kept receiving a bucket whose bytes did not match its digest."""
 
 
 @dataclass
@@ -120,6 +127,8 @@ class WeightPublisher:
     stages: RemoteStages | None = None
     """Pipeline stages 1..PP-1, which publish their own layers; None without PP."""
     records: list[PublishRecord] = field(default_factory=list)
+    num_digest_mismatches: int = 0
+    """Buckets an engine received corrupted (and refused), over the run."""
     _groups: UpdateGroups = field(init=False)
     _idle: anyio.Event = field(default_factory=anyio.Event)
     _busy: bool = False
@@ -262,6 +271,8 @@ class WeightPublisher:
             gpu_counts = await self.gpu_counts(engines)
         else:
             groups = await self._groups.ensure(engines, 1 + len(snapshot.stages))
+        # Digested before the pause, so the engines do not wait for it.
+        digests = [await self._digest_of(bucket) for bucket in snapshot.buckets]
         paused_at = time.perf_counter()
         await _each(engines, lambda e: e.pause(self.pause_mode))
         try:
@@ -270,9 +281,9 @@ class WeightPublisher:
                 is_last = index == len(snapshot.buckets) - 1 and not snapshot.stages
                 tag = snapshot.version if is_last else None  # the version flips after the last
                 if self.by_reference:
-                    await self._hand_over(engines, gpu_counts, bucket, tag)
+                    await self._hand_over(engines, gpu_counts, bucket, tag, digests[index])
                 else:
-                    await self._send_bucket(engines, groups[0], bucket, tag)
+                    await self._send_bucket(engines, groups[0], bucket, tag, digests[index])
             for plan, group in zip(snapshot.stages, groups[1:], strict=True):
                 await self._send_stage(engines, group, plan, is_last=plan is snapshot.stages[-1])
             record.broadcast_s = time.perf_counter() - broadcast_started
@@ -286,10 +297,12 @@ class WeightPublisher:
         group: UpdateGroup,
         bucket: Bucket | BucketSpec,
         weight_version: int | None,
+        expected: str,
         broadcast: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Every engine's update call in flight while the bucket is broadcast: by this process
-        (a stage 0 `Bucket`), or by `broadcast` (a stage rank's bucket, as its `BucketSpec`)."""
+        (a stage 0 `Bucket`), or by `broadcast` (a stage rank's bucket, as its `BucketSpec`).
+        Sent again while an engine finds the bytes it received off `expected`, the digest."""
 
         async def update(engine: EngineClient) -> None:
             result = await engine.update_weights_from_distributed(
@@ -300,6 +313,7 @@ class WeightPublisher:
                 weight_version=weight_version,
                 flush_cache=self._flushes(weight_version),
                 load_format=FLATTENED_BUCKET if self.flattened else None,
+                weights_digest=expected if await engine.accepts_digest() else None,
             )
             if not result.get("success", False):
                 raise RuntimeError(f"{engine.url}: {result.get('message')}")
@@ -310,13 +324,16 @@ class WeightPublisher:
             else:
                 broadcast_tensors(group.handle, bucket.layout.unpack(bucket.flat))
 
-        async with anyio.create_task_group() as tg:
-            for engine in engines:
-                tg.start_soon(update, engine)
-            if broadcast is None:
-                await anyio.to_thread.run_sync(send)
-            else:
-                await broadcast()
+        async def attempt(mismatched: set[str]) -> None:
+            async with anyio.create_task_group() as tg:
+                for engine in engines:
+                    tg.start_soon(_checked, update, engine, mismatched)
+                if broadcast is None:
+                    await anyio.to_thread.run_sync(send)
+                else:
+                    await broadcast()
+
+        await self._until_verified(attempt, bucket)
 
     async def _hand_over(
         self,
@@ -324,6 +341,7 @@ class WeightPublisher:
         gpu_counts: list[int],
         bucket: Bucket,
         weight_version: int | None,
+        expected: str,
     ) -> None:
         """Every engine maps the bucket from this process's memory and copies it in (one
         payload entry per engine GPU); the staging buffer stays untouched until they answer."""
@@ -335,13 +353,43 @@ class WeightPublisher:
                 [payload] * num_gpus,
                 weight_version=weight_version,
                 flush_cache=self._flushes(weight_version),
+                weights_digest=expected if await engine.accepts_digest() else None,
             )
             if not result.get("success", False):
                 raise RuntimeError(f"{engine.url}: {result.get('message')}")
 
-        async with anyio.create_task_group() as tg:
-            for engine, num_gpus in zip(engines, gpu_counts, strict=True):
-                tg.start_soon(update, engine, num_gpus)
+        async def attempt(mismatched: set[str]) -> None:
+            async with anyio.create_task_group() as tg:
+                for engine, num_gpus in zip(engines, gpu_counts, strict=True):
+                    tg.start_soon(
+                        _checked, functools.partial(update, num_gpus=num_gpus), engine, mismatched
+                    )
+
+        await self._until_verified(attempt, bucket)
+
+    async def _digest_of(self, bucket: Bucket) -> str:
+        """One of this process's buckets, digested on the staging device (a few kernels per
+        8 MiB); a stage rank's bucket comes with its digest (`BucketSpec.digest`)."""
+        return await anyio.to_thread.run_sync(digest, [bucket.flat])
+
+    async def _until_verified(self, attempt, bucket: Bucket | BucketSpec) -> None:
+        """Run `attempt` (one send of the bucket to the engines) until no engine reports a
+        digest mismatch, at most 1 + MAX_RESENDS times; `WeightsCorrupted` after that."""
+        for _ in range(1 + MAX_RESENDS):
+            mismatched: set[str] = set()
+            await attempt(mismatched)
+            if not mismatched:
+                return
+            self.num_digest_mismatches += len(mismatched)
+            log.error(
+                "weights digest mismatch on %s (bucket of %d tensors, %s...): sending it again",
+                ", ".join(sorted(mismatched)),
+                len(bucket.names),
+                bucket.names[0],
+            )
+        raise WeightsCorrupted(
+            f"{sorted(mismatched)} received corrupted weights {1 + MAX_RESENDS} times in a row"
+        )
 
     async def _send_stage(
         self, engines: list[EngineClient], group: UpdateGroup, plan: StagePlan, *, is_last: bool
@@ -352,7 +400,19 @@ class WeightPublisher:
             tag = plan.version if is_last and index == len(plan.buckets) - 1 else None
             request = Send(group.name, plan.version, index, is_flattened=self.flattened)
             broadcast = functools.partial(self.stages.request, group.stage, request)
-            await self._send_bucket(engines, group, spec, tag, broadcast)
+            await self._send_bucket(engines, group, spec, tag, spec.digest, broadcast)
+
+
+async def _checked(update, engine: EngineClient, mismatched: set[str]) -> None:
+    """`update(engine)`; an engine that refused the bytes (digest mismatch, nothing loaded)
+    is added to `mismatched` instead of failing the update."""
+    try:
+        await update(engine)
+    except EngineError as exc:
+        if exc.status == 400 and "digest_mismatch" in exc.body:
+            mismatched.add(engine.url)
+            return
+        raise
 
 
 async def _each(engines: list[EngineClient], call) -> None:

@@ -7,6 +7,11 @@
     /update_weights_from_disk         a safetensors directory
     /destroy_weights_update_group
 
+With `weights_digest` in an update's body (streamrl's publisher sends it to embedded
+engines; SGLang has no such field) the received tensors are digested first
+(`streamrl.weights.digest`) and, on a mismatch, nothing is loaded: HTTP 400 with
+`digest_mismatch: true`, and the publisher sends the bucket again.
+
 Group calls run in worker threads: the event loop keeps serving and the core
 keeps generating while the trainer's broadcast arrives; only the in-place copy
 (`EngineCore.update_weights`) happens at a step boundary. A join runs outside
@@ -26,6 +31,7 @@ from aiohttp import web
 
 from streamrl.engine.core import EngineCore
 from streamrl.engine.protocol import json_response, read_json
+from streamrl.weights.digest import digest
 from streamrl.weights.group import (
     DEFAULT_GROUP_NAME,
     FLATTENED_BUCKET,
@@ -181,6 +187,20 @@ class WeightEndpoints:
     async def _apply(self, tensors: list, body: dict, what: str) -> web.Response:
         version = body.get("weight_version")
         version = self.core.weight_version if version is None else str(version)
+        expected = body.get("weights_digest")
+        if expected:  # streamrl's publisher: check the bytes before loading any of them
+            received = await asyncio.to_thread(digest, [tensor for _, tensor in tensors])
+            if received != expected:
+                logger.error("weights digest mismatch (%s): %s != %s", what, received, expected)
+                return json_response(
+                    {
+                        "success": False,
+                        "message": f"weights digest mismatch: received {received}, "
+                        f"expected {expected}; nothing loaded",
+                        "digest_mismatch": True,
+                    },
+                    400,
+                )
         try:
             await self.core.update_weights(tensors, version)
         except Exception as exc:

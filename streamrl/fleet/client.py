@@ -43,6 +43,7 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.limits = limits
         """Checked before every `/generate` (`streamrl.fleet.limits`); None checks nothing."""
+        self._accepts_digest: bool | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -173,6 +174,14 @@ class EngineClient:
     async def server_info(self) -> dict:
         return await self._info("server_info")
 
+    async def accepts_digest(self) -> bool:
+        """Whether this is an embedded engine, which checks a `weights_digest` before loading
+        (SGLang has no such field: it is not sent there). Asked once, then remembered."""
+        if self._accepts_digest is None:
+            version = str((await self.server_info()).get("version", ""))
+            self._accepts_digest = version.startswith("streamrl")
+        return self._accepts_digest
+
     async def weight_version(self) -> int:
         return parse_version((await self.model_info()).get("weight_version"))
 
@@ -234,12 +243,15 @@ class EngineClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        weights_digest: str | None = None,
         timeout_s: float = 600.0,
     ) -> dict:
         """Blocks until the engine has received every broadcast and loaded the tensors.
 
         `dtypes` may be torch dtypes or names ("bfloat16", "torch.bfloat16");
-        `load_format = "flattened_bucket"`: the tensors come as one flat broadcast."""
+        `load_format = "flattened_bucket"`: the tensors come as one flat broadcast;
+        `weights_digest` (embedded engines only, `accepts_digest`): the engine checks the
+        bytes it received against it and loads nothing on a mismatch."""
         body = {
             "names": list(names),
             "dtypes": [str(dtype).removeprefix("torch.") for dtype in dtypes],
@@ -251,6 +263,8 @@ class EngineClient:
         }
         if load_format is not None:
             body["load_format"] = load_format
+        if weights_digest is not None:
+            body["weights_digest"] = weights_digest
         return await self._json(
             "POST", "/update_weights_from_distributed", body, timeout_s=timeout_s
         )
@@ -279,10 +293,12 @@ class EngineClient:
         weight_version: str | int | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
+        weights_digest: str | None = None,
         timeout_s: float = 600.0,
     ) -> dict:
         """Weights by reference, for an engine on the caller's own device: one entry per engine
-        GPU, each from `streamrl.weights.ipc.serialize_named_tensors`."""
+        GPU, each from `streamrl.weights.ipc.serialize_named_tensors` (`weights_digest` as
+        for `update_weights_from_distributed`)."""
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": None,
@@ -290,6 +306,8 @@ class EngineClient:
             "abort_all_requests": abort_all_requests,
             "weight_version": None if weight_version is None else str(weight_version),
         }
+        if weights_digest is not None:
+            body["weights_digest"] = weights_digest
         return await self._json("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:

@@ -41,6 +41,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from streamrl.weights.digest import digest
 from streamrl.weights.group import (
     broadcast_flat,
     broadcast_tensors,
@@ -58,6 +59,8 @@ class BucketSpec(msgspec.Struct, frozen=True):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    digest: str = ""
+    """`streamrl.weights.digest` of the bucket's bytes, computed on the stage's device."""
 
 
 class StagePlan(msgspec.Struct, frozen=True):
@@ -181,7 +184,10 @@ class StageServer:
         buckets = self._staging.pack(weights)
         with self._lock:
             self._staged = _Staged(version, buckets)
-        specs = [BucketSpec(bucket.names, bucket.dtypes, bucket.shapes) for bucket in buckets]
+        specs = [
+            BucketSpec(bucket.names, bucket.dtypes, bucket.shapes, digest([bucket.flat]))
+            for bucket in buckets
+        ]
         num_bytes = sum(bucket.layout.num_bytes for bucket in buckets)
         return StagePlan(self.stage, version, self.address, specs, num_bytes)
 

@@ -1,0 +1,90 @@
+"""Every pushed bucket is verified by digest: a corrupted one is refused and sent again."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from engine_helpers import running_engines, teacher_forced_logprobs
+
+from streamrl.actors import publisher as publisher_module
+from streamrl.actors.publisher import WeightPublisher
+from streamrl.fleet.client import EngineClient
+from streamrl.models import build_random_model
+from streamrl.weights.digest import digest
+from streamrl.weights.group import FlatLayout
+
+
+def test_the_digest_sees_a_changed_byte_and_two_swapped_ones():
+    data = torch.randint(
+        0, 256, (4000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    flipped = data.clone()
+    flipped[1234] ^= 1
+    i, j = 10, next(k for k in range(11, 4000) if data[k] != data[10])
+    swapped = data.clone()
+    swapped[i], swapped[j] = data[j], data[i]
+    assert len({digest([data]), digest([flipped]), digest([swapped])}) == 3
+    assert digest([data]) == digest([data.clone()])
+
+
+def test_a_bucket_and_its_tensors_back_to_back_have_one_digest():
+    tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.randn(2, 2)]
+    layout = FlatLayout([(tuple(t.shape), t.dtype) for t in tensors])
+    flat = torch.empty(layout.num_bytes, dtype=torch.uint8)
+    layout.pack(tensors, flat)
+    assert digest([flat]) == digest(tensors) == digest(layout.unpack(flat))
+
+
+@pytest.mark.anyio
+async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    model = build_random_model("qwen3-tiny", seed=41)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real_broadcast = publisher_module.broadcast_flat
+    corrupted: list[int] = []
+
+    def broadcast_once_corrupted(group, flat: torch.Tensor) -> None:
+        if not corrupted:  # one byte flipped on the wire, the staging buffer left intact
+            copy = flat.clone()
+            copy[len(copy) // 2] ^= 0xFF
+            corrupted.append(len(copy))
+            return real_broadcast(group, copy)
+        return real_broadcast(group, flat)
+
+    monkeypatch.setattr(publisher_module, "broadcast_flat", broadcast_once_corrupted)
+    published: list[int] = []
+
+    async def on_published(version: int) -> None:
+        published.append(version)
+
+    async def one_gpu(engines) -> list[int]:
+        return [1] * len(engines)
+
+    prompt = [1, 504, 3458, 314, 253]
+    with running_engines(tiny_model_dir, tmp_path, extra_args=["--weight-version", "0"]) as (
+        engine,
+    ):
+        async with EngineClient(engine.url, timeout_s=120) as client:
+            publisher = WeightPublisher(
+                weights=lambda: iter(weights.items()),
+                members=lambda: [client],
+                on_published=on_published,
+                gpu_counts=one_gpu,
+            )
+            async with anyio.create_task_group() as tasks:
+                await tasks.start(publisher.run)
+                with anyio.fail_after(120):
+                    await publisher.publish(1)
+                    await publisher.wait_idle()
+                tasks.cancel_scope.cancel()
+            result = await client.generate(prompt, {"max_new_tokens": 8, "temperature": 0.0})
+            version = await client.weight_version()
+    assert corrupted and publisher.num_digest_mismatches == 1
+    assert [record.ok for record in publisher.records] == [True] and published == [1]
+    assert version == 1
+    expected = teacher_forced_logprobs(tiny_model_dir, prompt, result.output_ids, weights)
+    assert max(abs(a - b) for a, b in zip(result.logprobs, expected, strict=True)) < 1e-4
+    log = (tmp_path / next(p.name for p in tmp_path.glob("engine-*.log"))).read_text()
+    assert "weights digest mismatch" in log  # the engine refused the corrupted bucket
