@@ -151,7 +151,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
     trained_after = {seq for r in resumed for seq in r["prompt_seqs"]}
     assert not trained_before & trained_after
     # No orphans: the killed run's engine and rollout died with it.
-    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    processes = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
 
 
@@ -214,7 +214,7 @@ def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 130
     assert "interrupted; every process stopped" in process.stderr.read()
-    processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    processes = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
 
 

@@ -30,6 +30,7 @@ from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
+from streamrl.queues.accounting import AccountingError
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
 from streamrl.types import Group
@@ -107,7 +108,18 @@ class LearnerLoop:
             if self.publisher.records:
                 last = self.publisher.records[-1].as_metrics()
                 record.update({k: v for k, v in last.items() if k != "weights/learner_stall_s"})
+            problems = self.intake.accounting_problems()
+            record.update(self.intake.accounting_metrics())
+            record["accounting/ok"] = not problems
             self.metrics.write(record, step=self.state.step)
+            if problems:
+                raise AccountingError(
+                    f"step {self.state.step}: the group accounting does not add up "
+                    f"({record['accounting/started']} started, {record['accounting/trained']} "
+                    f"trained, {record['accounting/filtered']} filtered, "
+                    f"{record['accounting/evicted']} evicted, {record['accounting/buffered']} "
+                    f"buffered, {record['accounting/in_flight']} in flight): " + "; ".join(problems)
+                )
             self.metrics.print_step(record, self.cfg.train.steps)
             self.record_eval_reports()
             interval = self.cfg.train.save_interval

@@ -30,6 +30,7 @@ from streamrl.agents.api import (
 )
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
+from streamrl.queues.accounting import StreamState
 from streamrl.queues.transport import StreamSender
 from streamrl.types import FinishReason, Group, Prompt, Sample, SampleStatus
 
@@ -101,6 +102,10 @@ class RolloutWorker:
             version_rule = VersionRule(floor=lambda: sender.version if sender else 0)
         self.version_rule = version_rule
         self.counters = RolloutCounters()
+        self.start_position = source.position
+        """Where the stream started in this process (for `stream_state`)."""
+        self.in_flight: set[int] = set()
+        """Seqs of groups started and not yet sent."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Start groups while credits come. When the receiver says stop (training is over),
@@ -111,12 +116,29 @@ class RolloutWorker:
             while await self.sender.acquire():
                 prompt = self.source.next()
                 self.counters.groups_started += 1
+                self.in_flight.add(prompt.seq)
                 groups.start_soon(self._run_group, prompt)
             await self.report()
             groups.cancel_scope.cancel()
 
     async def report(self) -> None:
-        await self.sender.send_report("rollout", self.counters.as_dict())
+        """Counters, and where the prompt stream stands: the receiver checks against it that
+        every prompt this worker started is received, in flight or in transit
+        (`streamrl.queues.accounting`)."""
+        await self.sender.send_report(
+            "rollout", {**self.counters.as_dict(), "stream": self.stream_state().as_dict()}
+        )
+
+    def stream_state(self) -> StreamState:
+        start = self.start_position
+        return StreamState(
+            first_seq=start.next_seq,
+            start_skip=list(start.skip),
+            next_seq=self.source.position.next_seq,
+            too_long=sorted(getattr(self.source, "too_long_seqs", ())),
+            in_flight=sorted(self.in_flight),
+            unacked=sorted(int(group_id[1:]) for group_id in self.sender.unacked_ids),
+        )
 
     async def report_loop(self) -> None:
         """Send counters every `report_interval_s` (the learner logs them with each step)."""
@@ -147,6 +169,7 @@ class RolloutWorker:
         )
         group.mark_finished()
         await self.sender.send(group)
+        self.in_flight.discard(prompt.seq)
         self.counters.groups_sent += 1
 
     async def run_sample(self, prompt: Prompt, index: int) -> Sample:

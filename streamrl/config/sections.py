@@ -112,6 +112,9 @@ class RolloutConfig(_Section):
     retry_timeout_s: PositiveFloat = 300.0
     """A failing engine call is retried (with backoff, on another engine when there is one)
     for up to this long before the sample is recorded as failed."""
+    max_restarts: NonNegInt = 3
+    """Restarts of a rollout process that dies mid-run before the run fails (0: fail at
+    once). The new process regenerates every group whose prompt has not arrived."""
 
 
 class EngineConfig(_Section):

@@ -22,6 +22,7 @@ import anyio
 from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.mains.trainer import RunError, Trainer
 from streamrl.process import ProcessDied
+from streamrl.queues.accounting import AccountingError
 
 
 def run_command(args) -> int:
@@ -40,7 +41,7 @@ def run_command(args) -> int:
     except KeyboardInterrupt:
         print("streamrl: interrupted; every process stopped", file=sys.stderr)
         return 130
-    except (RunError, ProcessDied, TimeoutError, ConfigError) as exc:
+    except (RunError, ProcessDied, TimeoutError, ConfigError, AccountingError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 1
     print(

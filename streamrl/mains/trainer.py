@@ -31,6 +31,7 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.config import RunConfig, dump_toml
+from streamrl.data import position_after
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
 from streamrl.mains.rollout import RolloutSpec, start_rollout
@@ -85,20 +86,8 @@ class Trainer:
         )
         try:
             intake, publisher, loop = self._actors(backend, device, state, metrics)
-            rollout = start_rollout(
-                self.spawner,
-                self.run_dir,
-                RolloutSpec(
-                    buffer_address=intake.bind(),
-                    engine_urls=self.supervisor.urls,
-                    router_url=self.supervisor.router_url,
-                    model_path=model_path,
-                    position=loop.start_position,
-                    start_version=state.version,
-                ),
-                log_level=self.cfg.logging.level,
-            )
-            self.children.append(rollout)
+            rollout = RolloutKeeper(self, intake, loop, model_path)
+            rollout.start()
             started = time.monotonic()
             engine_versions = await self._train(intake, publisher, loop, rollout)
         finally:
@@ -109,9 +98,13 @@ class Trainer:
             "wall_s": time.monotonic() - started,
             **intake.summary(),
             "engine_restarts": self.supervisor.restart_counts(),
+            "rollout_restarts": rollout.num_restarts,
             "engine_versions": engine_versions,
         }
+        summary["accounting_problems"] = intake.accounting_problems()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        runs = intake.accounting.as_runs(intake.buffer.seqs)
+        (self.run_dir / "accounting.json").write_text(json.dumps(runs) + "\n")
         return summary
 
     # ---- the run directory ---------------------------------------------------
@@ -263,7 +256,7 @@ class Trainer:
     # ---- training --------------------------------------------------------------
 
     async def _train(
-        self, intake, publisher, loop, rollout: ProcessHandle
+        self, intake, publisher, loop, rollout: RolloutKeeper
     ) -> dict[str, int | None]:
         """Run the learner loop to `train.steps` with everything around it; stop in order:
         final checkpoint, engines settled on the final version, rollout, learner ranks."""
@@ -274,7 +267,7 @@ class Trainer:
             if not cfg.engine.urls:
                 tg.start_soon(supervisor.monitor, publisher)
             watch = anyio.CancelScope()
-            tg.start_soon(_watch, rollout, watch)
+            tg.start_soon(rollout.keep_alive, watch)
             await loop.run()
             if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
                 await loop.save()
@@ -284,7 +277,7 @@ class Trainer:
             await _final_resync(publisher, supervisor)
             engine_versions = await supervisor.versions()
             await intake.stop("training finished")
-            await _wait_exit(rollout, timeout_s=30.0)
+            await _wait_exit(rollout.process, timeout_s=30.0)
             loop.record_eval_reports()
             tg.cancel_scope.cancel()
         if self.leader is not None:
@@ -301,16 +294,74 @@ async def _final_resync(publisher, supervisor) -> None:
         await publisher.resync()
 
 
-async def _watch(child: ProcessHandle, scope: anyio.CancelScope) -> None:
-    """Fail the run if `child` exits before `scope` is cancelled (it was told to stop)."""
-    with scope:
-        code = await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)
-    if scope.cancel_called:
-        return
-    raise RunError(
-        f"the {child.name} process exited with code {code} during training; "
-        f"last lines of {child.log_path}:\n{child.log_tail()}"
-    )
+class RolloutKeeper:
+    """The run's rollout process: started, watched, and started again when it dies.
+
+    A new process resumes the prompt stream after every group that arrived
+    (`Intake.received_seqs`), so the groups the dead one had in flight, or had sent
+    without an ack that never came, are generated again, and none is trained twice
+    (groups are de-duplicated by id). Its credits are revoked when the new process says
+    hello. After `rollout.max_restarts` restarts a death fails the run."""
+
+    def __init__(self, trainer: Trainer, intake, loop, model_path: str) -> None:
+        self.trainer = trainer
+        self.intake = intake
+        self.loop = loop
+        self.model_path = model_path
+        self.process: ProcessHandle | None = None
+        self.num_restarts = 0
+
+    def start(self) -> None:
+        """Start a rollout process from where the stream stands now."""
+        trainer = self.trainer
+        position = position_after(self.intake.received_seqs, since=self.loop.start_position)
+        self.process = start_rollout(
+            trainer.spawner,
+            trainer.run_dir,
+            RolloutSpec(
+                buffer_address=self.intake.bind(),
+                engine_urls=trainer.supervisor.urls,
+                router_url=trainer.supervisor.router_url,
+                model_path=self.model_path,
+                position=position,
+                start_version=self.loop.version,
+            ),
+            log_level=trainer.cfg.logging.level,
+        )
+        trainer.children.append(self.process)
+
+    async def keep_alive(self, scope: anyio.CancelScope) -> None:
+        """Restart the process whenever it exits before `scope` is cancelled (it was told to
+        stop); RunError once it has died `rollout.max_restarts` + 1 times."""
+        while True:
+            with scope:
+                code = await anyio.to_thread.run_sync(self.process.wait, abandon_on_cancel=True)
+            if scope.cancel_called:
+                return
+            child = self.process
+            if self.num_restarts >= self.trainer.cfg.rollout.max_restarts:
+                raise RunError(
+                    f"the {child.name} process exited with code {code} during training "
+                    f"(after {self.num_restarts} restarts, rollout.max_restarts); last lines "
+                    f"of {child.log_path}:\n{child.log_tail()}"
+                )
+            self.num_restarts += 1
+            log.error(
+                "the rollout process exited with code %s; restarting it (restart %d): "
+                "groups whose prompt has not arrived are generated again",
+                code,
+                self.num_restarts,
+            )
+            _event(self.trainer.run_dir, "rollout_restarted", code=code, restart=self.num_restarts)
+            self.trainer.children.remove(child)
+            self.start()
+
+
+def _event(run_dir: Path, event: str, **details) -> None:
+    """Append to `run_dir/events.jsonl` (the engine supervisor writes its events there too)."""
+    record = {"time": time.time(), "component": "rollout", "event": event, **details}
+    with open(run_dir / "events.jsonl", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 async def _wait_exit(child: ProcessHandle, *, timeout_s: float) -> None:

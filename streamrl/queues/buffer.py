@@ -214,6 +214,11 @@ class Buffer:
             await changed.wait()
         return batch
 
+    @property
+    def seqs(self) -> list[int]:
+        """Prompt seqs of the groups held."""
+        return [entry.group.prompt_seq for entry in self._heap]
+
     def drain(self) -> list[Group]:
         """Remove and return every held group (at shutdown; they count as in flight at stop)."""
         groups = [entry.group for entry in sorted(self._heap)]

@@ -12,11 +12,11 @@ buffer; the learner takes batches with `take`, which is also where credits
 return (the buffer has room again); the publisher reports new versions with
 `on_published`. Nothing else reaches into the parts.
 
-`done_seqs` holds the prompt seqs that are finished for good (handed to the
-learner, filtered or evicted), from which a checkpoint's data position is
-made. `summary()` is the group accounting: every group received is trained,
-filtered, evicted or still buffered, and every group started was received or
-is still in flight.
+`accounting` follows the fate of every prompt seq (`streamrl.queues.accounting`):
+`done_seqs` (trained, filtered or evicted) make a checkpoint's data position, and
+`accounting_problems()` checks, at every step, that every group received is in
+exactly one fate and every prompt the rollout started is received or in flight.
+`summary()` gives the same accounting in counts at the end.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 
+from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer, GroupFilter
 from streamrl.queues.protocol import Report
@@ -83,7 +85,8 @@ class Intake:
         self.receiver = StreamReceiver(
             address, credits=self.admission, on_group=self._on_group, on_report=self._on_report
         )
-        self.done_seqs: set[int] = set()
+        self.accounting = Accounting()
+        """The fate of every prompt seq (`streamrl.queues.accounting`)."""
         self.generated_rewards = GeneratedRewards()
         self.rollout_counters: dict[str, Any] = {}
         """The rollout worker's latest counters (its `rollout` reports)."""
@@ -101,7 +104,7 @@ class Intake:
         """The `num_groups` oldest trainable groups at `version` (waits while short); their
         slots go back to admission as credits."""
         groups = await self.buffer.take(num_groups, version)
-        self.done_seqs.update(group.prompt_seq for group in groups)
+        self.accounting.on_trained(group.prompt_seq for group in groups)
         await self.receiver.grant()
         return groups
 
@@ -113,6 +116,24 @@ class Intake:
     async def stop(self, reason: str) -> None:
         """Tell the senders to start no more groups (groups already sent still arrive)."""
         await self.receiver.stop(reason)
+
+    @property
+    def received_seqs(self) -> set[int]:
+        """Prompt seqs whose group arrived (once each: resends are de-duplicated)."""
+        return self.accounting.received
+
+    @property
+    def done_seqs(self) -> set[int]:
+        """Prompt seqs finished for good: trained, filtered or evicted."""
+        accounting = self.accounting
+        return accounting.trained | accounting.filtered | accounting.evicted
+
+    def accounting_problems(self) -> list[str]:
+        """What breaks the accounting identity now (empty when every seq is accounted for)."""
+        return self.accounting.problems(self.buffer.seqs)
+
+    def accounting_metrics(self) -> dict[str, int]:
+        return self.accounting.as_metrics(self.buffer.seqs)
 
     def pop_eval_reports(self) -> list[Report]:
         """Evaluation results that arrived since the last call."""
@@ -144,16 +165,19 @@ class Intake:
     # ---- callbacks of the parts ---------------------------------------------
 
     def _on_group(self, group: Group) -> None:
+        self.accounting.received.add(group.prompt_seq)
         self.generated_rewards.add(group)
         self.buffer.put(group)
 
     def _on_discard(self, group: Group, reason: str) -> None:
         """A filtered or evicted group: its budget goes back, its prompt is done for good."""
         self.admission.discarded()
-        self.done_seqs.add(group.prompt_seq)
+        self.accounting.on_discarded(group.prompt_seq, reason)
 
     def _on_report(self, report: Report) -> None:
         if report.kind == "rollout":
             self.rollout_counters = report.payload
+            if "stream" in report.payload:
+                self.accounting.on_report(msgspec.convert(report.payload["stream"], StreamState))
         elif report.kind == "eval":
             self._eval_reports.append(report)

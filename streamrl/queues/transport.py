@@ -275,6 +275,11 @@ class StreamSender:
     def num_unacked(self) -> int:
         return len(self._unacked)
 
+    @property
+    def unacked_ids(self) -> list[str]:
+        """Ids of the groups sent and not yet acknowledged (kept for a resend)."""
+        return list(self._unacked)
+
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         self._socket.connect(self.address)
         await self._hello()
