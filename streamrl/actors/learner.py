@@ -90,6 +90,7 @@ class LearnerLoop:
         while self.state.step < self.cfg.train.steps:
             wait_started = time.perf_counter()
             groups = await self.intake.take(batch_size, self.version)
+            groups.sort(key=lambda group: group.prompt_seq)  # rows in one order, run after run
             idle_s = time.perf_counter() - wait_started
             step_started = time.perf_counter()
             step_metrics = await anyio.to_thread.run_sync(self._train, groups)

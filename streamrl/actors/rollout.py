@@ -13,6 +13,7 @@ with status `reward_failed` and the error in the sample's metadata.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,14 @@ from streamrl.queues.transport import StreamSender
 from streamrl.types import FinishReason, Group, Prompt, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
+
+
+def sample_seed(seed: int, prompt_seq: int, index: int) -> int:
+    """The `sampling_seed` of sample `index` of prompt `prompt_seq` in a run seeded `seed`: a
+    hash, so seeds of nearby prompts are unrelated; a group made in one call gets the seed
+    of its sample 0, and the engine seeds sample j with it + j (SGLang's `n` does too)."""
+    key = f"{seed}/{prompt_seq}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") // 4 + index
 
 
 @dataclass
@@ -84,6 +93,7 @@ class RolloutWorker:
         retry_timeout_s: float = 300.0,
         report_interval_s: float = 2.0,
         version_rule: VersionRule | None = None,
+        seed: int | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -102,6 +112,8 @@ class RolloutWorker:
             version_rule = VersionRule(floor=lambda: sender.version if sender else 0)
         self.version_rule = version_rule
         self.counters = RolloutCounters()
+        self.seed = seed
+        """With a seed every sample gets its own `sampling_seed` (`sample_seed`)."""
         self.start_position = source.position
         """Where the stream started in this process (for `stream_state`)."""
         self.in_flight: set[int] = set()
@@ -175,16 +187,20 @@ class RolloutWorker:
     async def run_sample(self, prompt: Prompt, index: int) -> Sample:
         """One sample of `prompt` through the generate function and the reward (no group)."""
         try:
-            result = (await self.generate_fn(self._context(f"{prompt.seq}-{index}"), prompt), None)
+            context = self._context(f"{prompt.seq}-{index}", prompt, index)
+            result = (await self.generate_fn(context, prompt), None)
         except Exception as exc:
             result = self._failed(prompt, index, exc)
         return await self._to_sample(prompt, index, *result)
 
-    def _context(self, session_key: str) -> GenerateContext:
+    def _context(self, session_key: str, prompt: Prompt, index: int) -> GenerateContext:
+        params = dict(self.sampling_params)
+        if self.seed is not None:
+            params["sampling_seed"] = sample_seed(self.seed, prompt.seq, index)
         return GenerateContext(
             engines=self.engines,
             tokenizer=self.tokenizer,
-            sampling_params=dict(self.sampling_params),
+            sampling_params=params,
             kwargs=self.generate_kwargs,
             session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
@@ -200,7 +216,9 @@ class RolloutWorker:
         if for_group is not None:
             try:
                 results = [
-                    (t, None) for t in await for_group(self._context(f"{prompt.seq}"), prompt, n)
+                    (t, None)
+                    # One call for the group: the engine seeds sample j with seed + j.
+                    for t in await for_group(self._context(f"{prompt.seq}", prompt, 0), prompt, n)
                 ]
             except Exception as exc:  # every engine failed, or the user's code raised
                 results = [self._failed(prompt, index, exc) for index in range(n)]
@@ -210,7 +228,7 @@ class RolloutWorker:
             async def one(index: int) -> None:
                 try:
                     trajectory = await self.generate_fn(
-                        self._context(f"{prompt.seq}-{index}"), prompt
+                        self._context(f"{prompt.seq}-{index}", prompt, index), prompt
                     )
                     results[index] = (trajectory, None)
                 except Exception as exc:

@@ -115,6 +115,11 @@ class RolloutConfig(_Section):
     max_restarts: NonNegInt = 3
     """Restarts of a rollout process that dies mid-run before the run fails (0: fail at
     once). The new process regenerates every group whose prompt has not arrived."""
+    deterministic: bool = False
+    """Give every sample its own `sampling_seed`, a hash of `train.seed`, its prompt's seq and
+    its index, so rollouts replay: with one engine and `max_concurrent_groups = 1` a CPU run
+    is reproducible bit for bit (tests/test_sync_equivalence.py). A resumed or retried call
+    starts its seed's random stream again."""
 
 
 class EngineConfig(_Section):

@@ -113,6 +113,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         version_rule=VersionRule(
             single_version=cfg.pause_mode == "abort", floor=lambda: sender.version
         ),
+        seed=cfg.train.seed if cfg.rollout.deterministic else None,
     )
     async with engines, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
