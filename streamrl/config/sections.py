@@ -211,6 +211,25 @@ class MegatronConfig(_Section):
     use_distributed_optimizer: bool = True
     attention: Literal["sdpa", "local"] = "sdpa"
     """Core attention without Transformer Engine: PyTorch SDPA (flash) or Megatron's unfused one."""
+    expert_model_parallel_size: PositiveInt = 1
+    """Expert parallelism (EP) of mixture-of-experts models: each rank holds num_experts / EP
+    experts of every MoE layer and tokens travel to their experts through the token dispatcher.
+    EP ranks are carved out of the data-parallel ranks (must divide num_gpus / (TP * PP)); the
+    experts themselves are split over TP like the dense MLP (expert TP = TP)."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts of other EP ranks (Megatron's `moe_token_dispatcher_type`)."""
+    moe_grouped_gemm: bool = False
+    """Run all local experts of a layer as one grouped matmul (`torch._grouped_mm`) instead of one
+    matmul per expert (Megatron's SequentialMLP)."""
+    moe_aux_loss_coeff: NonNegFloat = 0.0
+    """Load-balancing (switch) auxiliary loss coefficient; 0 turns it off (slime
+    --moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: NonNegFloat = 0.0
+    """Router z-loss coefficient (ST-MoE); 0 turns it off (slime --moe-z-loss-coeff)."""
+    moe_router_bias_update_rate: NonNegFloat = 0.0
+    """Step of the aux-loss-free balancing update of DeepSeek-V3 / GLM-4.5's expert correction
+    bias per optimizer step; 0 keeps the checkpoint's bias (the engines' routing stays the
+    learner's until the next weight push either way: the bias is published with the weights)."""
 
 
 class LearnerConfig(_Section):

@@ -115,7 +115,10 @@ class MegatronBackend:
         self.dtype = dtype
         mcfg = cfg.megatron
         self.layout = parallel.initialize_parallel(
-            tp_size=mcfg.tensor_parallel_size, pp_size=mcfg.pipeline_parallel_size, seed=seed
+            tp_size=mcfg.tensor_parallel_size,
+            pp_size=mcfg.pipeline_parallel_size,
+            seed=seed,
+            ep_size=mcfg.expert_model_parallel_size,
         )
         self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -159,6 +162,7 @@ class MegatronBackend:
             attention=mcfg.attention,
             sequence_parallel=mcfg.sequence_parallel,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
+            options=mcfg,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
         return model

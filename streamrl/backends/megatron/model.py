@@ -1,7 +1,9 @@
-"""A megatron-core GPTModel built from a Hugging Face config (Llama, Qwen2, Qwen3).
+"""A megatron-core GPTModel built from a Hugging Face config (families: `families.py`).
 
-Supported: GQA, RoPE with base and `linear` / `llama3` scaling, tied or
-untied embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm, SwiGLU.
+Supported: GQA, RoPE with base and `linear` / `llama3` scaling, partial and
+interleaved RoPE (GLM), tied or untied embeddings, q/k/v bias, per-head q/k
+RMSNorm, GLM-4's sandwich norms (`PostNormRowParallelLinear`), SwiGLU,
+mixture-of-experts layers (`moe.py`) and multi-head latent attention (`mla.py`).
 
 Layer spec: Transformer Engine's when `transformer_engine` imports, otherwise
 Megatron's local spec with its unfused core attention replaced by
@@ -17,90 +19,17 @@ so they stay in the compute dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What conversion and the model builder need to know about an HF architecture."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    qk_norm: bool
-    tied_embeddings: bool
-    max_position_embeddings: int
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def num_parameters(self) -> int:
-        """Parameters of the HF model (tied embeddings counted once)."""
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.qkv_bias:
-            attention += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        per_layer = attention + mlp + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
-
-
-def shape_from_hf(hf_config: Any) -> ModelShape:
-    """Read a transformers config (Llama / Qwen2 / Qwen3) into a ModelShape."""
-    model_type = hf_config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"megatron backend supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
-        )
-    if getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError(f"{model_type} with mlp_bias = true is not supported")
-    attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    if model_type != "qwen2" and attention_bias:
-        # HF puts a bias on o_proj too; Megatron's add_bias_linear would add MLP biases as well.
-        raise NotImplementedError(f"{model_type} with attention_bias = true is not supported")
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return ModelShape(
-        model_type=model_type,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-    )
-
-
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x) as one dict."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
+from streamrl.backends.megatron.families import (  # noqa: F401 - re-exported
+    SUPPORTED_MODEL_TYPES,
+    rope_parameters,
+    shape_from_hf,
+)
+from streamrl.backends.megatron.shapes import ModelShape
 
 
 def rope_inv_freq(hf_config: Any) -> torch.Tensor | None:
@@ -142,6 +71,8 @@ class SdpaAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,  # MLA: query/key and value head sizes differ
+        v_channels: int | None = None,
     ) -> None:
         super().__init__()
         if config.context_parallel_size != 1:
@@ -162,7 +93,7 @@ class SdpaAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SdpaAttention takes neither packed sequences nor a bias")
-        seq_len, batch, num_heads, head_dim = query.shape
+        seq_len, batch, num_heads, _ = query.shape
         context = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3),
             key.permute(1, 2, 0, 3),
@@ -172,7 +103,7 @@ class SdpaAttention(torch.nn.Module):
             scale=self.softmax_scale,
             enable_gqa=key.shape[2] != num_heads,
         )
-        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * value.shape[-1])
 
 
 def transformer_engine_available() -> bool:
@@ -183,6 +114,27 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def _post_norm_linear() -> type:
+    """RowParallelLinear followed by an RMSNorm of its (all-reduced) output: GLM-4's
+    `post_self_attn_layernorm` / `post_mlp_layernorm`, as `linear_proj.post_norm` /
+    `linear_fc2.post_norm`. Megatron's layer adds the residual after it."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class PostNormRowParallelLinear(RowParallelLinear):
+        def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_norm = WrappedTorchNorm(
+                config=config, hidden_size=output_size, eps=config.layernorm_epsilon
+            )
+
+        def forward(self, input_: torch.Tensor):
+            output, bias = super().forward(input_)
+            return self.post_norm(output), bias
+
+    return PostNormRowParallelLinear
+
+
 def build_transformer_config(
     shape: ModelShape,
     *,
@@ -191,9 +143,18 @@ def build_transformer_config(
     dtype: torch.dtype,
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
+    ep_size: int = 1,
+    options: Any = None,
+    hf_config: Any = None,
 ) -> Any:
-    """Megatron TransformerConfig for `shape` (dropout 0, no CUDA-extension fusions)."""
-    from megatron.core.transformer import TransformerConfig
+    """Megatron TransformerConfig for `shape` (dropout 0, no CUDA-extension fusions).
+
+    MoE fields come from `moe.moe_config_kwargs` (`options`: the MegatronConfig);
+    an MLA model gets an `MLATransformerConfig` (its RoPE read from `hf_config`)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    from streamrl.backends.megatron.mla import mla_config_kwargs
+    from streamrl.backends.megatron.moe import moe_config_kwargs
 
     on_cpu = not torch.cuda.is_available()
     recompute = {}
@@ -201,7 +162,13 @@ def build_transformer_config(
         recompute = dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    return TransformerConfig(
+    config_class, extra = TransformerConfig, {}
+    if shape.mla is not None:
+        config_class, extra = (
+            MLATransformerConfig,
+            mla_config_kwargs(shape, hf_config, tp_size=tp_size),
+        )
+    return config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -214,7 +181,8 @@ def build_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
+        qk_layernorm=shape.qk_norm or shape.mla is not None,
+        rotary_interleaved=shape.rotary_interleaved,
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -231,7 +199,9 @@ def build_transformer_config(
         perform_initialization=True,
         # Micro-batches differ in length: pipeline stages exchange shapes first.
         variable_seq_lengths=pp_size > 1,
-        moe_token_dispatcher_type="alltoall",  # the default one refuses variable lengths
+        # The default (allgather) refuses variable lengths; MoE models choose their own.
+        **{"moe_token_dispatcher_type": "alltoall"}
+        | moe_config_kwargs(shape, options, ep_size=ep_size, tp_size=tp_size),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -239,23 +209,50 @@ def build_transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
+        **extra,
         **recompute,
     )
 
 
-def build_layer_spec(shape: ModelShape, *, attention: str, use_te: bool) -> Any:
-    """TE spec when available; else the local spec with SDPA (or Megatron's unfused) attention."""
+def _dense_layer_spec(shape: ModelShape, *, use_te: bool) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=shape.qk_norm
         )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+    return gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=shape.qk_norm, normalization="RMSNorm"
     )
-    if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+
+
+def build_layer_spec(
+    shape: ModelShape, *, attention: str, use_te: bool, config: Any = None, options: Any = None
+) -> Any:
+    """The GPTModel's layer spec: TE's when available for plain dense models; else the local
+    spec with SDPA (or Megatron's unfused) attention. MoE / MLA models get one spec per layer
+    of this pipeline stage (Megatron's decoder block spec, built from `config`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if shape.moe is None and shape.mla is None:
+        spec = _dense_layer_spec(shape, use_te=use_te)
+        layers = [spec]
+    else:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        layers = spec.layer_specs
+    for layer in {id(layer): layer for layer in layers}.values():
+        submodules = layer.submodules
+        if attention == "sdpa" and not use_te:
+            submodules.self_attention.submodules.core_attention = SdpaAttention
+        if shape.post_norms:
+            submodules.self_attention.submodules.linear_proj = _post_norm_linear()
+            submodules.mlp.submodules.linear_fc2 = _post_norm_linear()
+        if shape.moe is not None and options is not None and options.moe_grouped_gemm:
+            from streamrl.backends.megatron.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(submodules.mlp)
     return spec
 
 
@@ -270,10 +267,12 @@ def build_gpt_model(
     attention: str = "sdpa",
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
+    options: Any = None,
 ) -> Any:
     """One pipeline stage of the GPTModel for `hf_config`, uninitialised, on `device`.
 
-    Load weights with `convert.load_hf_into_model`."""
+    `options` is the MegatronConfig (MoE keys; its expert_model_parallel_size must be the
+    one Megatron's groups were built with). Load weights with `convert.load_into_model`."""
     from megatron.core.models.gpt import GPTModel
 
     shape = shape_from_hf(hf_config)
@@ -281,11 +280,21 @@ def build_gpt_model(
         raise ValueError(f"vocab size {shape.vocab_size} is not divisible by TP size {tp_size}")
     if shape.num_layers % pp_size:
         raise ValueError(f"{shape.num_layers} layers do not split evenly over {pp_size} stages")
-    use_te = transformer_engine_available() and device.type == "cuda"
+    plain = shape.moe is None and shape.mla is None and not shape.post_norms
+    use_te = transformer_engine_available() and device.type == "cuda" and plain
     if sequence_parallel and tp_size > 1 and not use_te:
         raise NotImplementedError(
             "sequence_parallel needs Transformer Engine (the local norms refuse it)"
         )
+    if shape.moe is not None:
+        from streamrl.backends.megatron.moe import fix_megatron_without_transformer_engine
+
+        fix_megatron_without_transformer_engine()
+    if shape.mla is not None:
+        from streamrl.backends.megatron.mla import fix_megatron_mla_without_transformer_engine
+
+        fix_megatron_mla_without_transformer_engine()
+    ep_size = getattr(options, "expert_model_parallel_size", 1) if options is not None else 1
     config = build_transformer_config(
         shape,
         tp_size=tp_size,
@@ -293,10 +302,15 @@ def build_gpt_model(
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         gradient_checkpointing=gradient_checkpointing,
+        ep_size=ep_size,
+        options=options,
+        hf_config=hf_config,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(shape, attention=attention, use_te=use_te),
+        transformer_layer_spec=build_layer_spec(
+            shape, attention=attention, use_te=use_te, config=config, options=options
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -304,9 +318,11 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope",
+        rotary_percent=shape.rotary_percent,
         rotary_base=rope_parameters(hf_config)["rope_theta"],
     )
-    inv_freq = rope_inv_freq(hf_config)
-    if inv_freq is not None:
-        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if shape.mla is None:
+        inv_freq = rope_inv_freq(hf_config)
+        if inv_freq is not None:
+            model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     return model.to(device=device, dtype=dtype)
