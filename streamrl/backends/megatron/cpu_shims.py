@@ -25,6 +25,9 @@ Shimmed calls (each one was hit by a CPU train step, or sits on a path we use):
   `FP32Optimizer._scale`, `MixedPrecisionOptimizer.found_inf`,
   `clip_grads.get_grad_norm_fp32` / `clip_grad_by_total_norm_fp32`
   (norm and overflow buffers).
+- `torch.distributed.all_to_all_single` gets its split sizes as lists: the
+  MoE alltoall dispatcher (expert parallelism) moves them to host numpy arrays
+  only when they are CUDA tensors, and gloo's binding refuses CPU tensors.
 - `Tensor.type()` answers `torch.cuda.<T>Tensor` for CPU tensors, because
   `DistributedOptimizer` and `Float16OptimizerWithFloat16Params` reject any
   parameter whose type string is not a CUDA one.
@@ -43,6 +46,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _MOVE_METHODS = {torch.Tensor.to, torch.Tensor.cuda}
@@ -68,6 +72,12 @@ class _CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if func is dist.all_to_all_single:
+            # The alltoall dispatcher turns its split sizes into host numpy arrays only when
+            # they are CUDA tensors; on CPU they stay tensors, which gloo's binding refuses.
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func in _MOVE_METHODS and len(args) > 1 and _is_cuda_device(args[1]):

@@ -4,11 +4,11 @@ HF -> Megatron names (local spec; one layer):
 
 | transformers (`self_attn.`) | Megatron (`self_attention.`) | TP split |
 | --- | --- | --- |
-| `q_a_proj` [q_lora, hidden] | `linear_q_down_proj` | rows (gathered back before the norm) |
+| `q_a_proj` [q_lora, hidden] | `linear_q_down_proj` | replicated (a whole linear on every TP rank) |
 | `q_a_layernorm` | `q_layernorm` | replicated |
 | `q_b_proj` [heads * (nope + rope), q_lora] | `linear_q_up_proj` | rows = heads |
 | `q_proj` (no q LoRA) | `linear_q_proj` | rows = heads |
-| `kv_a_proj_with_mqa` [kv_lora + rope, hidden] | `linear_kv_down_proj` | rows (gathered back) |
+| `kv_a_proj_with_mqa` [kv_lora + rope, hidden] | `linear_kv_down_proj` | replicated |
 | `kv_a_layernorm` | `kv_layernorm` | replicated |
 | `kv_b_proj` [heads * (nope + v), kv_lora] | `linear_kv_up_proj` | rows = heads |
 | `o_proj` | `linear_proj` | columns |
@@ -41,7 +41,13 @@ MLA_NAMES = {
     "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
     "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
 }
-REPLICATED_NAMES = ("self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight")
+# The down-projections are whole linears on every TP rank (`model._use_duplicated_down_projections`).
+REPLICATED_NAMES = (
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.kv_layernorm.weight",
+)
 
 
 def mla_megatron_names(shape: ModelShape) -> list[str]:

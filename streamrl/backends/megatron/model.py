@@ -114,19 +114,28 @@ def transformer_engine_available() -> bool:
     return True
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm for the local spec, also under sequence parallelism.
+
+    Megatron's `WrappedTorchNorm` refuses `sequence_parallel`; this one marks its
+    weight `sequence_parallel` instead, so `finalize_model_grads` sums the
+    weight's gradient over TP ranks (each rank saw only its part of the sequence)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
 def _post_norm_linear() -> type:
     """RowParallelLinear followed by an RMSNorm of its (all-reduced) output: GLM-4's
     `post_self_attn_layernorm` / `post_mlp_layernorm`, as `linear_proj.post_norm` /
     `linear_fc2.post_norm`. Megatron's layer adds the residual after it."""
     from megatron.core.tensor_parallel import RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     class PostNormRowParallelLinear(RowParallelLinear):
         def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any):
             super().__init__(input_size, output_size, config=config, **kwargs)
-            self.post_norm = WrappedTorchNorm(
-                config=config, hidden_size=output_size, eps=config.layernorm_epsilon
-            )
+            self.post_norm = LocalRMSNorm(config, output_size, eps=config.layernorm_epsilon)
 
         def forward(self, input_: torch.Tensor):
             output, bias = super().forward(input_)
@@ -214,38 +223,60 @@ def build_transformer_config(
     )
 
 
-def _dense_layer_spec(shape: ModelShape, *, use_te: bool) -> Any:
+_NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm")
+_ATTENTION_NORM_SLOTS = ("q_layernorm", "k_layernorm", "kv_layernorm")
+
+
+def _use_local_norms(layer: Any) -> None:
+    """Every torch norm of a local-spec layer becomes `LocalRMSNorm` (sequence-parallel-able)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    submodules, attention = layer.submodules, layer.submodules.self_attention.submodules
+    for owner, slots in ((submodules, _NORM_SLOTS), (attention, _ATTENTION_NORM_SLOTS)):
+        for slot in slots:
+            if getattr(owner, slot, None) is WrappedTorchNorm:
+                setattr(owner, slot, LocalRMSNorm)
+
+
+def _use_duplicated_down_projections(mla_submodules: Any) -> None:
+    """MLA's q/kv down-projections as whole (TP-duplicated) linears, not column-parallel.
+
+    megatron-core 0.16.1 bug with the local spec's ColumnParallelLinear there: the
+    output is gathered over TP and split again in backward, so the gradient of the
+    shared RoPE key (`k_pos_emb`, used by every head) keeps only this rank's heads'
+    part (TP = 2 measured a 0.4% wrong grad norm). A duplicated linear under sequence
+    parallelism takes MLA's other branch, which gathers `k_pos_emb` over the sequence
+    and reduce-scatters its gradient: right. The weights are small (hidden x rank)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    mla_submodules.linear_q_down_proj = Linear
+    mla_submodules.linear_kv_down_proj = Linear
+
+
+def build_layer_spec(
+    shape: ModelShape, *, attention: str, use_te: bool, config: Any, options: Any = None
+) -> Any:
+    """The GPTModel's layer spec: TE's when available (plain dense models only); else
+    Megatron's local decoder block spec for this pipeline stage (one spec per layer, dense
+    or MoE), with `LocalRMSNorm`, SDPA (or Megatron's unfused) core attention, GLM-4's
+    post-norms and, when asked, the grouped-GEMM experts."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=shape.qk_norm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=shape.qk_norm, normalization="RMSNorm"
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm"
     )
-
-
-def build_layer_spec(
-    shape: ModelShape, *, attention: str, use_te: bool, config: Any = None, options: Any = None
-) -> Any:
-    """The GPTModel's layer spec: TE's when available for plain dense models; else the local
-    spec with SDPA (or Megatron's unfused) attention. MoE / MLA models get one spec per layer
-    of this pipeline stage (Megatron's decoder block spec, built from `config`)."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if shape.moe is None and shape.mla is None:
-        spec = _dense_layer_spec(shape, use_te=use_te)
-        layers = [spec]
-    else:
-        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        )
-        layers = spec.layer_specs
-    for layer in {id(layer): layer for layer in layers}.values():
+    spec.layer_norm = LocalRMSNorm
+    for layer in {id(layer): layer for layer in spec.layer_specs}.values():
         submodules = layer.submodules
-        if attention == "sdpa" and not use_te:
+        _use_local_norms(layer)
+        if attention == "sdpa":
             submodules.self_attention.submodules.core_attention = SdpaAttention
+        if shape.mla is not None:
+            _use_duplicated_down_projections(submodules.self_attention.submodules)
         if shape.post_norms:
             submodules.self_attention.submodules.linear_proj = _post_norm_linear()
             submodules.mlp.submodules.linear_fc2 = _post_norm_linear()
@@ -282,10 +313,10 @@ def build_gpt_model(
         raise ValueError(f"{shape.num_layers} layers do not split evenly over {pp_size} stages")
     plain = shape.moe is None and shape.mla is None and not shape.post_norms
     use_te = transformer_engine_available() and device.type == "cuda" and plain
-    if sequence_parallel and tp_size > 1 and not use_te:
-        raise NotImplementedError(
-            "sequence_parallel needs Transformer Engine (the local norms refuse it)"
-        )
+    # Megatron refuses to train MoE layers at TP > 1 without sequence parallelism.
+    # MLA's duplicated down-projections (see build_layer_spec) are right only with it too.
+    needs_sequence_parallel = shape.moe is not None or shape.mla is not None
+    sequence_parallel = sequence_parallel or (needs_sequence_parallel and tp_size > 1)
     if shape.moe is not None:
         from streamrl.backends.megatron.moe import fix_megatron_without_transformer_engine
 
@@ -321,8 +352,24 @@ def build_gpt_model(
         rotary_percent=shape.rotary_percent,
         rotary_base=rope_parameters(hf_config)["rope_theta"],
     )
-    if shape.mla is None:
+    if shape.mla is not None:
+        # finalize_model_grads sums every `q_layernorm` gradient over TP when qk_layernorm is
+        # set (right for per-head q/k norms); MLA's q_layernorm sees the whole compressed
+        # query on every TP rank, so that sum would multiply its gradient by TP. Under
+        # sequence parallelism its weight is marked `sequence_parallel`, which sums it.
+        config.qk_layernorm = False
+    else:
         inv_freq = rope_inv_freq(hf_config)
         if inv_freq is not None:
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     return model.to(device=device, dtype=dtype)
+
+
+def padded_for_sequence_parallel(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """`input_ids` right-padded (token 0) to a multiple of TP under sequence parallelism.
+
+    Sequence parallelism splits the sequence over TP ranks; causal attention keeps the
+    real tokens from seeing the padding, and the loss drops the padded positions."""
+    tp_size = config.tensor_model_parallel_size
+    pad = -input_ids.shape[1] % tp_size if config.sequence_parallel else 0
+    return F.pad(input_ids, (0, pad)) if pad else input_ids

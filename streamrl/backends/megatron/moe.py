@@ -39,6 +39,14 @@ def moe_config_kwargs(shape: ModelShape, options: Any, *, ep_size: int, tp_size:
             f"{moe.num_experts} experts do not split over "
             f"learner.megatron.expert_model_parallel_size = {ep_size}"
         )
+    dispatcher = getattr(options, "moe_token_dispatcher", "alltoall")
+    if dispatcher == "allgather" and ep_size > 1:
+        # It all-gathers equal-sized token blocks: micro-batches of different lengths on the
+        # EP ranks (the normal case: one DP replica's batch each) break its collectives.
+        raise ValueError(
+            "learner.megatron.moe_token_dispatcher = 'allgather' needs the same token count "
+            "on every EP rank; use 'alltoall' with expert_model_parallel_size > 1"
+        )
     aux = getattr(options, "moe_aux_loss_coeff", 0.0)
     z_loss = getattr(options, "moe_z_loss_coeff", 0.0)
     return dict(
@@ -58,7 +66,7 @@ def moe_config_kwargs(shape: ModelShape, options: Any, *, ep_size: int, tp_size:
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=z_loss or None,
-        moe_token_dispatcher_type=getattr(options, "moe_token_dispatcher", "alltoall"),
+        moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=False,  # Megatron's GroupedMLP needs the grouped_gemm package
         moe_permute_fusion=False,
         moe_router_fusion=False,
