@@ -476,6 +476,44 @@ def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
     return model, load_tokenizer(path)
 
 
+def checkpoint_views(model) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s checkpoint under its checkpoint name, as a live view.
+
+    transformers 5 holds the routed experts of MoE models fused
+    (``mlp.experts.gate_up_proj`` ``[E, 2 I, H]``, gate rows first, and
+    ``mlp.experts.down_proj`` ``[E, H, I]``; transposed when the experts module says
+    ``is_transposed``), but writes them per expert (``mlp.experts.<e>.gate_proj.weight``,
+    ``up_proj``, ``down_proj``), which is also what SGLang loads and what weight
+    updates carry. The views share storage with the model (writing one updates the
+    model); persistent buffers (DeepSeek-V3 / GLM-4.5's ``e_score_correction_bias``)
+    are included, and a tied head appears under both of its names, as in ``state_dict``.
+    """
+    import torch
+
+    views: dict[str, torch.Tensor] = {}
+    fused: set[str] = set()
+    for prefix, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (prefix.endswith(".experts") and isinstance(gate_up, torch.nn.Parameter)):
+            continue
+        if gate_up.dim() != 3 or not isinstance(down, torch.nn.Parameter) or down.dim() != 3:
+            continue
+        transposed = bool(getattr(module, "is_transposed", False))
+        for expert in range(gate_up.shape[0]):
+            rows = gate_up[expert].t() if transposed else gate_up[expert]  # [2 I, H]
+            half = rows.shape[0] // 2
+            views[f"{prefix}.{expert}.gate_proj.weight"] = rows[:half]
+            views[f"{prefix}.{expert}.up_proj.weight"] = rows[half:]
+            views[f"{prefix}.{expert}.down_proj.weight"] = (
+                down[expert].t() if transposed else down[expert]
+            )
+        fused.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in fused:
+            views[name] = tensor
+    return views
+
+
 def save_random_model(shape: str, out_dir, *, seed: int = 0) -> Path:
     """Write random ``shape`` weights (seeded) as a Hugging Face directory with SmolLM2's tokenizer."""
     out = Path(out_dir)

@@ -107,7 +107,7 @@ def fix_megatron_mla_without_transformer_engine() -> None:
     Tell it the truth."""
     from megatron.core.transformer import multi_latent_attention
 
-    from streamrl.backends.megatron.model import transformer_engine_available
-
-    if not transformer_engine_available():
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
         multi_latent_attention.HAVE_TE = False

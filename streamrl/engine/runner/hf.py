@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+from streamrl import models
 from streamrl.engine.runner import weights
 from streamrl.engine.runner.base import Pending
 from streamrl.engine.runner.sampling import SamplingTensors, make_sampling_tensors, sample
@@ -28,12 +29,16 @@ class HFRunner(weights.InPlaceWeights):
         self.device = next(model.parameters()).device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
-        # Every state-dict name (tied names included) -> the live parameter, whole.
+        # Every checkpoint name (tied names and per-expert MoE names included) -> a view of
+        # the live tensor; the fused in-memory expert names are accepted too.
         self.targets = {
-            name: (tensor, None, None)
+            name: (tensor, None, None) for name, tensor in models.checkpoint_views(model).items()
+        }
+        self.targets.update(
+            (name, (tensor, None, None))
             for name, tensor in model.state_dict(keep_vars=True).items()
             if isinstance(tensor, torch.nn.Parameter)
-        }
+        )
         self.rows: list[Sequence | None] = []  # the wave; None once a row is released
         # transformers 5.2x renamed `past_key_values` to `cache`; accept either.
         parameters = inspect.signature(model.forward).parameters
