@@ -28,7 +28,13 @@ from streamrl.models import build_random_model, random_config
 FAMILIES = ("glm4-tiny", "qwen3-moe-tiny", "glm4-moe-tiny", "deepseek-v3-tiny")
 MOE_FAMILIES = FAMILIES[1:]
 YARN = "deepseek-v3-tiny-yarn"
-TWO_RANK_LAYOUTS = [(name, "tp2") for name in FAMILIES] + [(name, "ep2") for name in MOE_FAMILIES]
+# `-grouped`: the local experts as one GroupedExperts module (learner.megatron.moe_grouped_gemm).
+TWO_RANK_LAYOUTS = [
+    *[(name, "tp2") for name in FAMILIES],
+    *[(name, "ep2") for name in MOE_FAMILIES],
+    ("qwen3-moe-tiny", "ep2-grouped"),
+    ("glm4-moe-tiny", "tp2-grouped"),
+]
 NUM_STEPS = 2
 RUN_TIMEOUT_S = 400.0
 
@@ -97,14 +103,16 @@ def micro_batches(vocab_size: int):
 # ---------------------------------------------------------------- workers (run as a script)
 
 
-def _backend(path: str, *, tp: int = 1, ep: int = 1):
+def _backend(path: str, layout: str = ""):
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
 
-    config = LearnerConfig(
-        backend="megatron", lr=1e-3, grad_clip=1.0,
-        megatron=MegatronConfig(tensor_parallel_size=tp, expert_model_parallel_size=ep),
-    )  # fmt: skip
+    options = MegatronConfig(
+        tensor_parallel_size=2 if layout.startswith("tp2") else 1,
+        expert_model_parallel_size=2 if layout.startswith("ep2") else 1,
+        moe_grouped_gemm=layout.endswith("grouped"),
+    )
+    config = LearnerConfig(backend="megatron", lr=1e-3, grad_clip=1.0, megatron=options)
     return MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
 
 
@@ -137,12 +145,13 @@ def _worker(mode: str, model_dirs: dict[str, str], out: Path) -> None:
             else:
                 results[name] = _run(backend, is_data_rank=True)
     else:
-        for name in FAMILIES:
-            results[f"{name}/tp2"] = _run(_backend(model_dirs[name], tp=2), is_data_rank=rank == 0)
-        for name in MOE_FAMILIES:
-            checkpoint = out.parent / f"{name}-ep2" if name == "qwen3-moe-tiny" else None
-            backend = _backend(model_dirs[name], ep=2)
-            results[f"{name}/ep2"] = _run(backend, is_data_rank=rank == 0, checkpoint=checkpoint)
+        for name, layout in TWO_RANK_LAYOUTS:
+            checkpoint = None
+            if (name, layout) == ("qwen3-moe-tiny", "ep2"):
+                checkpoint = out.parent / f"{name}-ep2"
+            backend = _backend(model_dirs[name], layout)
+            run = _run(backend, is_data_rank=rank == 0, checkpoint=checkpoint)
+            results[f"{name}/{layout}"] = run
     if rank == 0:
         torch.save(results, out)
 
@@ -216,10 +225,15 @@ def _saved_state(model) -> dict[str, torch.Tensor]:
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_hf_to_megatron_to_hf_is_bit_exact_at_every_tp_pp_ep_layout(name):
+@pytest.mark.parametrize(
+    "name,grouped", [*[(n, False) for n in FAMILIES], *[(n, True) for n in MOE_FAMILIES]]
+)
+def test_hf_to_megatron_to_hf_is_bit_exact_at_every_tp_pp_ep_layout(name, grouped):
+    from streamrl.backends.megatron.model import learner_shape
+    from streamrl.config import MegatronConfig
+
     hf_state = _saved_state(family_model(name))
-    shape = shape_from_hf(random_config(name))
+    shape = learner_shape(random_config(name), MegatronConfig(moe_grouped_gemm=grouped))
     for dtype in (torch.float32, torch.bfloat16):
         state = {key: value.to(dtype) for key, value in hf_state.items()}
         for tp, pp, ep in LAYOUTS:
@@ -317,8 +331,9 @@ def test_megatron_logprobs_equal_transformers_logprobs(name, runs, model_dirs):
 
 @pytest.mark.parametrize("name,layout", TWO_RANK_LAYOUTS)
 def test_two_rank_layouts_match_one_rank(name, layout, runs):
-    """Same log-probabilities, losses and grad norms (the gradient is complete at TP = 2 and
-    EP = 2: an expert's tokens come from both DP replicas)."""
+    """Same log-probabilities, losses and grad norms as one rank with one MLP per expert (the
+    gradient is complete at TP = 2 and EP = 2: an expert's tokens come from both DP replicas;
+    grouped experts compute what the per-expert MLPs do)."""
     single, two = runs("single")[name], runs("two")[f"{name}/{layout}"]
     for one_rank, two_ranks in zip(single["logprobs"], two["logprobs"], strict=True):
         assert (one_rank - two_ranks).abs().max() <= 1e-5

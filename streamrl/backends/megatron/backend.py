@@ -43,8 +43,8 @@ from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.backends.megatron.model import (
     build_gpt_model,
+    learner_shape,
     padded_for_sequence_parallel,
-    shape_from_hf,
 )
 
 _COPIED_FILES = (
@@ -125,7 +125,7 @@ class MegatronBackend:
         )
         self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.shape = shape_from_hf(self.hf_config)
+        self.shape = learner_shape(self.hf_config, mcfg)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
         hf_state = convert.HFCheckpoint(self.model_dir)
         with self._megatron():

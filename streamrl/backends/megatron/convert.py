@@ -36,6 +36,8 @@ from streamrl.backends.megatron.model import ModelShape
 
 REPLICATED, COLUMN, ROW, QKV, GATE_UP = "replicated", "column", "row", "qkv", "gate_up"
 GATE_UP_FUSED = "gate_up_fused"  # one HF tensor [gate; up] (GLM-4's mlp.gate_up_proj)
+# GroupedExperts' stacked tensors: HF sources (gate, up) * experts, or down * experts.
+EXPERTS_GATE_UP, EXPERTS_ROW = "experts_gate_up", "experts_row"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ def _layer_rules(shape: ModelShape, layer: int, *, experts: range) -> list[Rule]
         )
     if shape.moe.shared_ffn_hidden_size:
         rules += _mlp_rules(shape, "mlp.shared_experts", "mlp.shared_experts")
+    if shape.moe.grouped and len(experts):
+        gate_up = tuple(f"mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up"))
+        down = tuple(f"mlp.experts.{e}.down_proj.weight" for e in experts)
+        rules.append(Rule("mlp.experts.fc1", gate_up, EXPERTS_GATE_UP, experts[0]))
+        rules.append(Rule("mlp.experts.fc2", down, EXPERTS_ROW, experts[0]))
+        return rules
     for local, expert in enumerate(experts):
         rules += _mlp_rules(
             shape, f"mlp.experts.local_experts.{local}", f"mlp.experts.{expert}", expert
@@ -223,6 +231,13 @@ def shard(
     kind: str, hf_tensors: Sequence[torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
     """This TP rank's Megatron tensor from the HF parts."""
+    if kind == EXPERTS_GATE_UP:
+        pairs = zip(hf_tensors[0::2], hf_tensors[1::2], strict=True)
+        return torch.stack(
+            [shard(GATE_UP, pair, shape, tp_rank=tp_rank, tp_size=tp_size) for pair in pairs]
+        )
+    if kind == EXPERTS_ROW:
+        return torch.stack([down.chunk(tp_size, dim=1)[tp_rank] for down in hf_tensors])
     if kind in (GATE_UP, GATE_UP_FUSED):
         gate, up = hf_tensors if kind == GATE_UP else hf_tensors[0].chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).contiguous()
@@ -236,6 +251,11 @@ def shard(
 
 def merge(kind: str, shards: Sequence[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
     """HF parts from the TP-rank-ordered Megatron shards (inverse of `shard`)."""
+    if kind == EXPERTS_GATE_UP:
+        experts = range(shards[0].shape[0])
+        return [t for e in experts for t in merge(GATE_UP, [s[e] for s in shards], shape)]
+    if kind == EXPERTS_ROW:
+        return [torch.cat([s[e] for s in shards], dim=1) for e in range(shards[0].shape[0])]
     if kind in (GATE_UP, GATE_UP_FUSED):
         halves = [s.chunk(2, dim=0) for s in shards]
         gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])

@@ -280,7 +280,7 @@ def build_layer_spec(
         if shape.post_norms:
             submodules.self_attention.submodules.linear_proj = _post_norm_linear()
             submodules.mlp.submodules.linear_fc2 = _post_norm_linear()
-        if shape.moe is not None and options is not None and options.moe_grouped_gemm:
+        if shape.moe is not None and shape.moe.grouped:
             from streamrl.backends.megatron.grouped_experts import use_grouped_experts
 
             use_grouped_experts(submodules.mlp)
@@ -306,7 +306,7 @@ def build_gpt_model(
     one Megatron's groups were built with). Load weights with `convert.load_into_model`."""
     from megatron.core.models.gpt import GPTModel
 
-    shape = shape_from_hf(hf_config)
+    shape = learner_shape(hf_config, options)
     if shape.vocab_size % tp_size:
         raise ValueError(f"vocab size {shape.vocab_size} is not divisible by TP size {tp_size}")
     if shape.num_layers % pp_size:
@@ -373,3 +373,14 @@ def padded_for_sequence_parallel(input_ids: torch.Tensor, config: Any) -> torch.
     tp_size = config.tensor_model_parallel_size
     pad = -input_ids.shape[1] % tp_size if config.sequence_parallel else 0
     return F.pad(input_ids, (0, pad)) if pad else input_ids
+
+
+def learner_shape(hf_config: Any, options: Any = None) -> ModelShape:
+    """`shape_from_hf`, plus what the learner's options change in the Megatron layout
+    (`moe_grouped_gemm`: one GroupedExperts tensor pair per layer instead of one MLP per expert)."""
+    import dataclasses
+
+    shape = shape_from_hf(hf_config)
+    if shape.moe is not None and getattr(options, "moe_grouped_gemm", False):
+        shape = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, grouped=True))
+    return shape

@@ -32,6 +32,7 @@ class MoEShape:
     group_top_k: int = 0
     scaling_factor: float = 1.0  # routed_scaling_factor
     router_fp32: bool = False  # the gate's matmul in float32 (DeepSeek-V3, GLM-4.5)
+    grouped: bool = False  # Megatron side: all local experts in one GroupedExperts module
 
     @property
     def num_moe_layers(self) -> int:
