@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 
 from streamrl.agents.api import GenerateContext, GenerateFn, Trajectory, score_trajectory
 from streamrl.fleet.engine_set import EngineSet
@@ -38,6 +39,8 @@ class RolloutCounters:
     generation_failures: int = 0
     reward_failures: int = 0
     resumes: int = 0
+    routed_experts_dropped: int = 0
+    """Samples whose engine-reported routed experts did not fit their tokens (not replayed)."""
     finish_reasons: Counter = field(default_factory=Counter)
     busy_s: float = 0.0
     """Sum over samples of generate-call wall time (engine-side occupancy proxy)."""
@@ -65,6 +68,7 @@ class RolloutWorker:
         reward_timeout_s: float = 60.0,
         retry_timeout_s: float = 300.0,
         report_interval_s: float = 2.0,
+        return_routed_experts: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -79,6 +83,7 @@ class RolloutWorker:
         self.reward_timeout_s = reward_timeout_s
         self.retry_timeout_s = retry_timeout_s
         self.report_interval_s = report_interval_s
+        self.return_routed_experts = return_routed_experts
         self.counters = RolloutCounters()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -144,6 +149,7 @@ class RolloutWorker:
             kwargs=self.generate_kwargs,
             session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
+            return_routed_experts=self.return_routed_experts,
         )
 
     async def _generate(self, prompt: Prompt) -> list[tuple[Trajectory, str | None]]:
@@ -207,8 +213,9 @@ class RolloutWorker:
         self.counters.resumes += trajectory.num_resumes
         self.counters.response_tokens += len(trajectory.response_ids)
         self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
+        prompt_ids = prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids
         return Sample(
-            prompt_ids=prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids,
+            prompt_ids=prompt_ids,
             response_ids=trajectory.response_ids,
             logprobs=trajectory.logprobs,
             versions=trajectory.versions,
@@ -218,4 +225,23 @@ class RolloutWorker:
             status=status,
             response_text=trajectory.text,
             metadata=metadata,
+            routed_experts=self._routed_experts(trajectory, len(prompt_ids)),
         )
+
+    def _routed_experts(self, trajectory: Trajectory, num_prompt_tokens: int):
+        """The last model turn's routed experts as the sample's `[tokens - 1, layers * k]`:
+        rows after the last model token (a closing observation) are -1; a report with more
+        rows than the sample has tokens belongs to other tokens and is dropped (counted)."""
+        routed = trajectory.routed_experts
+        if routed is None:
+            return None
+        rows = num_prompt_tokens + len(trajectory.response_ids) - 1
+        if len(routed) > rows or rows <= 0:
+            self.counters.routed_experts_dropped += 1
+            log.warning(
+                "routed experts for %d tokens, the sample has %d: dropped", len(routed), rows
+            )
+            return None
+        out = np.full((rows, routed.shape[1]), -1, dtype=np.int16)
+        out[: len(routed)] = routed
+        return out

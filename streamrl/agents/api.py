@@ -47,12 +47,17 @@ class Completion:
     finish_reason: FinishReason = FinishReason.STOP
     num_engine_calls: int = 0
     num_resumes: int = 0
+    routed_experts: Any = None
+    """The latest engine call's routed experts (`GenerateResult.routed_experts`): it covers its
+    whole input, so it supersedes what earlier calls of a resumed turn reported."""
 
     def extend(self, result: GenerateResult) -> None:
         self.output_ids.extend(result.output_ids)
         self.logprobs.extend(result.logprobs)
         self.versions.extend(result.versions)
         self.text += result.text
+        if result.routed_experts is not None:
+            self.routed_experts = result.routed_experts
 
 
 @dataclass
@@ -75,6 +80,10 @@ class Trajectory:
     prompt_ids: list[int] | None = None
     """Set when the episode started from other tokens than `prompt.input_ids` (an
     environment whose first observation is not the prompt); the sample's prompt then."""
+    routed_experts: Any = None
+    """The last model turn's routed experts: the engine reports them for the turn's whole
+    input (every earlier turn and observation) plus its output, so the last one covers the
+    trajectory up to its final model token."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
@@ -86,6 +95,8 @@ class Trajectory:
         self.finish_reason = completion.finish_reason
         self.num_turns += 1
         self.num_resumes += completion.num_resumes
+        if completion.routed_experts is not None:
+            self.routed_experts = completion.routed_experts
 
     def add_observation(self, token_ids: list[int]) -> None:
         """Append tokens the policy did not produce (tool results, environment feedback): masked."""
@@ -116,6 +127,8 @@ class GenerateContext:
     session_key: str = field(default_factory=lambda: uuid.uuid4().hex)
     retry_timeout_s: float = 300.0
     """Engine failures are retried with backoff for this long (an engine may be restarting)."""
+    return_routed_experts: bool = False
+    """Ask engines for each token's routed experts (`rollout.return_routed_experts`)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -130,7 +143,11 @@ class GenerateContext:
             params["max_new_tokens"] = budget - len(completion.output_ids)
             engine = self._engine(failures)
             try:
-                result = await engine.generate(input_ids + completion.output_ids, params)
+                result = await engine.generate(
+                    input_ids + completion.output_ids,
+                    params,
+                    **self._generate_options(),
+                )
             except EngineError as exc:
                 failures += 1
                 is_client_error = exc.status is not None and 400 <= exc.status < 500
@@ -159,7 +176,9 @@ class GenerateContext:
         params = {**self.sampling_params, **overrides}
         budget = params.get("max_new_tokens", 128)
         try:
-            results = await self._engine(0).generate_many([input_ids], {**params, "n": n})
+            results = await self._engine(0).generate_many(
+                [input_ids], {**params, "n": n}, **self._generate_options()
+            )
         except EngineError as exc:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise
@@ -189,6 +208,8 @@ class GenerateContext:
             completion.finish_reason = rest.finish_reason
             completion.num_engine_calls += rest.num_engine_calls
             completion.num_resumes += 1 + rest.num_resumes
+            if rest.routed_experts is not None:
+                completion.routed_experts = rest.routed_experts
 
         async with anyio.create_task_group() as tg:
             for completion, result in zip(completions, results, strict=True):
@@ -206,6 +227,9 @@ class GenerateContext:
             for index in range(n):
                 tg.start_soon(one, index)
         return out
+
+    def _generate_options(self) -> dict[str, Any]:
+        return {"return_routed_experts": True} if self.return_routed_experts else {}
 
     def _engine(self, num_failures: int):
         """The router when there is one (it keeps prefix affinity), else this session's engine;

@@ -112,6 +112,11 @@ class RolloutConfig(_Section):
     retry_timeout_s: PositiveFloat = 300.0
     """A failing engine call is retried (with backoff, on another engine when there is one)
     for up to this long before the sample is recorded as failed."""
+    return_routed_experts: bool = False
+    """Ask engines for the experts every token was routed to (MoE models; SGLang then starts with
+    `--enable-return-routed-experts`): they travel in `Sample.routed_experts`, and the megatron
+    learner reports how often its own router agrees (`train/moe_router_agreement`). Implied by
+    `algorithm.routing_replay`."""
 
 
 class EngineConfig(_Section):
@@ -200,6 +205,11 @@ class AlgorithmConfig(_Section):
     """Entropy bonus coefficient (slime --entropy-coef)."""
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     """Average the per-token loss over all tokens of a mini-batch, or per sequence first."""
+    routing_replay: bool = False
+    """MoE rollout routing replay ("R3"): the learner's MoE layers use, for every token the
+    engine reported, the experts the engine chose instead of their own router's choice (the
+    routing weights still come from the learner's router, so the router keeps training). Needs
+    `learner.backend = "megatron"`; turns on `rollout.return_routed_experts`."""
 
 
 class MegatronConfig(_Section):
@@ -208,6 +218,9 @@ class MegatronConfig(_Section):
     """Pipeline stages (layers split evenly: must divide the model's layer count). Each stage
     publishes its own layers to the engines through its own weight-update group."""
     sequence_parallel: bool = False
+    """Split the sequence over the TP ranks outside attention and the MLP (slime
+    --sequence-parallel); always on for MoE and MLA models at TP > 1 (Megatron requires it
+    for MoE training). Micro-batches are right-padded to a multiple of TP."""
     use_distributed_optimizer: bool = True
     attention: Literal["sdpa", "local"] = "sdpa"
     """Core attention without Transformer Engine: PyTorch SDPA (flash) or Megatron's unfused one."""

@@ -94,6 +94,7 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """Generate one sample for one prompt (`sampling_params["n"]` must be 1)."""
         if (sampling_params or {}).get("n", 1) not in (1, None):
@@ -105,6 +106,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         payload = await self._json("POST", "/generate", body)
         if isinstance(payload, list):
             payload = payload[0]
@@ -117,6 +120,7 @@ class EngineClient:
         *,
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
     ) -> list[GenerateResult]:
         """One batched call; with `n` > 1 the results are prompt-major (n per prompt).
 
@@ -128,6 +132,8 @@ class EngineClient:
         }
         if rids is not None:
             body["rid"] = list(rids)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         payload = await self._json("POST", "/generate", body)
         payloads = payload if isinstance(payload, list) else [payload]
         return [parse_result(item) for item in payloads]

@@ -108,6 +108,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         generate_kwargs=dict(cfg.rollout.generate_kwargs),
         reward_timeout_s=cfg.rollout.reward_timeout_s,
         retry_timeout_s=cfg.rollout.retry_timeout_s,
+        return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay,
     )
     async with engines, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
