@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.backends.base import LossFn, MicroBatch
-from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel
+from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel, routing
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.backends.megatron.model import (
@@ -127,6 +127,12 @@ class MegatronBackend:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = learner_shape(self.hf_config, mcfg)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
+        self.routing_replay = bool(getattr(algorithm_cfg, "routing_replay", False))
+        if self.routing_replay and cfg.gradient_checkpointing and self.layout.pp_size > 1:
+            raise ValueError(
+                "algorithm.routing_replay with learner.gradient_checkpointing needs "
+                "pipeline_parallel_size = 1 (a recompute would replay a later micro-batch)"
+            )
         hf_state = convert.HFCheckpoint(self.model_dir)
         with self._megatron():
             self.model = self._build_model(hf_state)
@@ -168,6 +174,7 @@ class MegatronBackend:
             options=mcfg,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
+        routing.install(model, self.shape, replay=self.routing_replay)
         return model
 
     def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -234,6 +241,11 @@ class MegatronBackend:
         def forward_step(data_iterator, model):
             micro_batch, weight = next(data_iterator)
             input_ids = padded_for_sequence_parallel(micro_batch.input_ids, self.model.config)
+            control = routing.control_of(model)
+            if control is not None:  # the rollout's experts, for replay and agreement
+                control.prepare(
+                    micro_batch, input_ids.shape[1], self.model.config, count=weight > 0
+                )
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             output = model(
                 input_ids,
@@ -376,6 +388,9 @@ class MegatronBackend:
             # Undo Megatron's 1/num_microbatches and DDP's 1/dp average: the gradient is the sum.
             return loss * (weight * scale), metrics
 
+        control = routing.control_of(self.model)
+        if control is not None:
+            control.reset()
         self.ddp.train()
         with self._megatron():
             self.ddp.zero_grad_buffer()
@@ -387,6 +402,8 @@ class MegatronBackend:
         metrics = self._reduce_metrics(store)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if control is not None:
+            metrics.update(control.collect(self.device))
         return metrics
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
