@@ -104,7 +104,7 @@ def micro_batches(vocab_size: int):
 # ---------------------------------------------------------------- workers (run as a script)
 
 
-def _backend(path: str, layout: str = ""):
+def _backend(path: str, layout: str = "", **moe_options):
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
 
@@ -113,6 +113,7 @@ def _backend(path: str, layout: str = ""):
         expert_model_parallel_size=2 if layout.startswith("ep2") else 1,
         pipeline_parallel_size=2 if layout.startswith("pp2") else 1,
         moe_grouped_gemm=layout.endswith("grouped"),
+        **moe_options,
     )
     config = LearnerConfig(backend="megatron", lr=1e-3, grad_clip=1.0, megatron=options)
     return MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
@@ -146,6 +147,9 @@ def _worker(mode: str, model_dirs: dict[str, str], out: Path) -> None:
                 results[name] = {"logprobs": backend.compute_logprobs(batches, temperature=1.0)}
             else:
                 results[name] = _run(backend, is_data_rank=True)
+        losses = {"moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.5}
+        backend = _backend(model_dirs["deepseek-v3-tiny"], **losses)
+        results["deepseek-v3-tiny/aux"] = _run(backend, is_data_rank=True)
     else:
         for name, layout in TWO_RANK_LAYOUTS:
             checkpoint = None
@@ -367,6 +371,14 @@ def test_an_expert_parallel_checkpoint_loads_in_transformers_with_the_learners_l
     batches = micro_batches(hf.config.vocab_size)
     for micro_batch, ours in zip(batches, result["trained_logprobs"], strict=True):
         assert (ours - hf_token_logprobs(hf, micro_batch)).abs().max() <= 1e-4
+
+
+def test_the_load_balancing_and_z_losses_add_gradient_but_not_the_policy_loss(runs):
+    """learner.megatron.moe_aux_loss_coeff / moe_z_loss_coeff reach Megatron's router: the
+    first step's NLL is the same, its gradient is not."""
+    plain, with_losses = runs("single")["deepseek-v3-tiny"], runs("single")["deepseek-v3-tiny/aux"]
+    assert with_losses["steps"][0]["nll"] == pytest.approx(plain["steps"][0]["nll"], rel=1e-6)
+    assert with_losses["steps"][0]["grad_norm"] > 1.5 * plain["steps"][0]["grad_norm"]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
