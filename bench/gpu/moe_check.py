@@ -25,7 +25,11 @@ Sections per model:
 (a) `parity`: per-token log-probabilities of transformers (SDPA) and of the
     Megatron learner (grouped-GEMM experts, SDPA) on the same weights and
     right-padded micro-batches; mean and max |diff| over real tokens (target:
-    mean <= 1e-2).
+    mean <= 1e-2). `parity_hf_routing_replayed`: the same with transformers'
+    expert choices replayed in the learner (routing replay), which separates
+    the two implementations' numerics from near-tie routing flips; its
+    `hf_routing.moe_router_agreement` is how often the learner's own router
+    chose as transformers did.
 (b) `mfu`: a training step (4 micro-batches of 1 x 4096 tokens, Adam) timed
     over 3 steps after a warm-up; MFU = 6 * N_active * tokens/s / 989e12
     (N_active: parameters a token uses, the top-k experts only, embeddings
@@ -220,23 +224,68 @@ def init_single_rank() -> None:
 # ---------------------------------------------------------------- (a) parity, (b) MFU
 
 
-def hf_logprobs(model_dir: Path, batch) -> list[torch.Tensor]:
+def hf_logprobs(model_dir: Path, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """transformers' log-probabilities, and the experts its routers chose for every token
+    (`[B, T, layers * top_k]`, -1 for dense layers: `extras["routed_experts"]`'s layout)."""
+    import re
+
     from transformers import AutoModelForCausalLM
 
     from streamrl.algorithms import logprobs_from_logits
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=PLAN.dtype)
     model = model.to(PLAN.device).eval()
-    out = []
+    config, captured = model.config, {}
+    for name, module in model.named_modules():
+        match = re.search(r"layers\.(\d+)\.mlp\.experts$", name)
+        if match:
+            layer = int(match.group(1))
+            module.register_forward_pre_hook(
+                lambda _, args, layer=layer: captured.__setitem__(layer, args[1].detach())
+            )
+    out, routed = [], []
     with torch.no_grad():
         for mb in batch:
             ids = mb.input_ids.to(PLAN.device)
             logits = model(ids, attention_mask=mb.attention_mask.to(PLAN.device)).logits
             out.append(logprobs_from_logits(logits.float(), ids)[:, 1:].cpu())
+            rows, length = ids.shape
+            k = config.num_experts_per_tok
+            table = torch.full((rows, length, config.num_hidden_layers, k), -1, dtype=torch.int16)
+            for layer, chosen in captured.items():
+                table[:, :, layer] = chosen.view(rows, length, k).to(torch.int16).cpu()
+            table[mb.attention_mask == 0] = -1  # padding: neither replayed nor counted
+            routed.append(table.view(rows, length, -1))
             del logits
     del model
     free()
-    return out
+    return out, routed
+
+
+def parity(backend, batch, reference, routed) -> dict:
+    from streamrl.backends.megatron.routing import control_of
+
+    control = control_of(backend.model)
+    control.replay = routed is not None
+    control.reset()
+    if routed is not None:
+        batch = [replace(mb, extras={**mb.extras, "routed_experts": r}) for mb, r in
+                 zip(batch, routed, strict=True)]  # fmt: skip
+    ours = [lp[:, 1:] for lp in backend.compute_logprobs(batch, temperature=1.0)]
+    agreement = control.collect(torch.device(PLAN.device))
+    control.replay = False
+    diffs = torch.cat(
+        [(a - b).abs()[mb.attention_mask[:, 1:].bool()] for a, b, mb in
+         zip(ours, reference, batch, strict=True)]
+    )  # fmt: skip
+    return {
+        "mean_abs": float(diffs.mean()),
+        "max_abs": float(diffs.max()),
+        "tokens": diffs.numel(),
+        "target_mean_abs": 1e-2,
+        "ok": float(diffs.mean()) <= 1e-2,
+        **({"hf_routing": agreement} if routed is not None else {}),
+    }
 
 
 def parity_and_mfu(config, work_dir: Path) -> dict:
@@ -247,20 +296,12 @@ def parity_and_mfu(config, work_dir: Path) -> dict:
             config.vocab_size, rows=PLAN.parity_rows, seq_len=PLAN.parity_seq_len, count=2,
             seed=1, padded=True,
         )  # fmt: skip
-        reference = hf_logprobs(model_dir, batch)
+        reference, hf_routed = hf_logprobs(model_dir, batch)
         backend = learner(model_dir)
-        ours = [lp[:, 1:] for lp in backend.compute_logprobs(batch, temperature=1.0)]
-        diffs = torch.cat(
-            [(a - b).abs()[mb.attention_mask[:, 1:].bool()] for a, b, mb in
-             zip(ours, reference, batch, strict=True)]
-        )  # fmt: skip
-        result["parity"] = {
-            "mean_abs": float(diffs.mean()),
-            "max_abs": float(diffs.max()),
-            "tokens": diffs.numel(),
-            "target_mean_abs": 1e-2,
-            "ok": float(diffs.mean()) <= 1e-2,
-        }
+        result["parity"] = parity(backend, batch, reference, None)
+        # The same with transformers' expert choices replayed: the numerics of the two
+        # implementations alone, without the tokens whose routing flips on a near tie.
+        result["parity_hf_routing_replayed"] = parity(backend, batch, reference, hf_routed)
         train = micro_batches(
             config.vocab_size, rows=1, seq_len=PLAN.train_seq_len,
             count=PLAN.train_micro_batches, seed=2, padded=False,
