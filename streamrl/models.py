@@ -123,6 +123,127 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         **_SMOLLM2_SPECIAL,
     },
 }
+# The families slime users train, tiny (hidden 64, 2 layers, 8 experts) for CPU tests.
+# Intermediate sizes keep 2 * moe_intermediate_size != hidden_size, so a fused
+# [experts, 2 * intermediate, hidden] tensor can never be mistaken for its transpose.
+_TINY_MOE = {"moe_intermediate_size": 48, "num_experts_per_tok": 2, "norm_topk_prob": True}
+RANDOM_SHAPES.update(
+    {
+        "glm4-tiny": {
+            "model_type": "glm4",
+            "architectures": ["Glm4ForCausalLM"],
+            **_TINY,
+            "tie_word_embeddings": False,
+            "attention_bias": True,  # GLM-4: q/k/v bias, half-rotary (interleaved), sandwich norms
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 10000.0,
+        },
+        "qwen3-moe-tiny": {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            **_TINY,
+            **_TINY_MOE,
+            "num_experts": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "tie_word_embeddings": False,
+            "rope_theta": 1000000.0,
+        },
+        "glm4-moe-tiny": {
+            "model_type": "glm4_moe",
+            "architectures": ["Glm4MoeForCausalLM"],
+            **_TINY,
+            **_TINY_MOE,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,  # layer 0 dense, layer 1 MoE
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "tie_word_embeddings": False,
+            "rope_theta": 1000000.0,
+        },
+        "deepseek-v3-tiny": {
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            # MLA's head sizes are its own (head_dim is the RoPE part, set by the config).
+            **{key: value for key, value in _TINY.items() if key != "head_dim"},
+            **_TINY_MOE,
+            "num_key_value_heads": 4,  # MLA: every head has its own key and value
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,  # group-limited routing: the best 1 of 2 groups, then top-2 in it
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "rope_interleave": True,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+        },
+        # Full-size shapes for the GPU checks (bench/gpu/moe_check.py cuts their layers).
+        "qwen3-30b-a3b": {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+        "deepseek-v3": {
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "n_group": 8,
+            "topk_group": 4,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "rope_interleave": True,
+            "vocab_size": 129280,
+            "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6,
+            # DeepSeek-V3 itself uses YaRN (factor 40); plain RoPE here (see moe_check.py).
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+    }
+)
 # Qwen2-0.5B's body with SmolLM2's 49,152-token vocabulary, so its text decodes with
 # SmolLM2's tokenizer (the GPU runs with a text-based synthetic reward need real text).
 RANDOM_SHAPES["qwen2-0.5b-smolvocab"] = {**RANDOM_SHAPES["qwen2-0.5b"], "vocab_size": 49152}
@@ -375,6 +496,44 @@ def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
     return model, load_tokenizer(path)
+
+
+def checkpoint_views(model) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s checkpoint under its checkpoint name, as a live view.
+
+    transformers 5 holds the routed experts of MoE models fused
+    (``mlp.experts.gate_up_proj`` ``[E, 2 I, H]``, gate rows first, and
+    ``mlp.experts.down_proj`` ``[E, H, I]``; transposed when the experts module says
+    ``is_transposed``), but writes them per expert (``mlp.experts.<e>.gate_proj.weight``,
+    ``up_proj``, ``down_proj``), which is also what SGLang loads and what weight
+    updates carry. The views share storage with the model (writing one updates the
+    model); persistent buffers (DeepSeek-V3 / GLM-4.5's ``e_score_correction_bias``)
+    are included, and a tied head appears under both of its names, as in ``state_dict``.
+    """
+    import torch
+
+    views: dict[str, torch.Tensor] = {}
+    fused: set[str] = set()
+    for prefix, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (prefix.endswith(".experts") and isinstance(gate_up, torch.nn.Parameter)):
+            continue
+        if gate_up.dim() != 3 or not isinstance(down, torch.nn.Parameter) or down.dim() != 3:
+            continue
+        transposed = bool(getattr(module, "is_transposed", False))
+        for expert in range(gate_up.shape[0]):
+            rows = gate_up[expert].t() if transposed else gate_up[expert]  # [2 I, H]
+            half = rows.shape[0] // 2
+            views[f"{prefix}.{expert}.gate_proj.weight"] = rows[:half]
+            views[f"{prefix}.{expert}.up_proj.weight"] = rows[half:]
+            views[f"{prefix}.{expert}.down_proj.weight"] = (
+                down[expert].t() if transposed else down[expert]
+            )
+        fused.update((f"{prefix}.gate_up_proj", f"{prefix}.down_proj"))
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name not in fused:
+            views[name] = tensor
+    return views
 
 
 def save_random_model(shape: str, out_dir, *, seed: int = 0) -> Path:

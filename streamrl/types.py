@@ -85,6 +85,11 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     """False when some token's version is a lower bound of the version that produced it
     (an SGLang response that may straddle an update: `streamrl.agents.api.VersionRule`);
     staleness computed from it is then an upper bound."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing replay: int16 `[prompt + response tokens - 1, layers * top_k]`, row t the
+    experts token t was routed to in every layer (SGLang's `return_routed_experts` layout;
+    the last token is never fed), -1 where unknown (dense layers, tokens the engine did not
+    report). None without `rollout.return_routed_experts`."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)
@@ -99,6 +104,15 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
                 f"Sample: logprobs, versions and loss_mask need one entry per response token "
                 f"({n}), got {len(self.logprobs)}, {len(self.versions)}, {len(self.loss_mask)}"
             )
+        if self.routed_experts is not None:  # the wire flattens arrays: rows are implied
+            rows = len(self.prompt_ids) + n - 1
+            routed = np.asarray(self.routed_experts, dtype=np.int16)
+            if rows <= 0 or routed.size % rows:
+                raise ValueError(
+                    f"Sample: routed_experts of {routed.size} values is not {rows} rows "
+                    "(one per token but the last)"
+                )
+            self.routed_experts = np.ascontiguousarray(routed.reshape(rows, -1))
 
     @property
     def num_response_tokens(self) -> int:

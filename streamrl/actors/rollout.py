@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 
 from streamrl.agents.api import (
     GenerateContext,
@@ -61,6 +62,8 @@ class RolloutCounters:
     """Samples some of whose tokens carry a lower bound of their version (`VersionRule`)."""
     rejected: Counter = field(default_factory=Counter)
     """Samples whose request the client refused before sending, by reason."""
+    routed_experts_dropped: int = 0
+    """Samples whose engine-reported routed experts did not fit their tokens (not replayed)."""
     finish_reasons: Counter = field(default_factory=Counter)
     busy_s: float = 0.0
     """Sum over samples of generate-call wall time (engine-side occupancy proxy)."""
@@ -94,6 +97,7 @@ class RolloutWorker:
         report_interval_s: float = 2.0,
         version_rule: VersionRule | None = None,
         seed: int | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -111,6 +115,7 @@ class RolloutWorker:
         if version_rule is None:  # the engines serve at least what the trainer announced
             version_rule = VersionRule(floor=lambda: sender.version if sender else 0)
         self.version_rule = version_rule
+        self.return_routed_experts = return_routed_experts
         self.counters = RolloutCounters()
         self.seed = seed
         """With a seed every sample gets its own `sampling_seed` (`sample_seed`)."""
@@ -205,6 +210,7 @@ class RolloutWorker:
             session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
             version_rule=self.version_rule,
+            return_routed_experts=self.return_routed_experts,
         )
 
     async def _generate(self, prompt: Prompt) -> list[tuple[Trajectory, str | None]]:
@@ -274,8 +280,9 @@ class RolloutWorker:
         self.counters.inexact_version_samples += not trajectory.versions_exact
         self.counters.response_tokens += len(trajectory.response_ids)
         self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
+        prompt_ids = prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids
         return Sample(
-            prompt_ids=prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids,
+            prompt_ids=prompt_ids,
             response_ids=trajectory.response_ids,
             logprobs=trajectory.logprobs,
             versions=trajectory.versions,
@@ -286,4 +293,23 @@ class RolloutWorker:
             response_text=trajectory.text,
             metadata=metadata,
             versions_exact=trajectory.versions_exact,
+            routed_experts=self._routed_experts(trajectory, len(prompt_ids)),
         )
+
+    def _routed_experts(self, trajectory: Trajectory, num_prompt_tokens: int):
+        """The last model turn's routed experts as the sample's `[tokens - 1, layers * k]`:
+        rows after the last model token (a closing observation) are -1; a report with more
+        rows than the sample has tokens belongs to other tokens and is dropped (counted)."""
+        routed = trajectory.routed_experts
+        if routed is None:
+            return None
+        rows = num_prompt_tokens + len(trajectory.response_ids) - 1
+        if len(routed) > rows or rows <= 0:
+            self.counters.routed_experts_dropped += 1
+            log.warning(
+                "routed experts for %d tokens, the sample has %d: dropped", len(routed), rows
+            )
+            return None
+        out = np.full((rows, routed.shape[1]), -1, dtype=np.int16)
+        out[: len(routed)] = routed
+        return out

@@ -61,6 +61,9 @@ class Completion:
     resume_prompt_tokens: int = 0
     """Tokens sent again as the prompt of a resumed call (prompt + partial output: the extra
     prefill an abort costs)."""
+    routed_experts: Any = None
+    """The latest engine call's routed experts (`GenerateResult.routed_experts`): it covers its
+    whole input, so it supersedes what earlier calls of a resumed turn reported."""
 
     def extend(self, result: GenerateResult, versions: list[int], *, is_exact: bool) -> None:
         self.output_ids.extend(result.output_ids)
@@ -68,6 +71,8 @@ class Completion:
         self.versions.extend(versions)
         self.versions_exact &= is_exact
         self.text += result.text
+        if result.routed_experts is not None:
+            self.routed_experts = result.routed_experts
 
     def append(self, rest: Completion) -> None:
         """Continue this turn with `rest` (a resumed call's completion)."""
@@ -80,6 +85,8 @@ class Completion:
         self.num_resumes += 1 + rest.num_resumes
         self.versions_exact &= rest.versions_exact
         self.resume_prompt_tokens += rest.resume_prompt_tokens
+        if rest.routed_experts is not None:
+            self.routed_experts = rest.routed_experts
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,10 @@ class Trajectory:
     """False when some model token's version is a lower bound (`VersionRule`)."""
     resume_prompt_tokens: int = 0
     """Prompt tokens sent again to resume aborted calls (`Completion.resume_prompt_tokens`)."""
+    routed_experts: Any = None
+    """The last model turn's routed experts: the engine reports them for the turn's whole
+    input (every earlier turn and observation) plus its output, so the last one covers the
+    trajectory up to its final model token."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
@@ -145,6 +156,8 @@ class Trajectory:
         self.num_resumes += completion.num_resumes
         self.versions_exact &= completion.versions_exact
         self.resume_prompt_tokens += completion.resume_prompt_tokens
+        if completion.routed_experts is not None:
+            self.routed_experts = completion.routed_experts
 
     def add_observation(self, token_ids: list[int]) -> None:
         """Append tokens the policy did not produce (tool results, environment feedback): masked."""
@@ -177,6 +190,8 @@ class GenerateContext:
     """Engine failures are retried with backoff for this long (an engine may be restarting)."""
     version_rule: VersionRule = field(default_factory=VersionRule)
     """How responses' tokens get their versions (exact, or a safe lower bound)."""
+    return_routed_experts: bool = False
+    """Ask engines for each token's routed experts (`rollout.return_routed_experts`)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -193,7 +208,7 @@ class GenerateContext:
             floor = self.version_rule.floor()
             sent = input_ids + completion.output_ids
             try:
-                result = await engine.generate(sent, params)
+                result = await engine.generate(sent, params, **self._generate_options())
             except EngineError as exc:
                 if exc.status == ABORTED_BEFORE_START and time.monotonic() < deadline:
                     continue  # no token was made: send it again (it waits out the pause)
@@ -228,7 +243,9 @@ class GenerateContext:
         budget = params.get("max_new_tokens", 128)
         floor = self.version_rule.floor()
         try:
-            results = await self._engine(0).generate_many([input_ids], {**params, "n": n})
+            results = await self._engine(0).generate_many(
+                [input_ids], {**params, "n": n}, **self._generate_options()
+            )
         except EngineError as exc:
             is_client_error = exc.status is not None and 400 <= exc.status < 500
             if is_client_error and exc.status != ABORTED_BEFORE_START:
@@ -271,6 +288,9 @@ class GenerateContext:
             for index in range(n):
                 tg.start_soon(one, index)
         return out
+
+    def _generate_options(self) -> dict[str, Any]:
+        return {"return_routed_experts": True} if self.return_routed_experts else {}
 
     def _engine(self, num_failures: int):
         """The router when there is one (it keeps prefix affinity), else this session's engine;

@@ -65,13 +65,32 @@ def _build(samples: list[Sample], rows: list[int], pad_id: int) -> MicroBatch:
         attention[row, :length] = 1
         loss_mask[row, prompt:length] = sample.loss_mask
         behaviour[row, prompt:length] = np.where(sample.loss_mask > 0, sample.logprobs, 0.0)
+    routed = _routed_experts(samples, rows, width)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
         loss_mask=torch.from_numpy(loss_mask),
         behaviour_logprobs=torch.from_numpy(behaviour),
         sample_indices=list(rows),
+        extras={} if routed is None else {"routed_experts": routed},
     )
+
+
+def _routed_experts(samples: list[Sample], rows: list[int], width: int) -> torch.Tensor | None:
+    """`extras["routed_experts"]`: int16 [B, T, layers * top_k], row (b, t) the experts the
+    engine routed token t of row b to, -1 where unknown (no report, padding, a row's last
+    token). None when no sample of the micro-batch carries routed experts."""
+    reported = [samples[i].routed_experts for i in rows]
+    columns = {r.shape[1] for r in reported if r is not None}
+    if not columns:
+        return None
+    if len(columns) > 1:
+        raise ValueError(f"samples report routed experts of different widths {sorted(columns)}")
+    table = np.full((len(rows), width, columns.pop()), -1, dtype=np.int16)
+    for row, routed in enumerate(reported):
+        if routed is not None:
+            table[row, : len(routed)] = routed
+    return torch.from_numpy(table)
 
 
 def response_slices(samples: list[Sample], micro_batch: MicroBatch) -> list[tuple[int, int, int]]:

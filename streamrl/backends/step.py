@@ -83,6 +83,7 @@ def train_step(
             metrics.pop("train/importance_w2_mean"),
         )
         metrics["train/importance_ess"] = w_mean**2 / w2_mean if w2_mean > 0 else 0.0
+        metrics["train/importance_ratio_std"] = math.sqrt(max(w2_mean - w_mean**2, 0.0))
     metrics["train/optimizer_steps"] = len(mini_batches)
     return metrics
 
@@ -215,6 +216,8 @@ def _batch_metrics(
             "train/logprob_abs_diff_max": float(diff.abs().max()) if len(diff) else 0.0,
             "train/mismatch_kl": float((-diff).mean()) if len(diff) else 0.0,
             "train/importance_ess": ess if math.isfinite(ess) else 0.0,
+            # The spread of pi / mu (engine-learner mismatch; what routing replay narrows).
+            "train/importance_ratio_std": float(weights.std(correction=0)) if len(weights) else 0.0,
         }
     )
     return metrics

@@ -131,9 +131,18 @@ class TorchBackend:
         return sums
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters under their Hugging Face names (a tied head appears once, as the embedding)."""
-        for name, parameter in self.model.named_parameters():
-            yield name, parameter.detach()
+        """The checkpoint's tensors under its names (a tied head appears once, as the
+        embedding; MoE experts one by one, as SGLang loads them: `models.checkpoint_views`)."""
+        from streamrl.models import checkpoint_views
+
+        tied = {
+            name
+            for name, _ in self.model.named_parameters(remove_duplicate=False)
+            if name not in dict(self.model.named_parameters())
+        }
+        for name, tensor in checkpoint_views(self.model).items():
+            if name not in tied:
+                yield name, tensor.detach()
 
     def save(self, path: Path) -> None:
         """`path` becomes a Hugging Face model directory plus `optimizer.pt`."""

@@ -125,6 +125,11 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"learner.global_batch_size = {gbs} must divide rollout.batch_size * "
             f"rollout.n_samples_per_prompt = {cfg.samples_per_step}"
         )
+    if cfg.algorithm.routing_replay and cfg.learner.backend != "megatron":
+        problems.append(
+            "algorithm.routing_replay needs learner.backend = 'megatron' (the torch backend "
+            "runs transformers' own MoE layers, which cannot take another router's choice)"
+        )
     if (
         cfg.train.mode == "async"
         and cfg.buffer.max_staleness > 0

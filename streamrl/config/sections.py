@@ -120,6 +120,11 @@ class RolloutConfig(_Section):
     its index, so rollouts replay: with one engine and `max_concurrent_groups = 1` a CPU run
     is reproducible bit for bit (tests/test_sync_equivalence.py). A resumed or retried call
     starts its seed's random stream again."""
+    return_routed_experts: bool = False
+    """Ask engines for the experts every token was routed to (MoE models; SGLang then starts with
+    `--enable-return-routed-experts`): they travel in `Sample.routed_experts`, and the megatron
+    learner reports how often its own router agrees (`train/moe_router_agreement`). Implied by
+    `algorithm.routing_replay`."""
 
 
 class EngineConfig(_Section):
@@ -208,6 +213,11 @@ class AlgorithmConfig(_Section):
     """Entropy bonus coefficient (slime --entropy-coef)."""
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     """Average the per-token loss over all tokens of a mini-batch, or per sequence first."""
+    routing_replay: bool = False
+    """MoE rollout routing replay ("R3"): the learner's MoE layers use, for every token the
+    engine reported, the experts the engine chose instead of their own router's choice (the
+    routing weights still come from the learner's router, so the router keeps training). Needs
+    `learner.backend = "megatron"`; turns on `rollout.return_routed_experts`."""
 
 
 class MegatronConfig(_Section):
@@ -216,9 +226,31 @@ class MegatronConfig(_Section):
     """Pipeline stages (layers split evenly: must divide the model's layer count). Each stage
     publishes its own layers to the engines through its own weight-update group."""
     sequence_parallel: bool = False
+    """Split the sequence over the TP ranks outside attention and the MLP (slime
+    --sequence-parallel); always on for MoE and MLA models at TP > 1 (Megatron requires it
+    for MoE training). Micro-batches are right-padded to a multiple of TP."""
     use_distributed_optimizer: bool = True
     attention: Literal["sdpa", "local"] = "sdpa"
     """Core attention without Transformer Engine: PyTorch SDPA (flash) or Megatron's unfused one."""
+    expert_model_parallel_size: PositiveInt = 1
+    """Expert parallelism (EP) of mixture-of-experts models: each rank holds num_experts / EP
+    experts of every MoE layer and tokens travel to their experts through the token dispatcher.
+    EP ranks are carved out of the data-parallel ranks (must divide num_gpus / (TP * PP)); the
+    experts themselves are split over TP like the dense MLP (expert TP = TP)."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach the experts of other EP ranks (Megatron's `moe_token_dispatcher_type`)."""
+    moe_grouped_gemm: bool = False
+    """Run all local experts of a layer as one grouped matmul (`torch._grouped_mm`) instead of one
+    matmul per expert (Megatron's SequentialMLP)."""
+    moe_aux_loss_coeff: NonNegFloat = 0.0
+    """Load-balancing (switch) auxiliary loss coefficient; 0 turns it off (slime
+    --moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: NonNegFloat = 0.0
+    """Router z-loss coefficient (ST-MoE); 0 turns it off (slime --moe-z-loss-coeff)."""
+    moe_router_bias_update_rate: NonNegFloat = 0.0
+    """Step of the aux-loss-free balancing update of DeepSeek-V3 / GLM-4.5's expert correction
+    bias per optimizer step; 0 keeps the checkpoint's bias (the engines' routing stays the
+    learner's until the next weight push either way: the bias is published with the weights)."""
 
 
 class LearnerConfig(_Section):

@@ -242,7 +242,12 @@ class EngineServer:
         try:
             await self._wait_for_gate(flights)
             to_run = [
-                Request(rid=rid, input_ids=prompt, params=params)
+                Request(
+                    rid=rid,
+                    input_ids=prompt,
+                    params=params,
+                    return_routed_experts=call.return_routed_experts,
+                )
                 for rid, prompt, params in zip(call.rids, call.prompts, call.params, strict=True)
                 if not flights[rid].aborted.is_set()
             ]

@@ -62,6 +62,7 @@ class Request:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Output:
     finish_reason: dict  # {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}
     prompt_tokens: int
     cached_tokens: int = 0
+    # MoE models on the hf runner, when asked: int32 [prompt + output tokens - 1, layers, top_k]
+    routed_experts: Any = None
 
 
 class EngineCore:
@@ -263,6 +266,7 @@ class EngineCore:
                 finish_reason=dict(seq.finish_reason or {}),
                 prompt_tokens=len(seq.prompt_ids),
                 cached_tokens=seq.cached_tokens,
+                routed_experts=_routed_experts(seq),
             )
             _resolve_threadsafe(loop, future, result=output)
 
@@ -276,6 +280,7 @@ class EngineCore:
             seed=-1 if params.seed is None else params.seed & ((1 << 63) - 1),
             on_finish=on_finish,
             stop_checker=checker,
+            return_routed_experts=request.return_routed_experts,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -340,3 +345,13 @@ def _eos_token_ids(tokenizer, config) -> set[int]:
         elif isinstance(value, list | tuple):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def _routed_experts(seq: Sequence) -> Any:
+    """The finished sequence's routed experts, one row per token the model was fed (all
+    but the last): None when it did not ask for them or the runner records none."""
+    if not seq.return_routed_experts or not seq.routed_experts:
+        return None
+    import numpy as np
+
+    return np.stack(seq.routed_experts[: seq.num_tokens - 1]).astype(np.int32)

@@ -18,6 +18,7 @@ SGLang's response object. The choices where SGLang leaves room:
 
 from __future__ import annotations
 
+import base64
 import logging
 import uuid
 from collections.abc import Container
@@ -128,6 +129,7 @@ class GenerateCall:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     no_stop_trim: bool
+    return_routed_experts: bool = False
 
 
 def parse_generate(
@@ -162,6 +164,7 @@ def parse_generate(
         skip_special_tokens=flags["skip_special_tokens"],
         spaces_between_special_tokens=flags["spaces_between_special_tokens"],
         no_stop_trim=flags["no_stop_trim"],
+        return_routed_experts=bool(body.get("return_routed_experts", False)),
     )
     for prompt, base_rid, kwargs in zip(prompts, base_rids, per_prompt, strict=True):
         for j in range(num_samples):
@@ -280,6 +283,10 @@ def render_result(
         meta["output_token_logprobs"] = [
             [float(lp), int(t), None] for lp, t in zip(output.logprobs, output_ids, strict=True)
         ]
+    if call.return_routed_experts and output.routed_experts is not None:
+        # SGLang's layout: base64 of little-endian int32 [prompt + output - 1, layers, top_k].
+        routed = output.routed_experts.astype("<i4", copy=False).tobytes()
+        meta["routed_experts"] = base64.b64encode(routed).decode("ascii")
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 

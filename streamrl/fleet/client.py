@@ -100,6 +100,7 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """Generate one sample for one prompt (`sampling_params["n"]` must be 1).
 
@@ -115,6 +116,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         payload = await self._json("POST", "/generate", body)
         if isinstance(payload, list):
             payload = payload[0]
@@ -127,6 +130,7 @@ class EngineClient:
         *,
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
+        return_routed_experts: bool = False,
     ) -> list[GenerateResult]:
         """One batched call; with `n` > 1 the results are prompt-major (n per prompt).
 
@@ -140,6 +144,8 @@ class EngineClient:
         }
         if rids is not None:
             body["rid"] = list(rids)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         payload = await self._json("POST", "/generate", body)
         payloads = payload if isinstance(payload, list) else [payload]
         return [parse_result(item) for item in payloads]

@@ -8,13 +8,22 @@ spans every token gets `meta_info.weight_version`, the version when the
 request *finished*, and `versions_exact` is False: for a request that
 straddled an update that overstates the freshness of its early tokens, so
 staleness computed from such results is a lower bound.
+
+Routed experts (MoE routing replay). With `return_routed_experts` in the
+request (SGLang also needs `--enable-return-routed-experts`),
+`meta_info.routed_experts` is base64 of a little-endian int32 C-order array of
+`prompt_tokens + completion_tokens - 1` rows (every token the engine fed: the
+prompt, then each output token but the last), each row the chosen expert ids
+of every layer, `num_hidden_layers * num_experts_per_tok` values.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 class FinishReason(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +51,8 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     meta: dict[str, Any]
+    routed_experts: np.ndarray | None = None
+    """int32 `[prompt_tokens + len(output_ids) - 1, layers * top_k]`, None when not reported."""
 
     @property
     def is_aborted(self) -> bool:
@@ -57,6 +68,17 @@ def parse_version(version: str | int | None) -> int:
     if isinstance(version, str) and version.isdigit():
         return int(version)
     raise ValueError(f"weight_version {version!r} is neither 'default' nor an integer")
+
+
+def parse_routed_experts(encoded: str, num_rows: int) -> np.ndarray:
+    """`meta_info.routed_experts` (base64 int32) -> `[num_rows, layers * top_k]`."""
+    values = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    if num_rows <= 0 or values.size % num_rows:
+        raise ValueError(
+            f"meta_info.routed_experts holds {values.size} ids, not a whole number per "
+            f"token for {num_rows} tokens (prompt_tokens + completion_tokens - 1)"
+        )
+    return values.reshape(num_rows, -1)
 
 
 def parse_result(payload: dict) -> GenerateResult:
@@ -80,6 +102,7 @@ def parse_result(payload: dict) -> GenerateResult:
         versions = [final_version] * num_tokens
         exact = num_tokens == 0
     logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+    prompt_tokens = int(meta.get("prompt_tokens", 0))
     finish = meta.get("finish_reason") or {"type": "unknown"}
     if isinstance(finish, str):  # some servers send a bare string
         finish = {"type": finish}
@@ -97,7 +120,12 @@ def parse_result(payload: dict) -> GenerateResult:
             length=finish.get("length"),
             message=finish.get("message"),
         ),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        prompt_tokens=prompt_tokens,
         cached_tokens=int(meta.get("cached_tokens") or 0),
         meta=meta,
+        routed_experts=(
+            parse_routed_experts(meta["routed_experts"], prompt_tokens + num_tokens - 1)
+            if meta.get("routed_experts")
+            else None
+        ),
     )

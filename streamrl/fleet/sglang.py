@@ -199,6 +199,8 @@ def sglang_argv_factory(cfg: RunConfig, model_path: str, version: int) -> Server
             args += ["--tokenizer-path", cfg.model.tokenizer]
         if engine.dtype != "auto":
             args += ["--dtype", engine.dtype]
+        if cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay:
+            args.append("--enable-return-routed-experts")
         args += list(engine.extra_args)
         return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[index]))}
 

@@ -114,6 +114,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
             single_version=cfg.pause_mode == "abort", floor=lambda: sender.version
         ),
         seed=cfg.train.seed if cfg.rollout.deterministic else None,
+        return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay,
     )
     async with engines, anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)

@@ -3,8 +3,13 @@
 Modules, each importable on its own and none imported here (so `import
 streamrl.backends.megatron` stays free of torch and Megatron):
 
-- `model`: GPTModel from an HF config (Llama / Qwen2 / Qwen3), SDPA core attention
-- `convert`: HF <-> Megatron weights (fused QKV, gate/up, TP shards, PP stages)
+- `shapes`, `families`: what an HF config means (Llama, Qwen2/3, GLM-4, Qwen3-MoE,
+  GLM-4.5, DeepSeek-V3)
+- `model`: GPTModel from an HF config, SDPA core attention, sequence-parallel norms
+- `moe`, `mla`, `grouped_experts`: mixture-of-experts and latent-attention pieces
+- `convert`: HF <-> Megatron weights (fused QKV, gate/up, TP shards, PP stages, EP ranks)
+- `export`: a stage's full tensors gathered over TP and EP
+- `routing`: MoE routing replay and router agreement
 - `parallel`: process groups on gloo or NCCL, this rank's Layout
 - `cpu_shims`: every CUDA-only workaround needed to run on CPU
 - `logprobs`: vocabulary-parallel per-token log-probabilities and entropy

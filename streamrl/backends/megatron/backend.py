@@ -27,7 +27,6 @@ layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import shutil
 import tempfile
@@ -39,10 +38,14 @@ import torch
 import torch.distributed as dist
 
 from streamrl.backends.base import LossFn, MicroBatch
-from streamrl.backends.megatron import batches, checkpoint, convert, parallel
+from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel, routing
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
-from streamrl.backends.megatron.model import build_gpt_model, shape_from_hf
+from streamrl.backends.megatron.model import (
+    build_gpt_model,
+    learner_shape,
+    padded_for_sequence_parallel,
+)
 
 _COPIED_FILES = (
     "config.json",
@@ -115,12 +118,21 @@ class MegatronBackend:
         self.dtype = dtype
         mcfg = cfg.megatron
         self.layout = parallel.initialize_parallel(
-            tp_size=mcfg.tensor_parallel_size, pp_size=mcfg.pipeline_parallel_size, seed=seed
+            tp_size=mcfg.tensor_parallel_size,
+            pp_size=mcfg.pipeline_parallel_size,
+            seed=seed,
+            ep_size=mcfg.expert_model_parallel_size,
         )
         self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.shape = shape_from_hf(self.hf_config)
+        self.shape = learner_shape(self.hf_config, mcfg)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
+        self.routing_replay = bool(getattr(algorithm_cfg, "routing_replay", False))
+        if self.routing_replay and cfg.gradient_checkpointing and self.layout.pp_size > 1:
+            raise ValueError(
+                "algorithm.routing_replay with learner.gradient_checkpointing needs "
+                "pipeline_parallel_size = 1 (a recompute would replay a later micro-batch)"
+            )
         hf_state = convert.HFCheckpoint(self.model_dir)
         with self._megatron():
             self.model = self._build_model(hf_state)
@@ -159,8 +171,10 @@ class MegatronBackend:
             attention=mcfg.attention,
             sequence_parallel=mcfg.sequence_parallel,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
+            options=mcfg,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
+        routing.install(model, self.shape, replay=self.routing_replay)
         return model
 
     def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -226,14 +240,20 @@ class MegatronBackend:
 
         def forward_step(data_iterator, model):
             micro_batch, weight = next(data_iterator)
-            input_ids = micro_batch.input_ids
+            input_ids = padded_for_sequence_parallel(micro_batch.input_ids, self.model.config)
+            control = routing.control_of(model)
+            if control is not None:  # the rollout's experts, for replay and agreement
+                control.prepare(
+                    micro_batch, input_ids.shape[1], self.model.config, count=weight > 0
+                )
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             output = model(
                 input_ids,
                 positions.unsqueeze(0).expand_as(input_ids),
                 self._attention_mask(input_ids.shape[1]),
             )
-            return output, functools.partial(loss_for, micro_batch, weight)
+            length = micro_batch.input_ids.shape[1]  # the loss sees the unpadded positions
+            return output, lambda logits: loss_for(micro_batch, weight, logits[:, :length])
 
         first = work[0][0].input_ids
         return get_forward_backward_func()(
@@ -241,7 +261,10 @@ class MegatronBackend:
             data_iterator=iter(work),
             model=[model],
             num_microbatches=len(work),
-            seq_length=max(mb.input_ids.shape[1] for mb, _ in work),
+            seq_length=max(
+                padded_for_sequence_parallel(mb.input_ids, self.model.config).shape[1]
+                for mb, _ in work
+            ),
             micro_batch_size=first.shape[0],
             forward_only=forward_only,
         )
@@ -259,6 +282,9 @@ class MegatronBackend:
         work = [(everything[i], 1.0) for i in mine]
         if everything and not work:  # fewer micro-batches than replicas: run a zero-weight copy
             work = [(everything[0], 0.0)]
+        if self.layout.ep_size > 1:  # EP ranks dispatch tokens together: same number of passes
+            per_replica = -(-len(everything) // self.layout.dp_size)
+            work += [(everything[0], 0.0)] * (per_replica - len(work))
         return everything, mine, work
 
     def _logprobs(
@@ -362,6 +388,9 @@ class MegatronBackend:
             # Undo Megatron's 1/num_microbatches and DDP's 1/dp average: the gradient is the sum.
             return loss * (weight * scale), metrics
 
+        control = routing.control_of(self.model)
+        if control is not None:
+            control.reset()
         self.ddp.train()
         with self._megatron():
             self.ddp.zero_grad_buffer()
@@ -373,6 +402,8 @@ class MegatronBackend:
         metrics = self._reduce_metrics(store)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if control is not None:
+            metrics.update(control.collect(self.device))
         return metrics
 
     def _reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -407,28 +438,12 @@ class MegatronBackend:
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This PP stage's full tensors under HF names (global layer indices), on its publisher.
 
-        Every rank must exhaust the iterator (TP ranks of DP replica 0 take part
-        in gathers and yield nothing; other DP replicas return at once).
+        Every rank must exhaust the iterator (TP ranks of DP replica 0, and with
+        expert parallelism the EP ranks holding the other experts, take part in
+        gathers and yield nothing; other replicas return at once: `export.py`).
         Tensors are in the training dtype on the learner device; treat them as
         read-only and consume them before the next training step."""
-        layout = self.layout
-        if layout.dp_rank != 0:
-            return
-        tp = layout.tp_size
-        publisher = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_rank)
-        for rule, param in convert.iter_stage_tensors(
-            self.model, self.shape, pp_rank=layout.pp_rank, pp_size=layout.pp_size
-        ):
-            if not convert.is_exported(rule, self.shape, pp_size=layout.pp_size):
-                continue
-            local = param.detach()
-            if tp == 1 or rule.kind == convert.REPLICATED:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp)] if self.is_publisher else None
-                dist.gather(local.contiguous(), shards, dst=publisher, group=parallel.tp_group())
-            if self.is_publisher:
-                yield from zip(rule.hf, convert.merge(rule.kind, shards, self.shape), strict=True)
+        yield from export.stage_hf_weights(self.model, self.shape, self.layout)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -35,32 +35,51 @@ import torch
 from streamrl.backends.megatron.model import ModelShape
 
 REPLICATED, COLUMN, ROW, QKV, GATE_UP = "replicated", "column", "row", "qkv", "gate_up"
+GATE_UP_FUSED = "gate_up_fused"  # one HF tensor [gate; up] (GLM-4's mlp.gate_up_proj)
+# GroupedExperts' stacked tensors: HF sources (gate, up) * experts, or down * experts.
+EXPERTS_GATE_UP, EXPERTS_ROW = "experts_gate_up", "experts_row"
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One Megatron tensor and the HF tensor(s) it is made of."""
+    """One Megatron tensor and the HF tensor(s) it is made of.
+
+    `expert` is the global id of the routed expert the tensor belongs to (None for
+    everything else): such tensors live on one EP rank and split over expert-TP."""
 
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    expert: int | None = None
 
 
-def _layer_rules(shape: ModelShape) -> list[Rule]:
-    attn, mlp = "self_attn", "mlp"
+def _mlp_rules(shape: ModelShape, megatron: str, hf: str, expert: int | None = None) -> list[Rule]:
+    """A SwiGLU MLP: `megatron`.linear_fc1/linear_fc2 from `hf`.gate_proj/up_proj/down_proj."""
+    if shape.fused_gate_up and expert is None:
+        fc1 = Rule(f"{megatron}.linear_fc1.weight", (f"{hf}.gate_up_proj.weight",), GATE_UP_FUSED)
+    else:
+        sources = (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")
+        fc1 = Rule(f"{megatron}.linear_fc1.weight", sources, GATE_UP, expert)
+    return [fc1, Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), ROW, expert)]
+
+
+def _attention_rules(shape: ModelShape) -> list[Rule]:
+    attn = "self_attn"
+    if shape.mla is not None:
+        from streamrl.backends.megatron.mla import MLA_NAMES, REPLICATED_NAMES, mla_megatron_names
+
+        rules = [
+            Rule(name, (MLA_NAMES[name],), REPLICATED if name in REPLICATED_NAMES else COLUMN)
+            for name in mla_megatron_names(shape)
+        ]
+        return [*rules, Rule("self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), ROW)]
     rules = [
-        Rule("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
         Rule(
             "self_attention.linear_qkv.weight",
             tuple(f"{attn}.{p}_proj.weight" for p in "qkv"),
             QKV,
         ),
         Rule("self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), ROW),
-        Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
-        Rule(
-            "mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP
-        ),
-        Rule("mlp.linear_fc2.weight", (f"{mlp}.down_proj.weight",), ROW),
     ]
     if shape.qkv_bias:
         rules.append(
@@ -80,22 +99,68 @@ def _layer_rules(shape: ModelShape) -> list[Rule]:
     return rules
 
 
-def stage_rules(shape: ModelShape, *, pp_rank: int, pp_size: int) -> list[Rule]:
-    """Every Megatron tensor of one PP stage (local names) with its HF sources (global names)."""
+def _layer_rules(shape: ModelShape, layer: int, *, experts: range) -> list[Rule]:
+    """One layer's tensors (Megatron names relative to the layer, HF names to `model.layers.i`)."""
+    rules = [
+        Rule("input_layernorm.weight", ("input_layernorm.weight",), REPLICATED),
+        *_attention_rules(shape),
+        Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), REPLICATED),
+    ]
+    if shape.post_norms:
+        rules.append(
+            Rule(
+                "self_attention.linear_proj.post_norm.weight",
+                ("post_self_attn_layernorm.weight",),
+                REPLICATED,
+            )
+        )
+        rules.append(
+            Rule("mlp.linear_fc2.post_norm.weight", ("post_mlp_layernorm.weight",), REPLICATED)
+        )
+    if not shape.is_moe_layer(layer):
+        return rules + _mlp_rules(shape, "mlp", "mlp")
+    rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), REPLICATED))
+    if shape.moe.expert_bias:
+        rules.append(
+            Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), REPLICATED)
+        )
+    if shape.moe.shared_ffn_hidden_size:
+        rules += _mlp_rules(shape, "mlp.shared_experts", "mlp.shared_experts")
+    if shape.moe.grouped and len(experts):
+        gate_up = tuple(f"mlp.experts.{e}.{p}_proj.weight" for e in experts for p in ("gate", "up"))
+        down = tuple(f"mlp.experts.{e}.down_proj.weight" for e in experts)
+        rules.append(Rule("mlp.experts.fc1", gate_up, EXPERTS_GATE_UP, experts[0]))
+        rules.append(Rule("mlp.experts.fc2", down, EXPERTS_ROW, experts[0]))
+        return rules
+    for local, expert in enumerate(experts):
+        rules += _mlp_rules(
+            shape, f"mlp.experts.local_experts.{local}", f"mlp.experts.{expert}", expert
+        )
+    return rules
+
+
+def stage_rules(
+    shape: ModelShape, *, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> list[Rule]:
+    """Every Megatron tensor of one (PP stage, EP rank) (local names) with its HF sources (global names)."""
+    from streamrl.backends.megatron.moe import local_expert_ids
+
     layers_per_stage = shape.num_layers // pp_size
     first = pp_rank * layers_per_stage
+    experts = local_expert_ids(shape, ep_rank=ep_rank, ep_size=ep_size) if shape.moe else range(0)
     rules = []
     if pp_rank == 0:
         rules.append(
             Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COLUMN)
         )
     for local in range(layers_per_stage):
-        for rule in _layer_rules(shape):
+        for rule in _layer_rules(shape, first + local, experts=experts):
             rules.append(
                 Rule(
                     f"decoder.layers.{local}.{rule.megatron}",
                     tuple(f"model.layers.{first + local}.{name}" for name in rule.hf),
                     rule.kind,
+                    rule.expert,
                 )
             )
     if pp_rank == pp_size - 1:
@@ -166,8 +231,15 @@ def shard(
     kind: str, hf_tensors: Sequence[torch.Tensor], shape: ModelShape, *, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
     """This TP rank's Megatron tensor from the HF parts."""
-    if kind == GATE_UP:
-        gate, up = hf_tensors
+    if kind == EXPERTS_GATE_UP:
+        pairs = zip(hf_tensors[0::2], hf_tensors[1::2], strict=True)
+        return torch.stack(
+            [shard(GATE_UP, pair, shape, tp_rank=tp_rank, tp_size=tp_size) for pair in pairs]
+        )
+    if kind == EXPERTS_ROW:
+        return torch.stack([down.chunk(tp_size, dim=1)[tp_rank] for down in hf_tensors])
+    if kind in (GATE_UP, GATE_UP_FUSED):
+        gate, up = hf_tensors if kind == GATE_UP else hf_tensors[0].chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).contiguous()
     full = fuse(kind, hf_tensors, shape)
     if kind in (COLUMN, QKV):
@@ -179,9 +251,15 @@ def shard(
 
 def merge(kind: str, shards: Sequence[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
     """HF parts from the TP-rank-ordered Megatron shards (inverse of `shard`)."""
-    if kind == GATE_UP:
+    if kind == EXPERTS_GATE_UP:
+        experts = range(shards[0].shape[0])
+        return [t for e in experts for t in merge(GATE_UP, [s[e] for s in shards], shape)]
+    if kind == EXPERTS_ROW:
+        return [torch.cat([s[e] for s in shards], dim=1) for e in range(shards[0].shape[0])]
+    if kind in (GATE_UP, GATE_UP_FUSED):
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        return [gate, up] if kind == GATE_UP else [torch.cat([gate, up])]
     if kind in (COLUMN, QKV):
         return unfuse(kind, torch.cat(list(shards), dim=0), shape)
     if kind == ROW:
@@ -200,10 +278,14 @@ def hf_to_megatron(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The local (Megatron-named) tensors of one (TP rank, PP stage) from HF tensors."""
+    """The local (Megatron-named) tensors of one (TP rank, PP stage, EP rank) from HF tensors."""
     out = {}
-    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+    for rule in stage_rules(
+        shape, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
+    ):
         sources = [hf_state[name] for name in rule.hf]
         out[rule.megatron] = shard(rule.kind, sources, shape, tp_rank=tp_rank, tp_size=tp_size)
     return out
@@ -215,14 +297,26 @@ def megatron_to_hf(
     *,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """HF tensors (global layer indices) of one PP stage from its TP-rank-ordered local states."""
+    """HF tensors (global layer indices) of one PP stage from its local states.
+
+    `shards[ep_rank * tp_size + tp_rank]` is one rank's state (TP-rank order when
+    `ep_size` is 1): tensors other than experts come from EP rank 0, each expert
+    from the EP rank that holds it."""
+    tp_size = len(shards) // ep_size
     out = {}
-    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
-        if not is_exported(rule, shape, pp_size=pp_size):
-            continue
-        parts = merge(rule.kind, [s[rule.megatron] for s in shards], shape)
-        out.update(zip(rule.hf, parts, strict=True))
+    for ep_rank in range(ep_size):
+        ranks = shards[ep_rank * tp_size : (ep_rank + 1) * tp_size]
+        for rule in stage_rules(
+            shape, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
+        ):
+            if not is_exported(rule, shape, pp_size=pp_size):
+                continue
+            if ep_rank > 0 and rule.expert is None:
+                continue
+            parts = merge(rule.kind, [s[rule.megatron] for s in ranks], shape)
+            out.update(zip(rule.hf, parts, strict=True))
     return out
 
 
@@ -272,11 +366,26 @@ def _dtype_bytes(name: str) -> int:
 
 
 def iter_stage_tensors(
-    model: torch.nn.Module, shape: ModelShape, *, pp_rank: int, pp_size: int
+    model: torch.nn.Module,
+    shape: ModelShape,
+    *,
+    pp_rank: int,
+    pp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> Iterator[tuple[Rule, torch.Tensor]]:
-    """(rule, this rank's parameter) for every tensor of a stage, in a fixed order."""
+    """(rule, this rank's tensor) for every tensor of a stage, in a fixed order.
+
+    Parameters, plus the one buffer a checkpoint carries: the router's expert bias."""
     params = dict(model.named_parameters())
-    for rule in stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+    params.update(
+        (name, buffer)
+        for name, buffer in model.named_buffers()
+        if name.endswith("mlp.router.expert_bias")
+    )
+    for rule in stage_rules(
+        shape, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
+    ):
         name = rule.megatron if rule.megatron in params else te_name(rule.megatron)
         if name not in params:
             raise KeyError(f"model has no parameter {rule.megatron!r} (nor {name!r})")
@@ -293,10 +402,14 @@ def load_into_model(
     tp_size: int,
     pp_rank: int,
     pp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> None:
     """Copy HF tensors into this rank's model parameters (in place; every parameter covered)."""
     covered = set()
-    for rule, param in iter_stage_tensors(model, shape, pp_rank=pp_rank, pp_size=pp_size):
+    for rule, param in iter_stage_tensors(
+        model, shape, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
+    ):
         sources = [hf_state[name] for name in rule.hf]
         value = shard(rule.kind, sources, shape, tp_rank=tp_rank, tp_size=tp_size)
         if value.shape != param.shape:

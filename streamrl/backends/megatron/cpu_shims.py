@@ -13,11 +13,21 @@ Shimmed calls (each one was hit by a CPU train step, or sits on a path we use):
   `DistributedOptimizer` (shard buffers), `p2p_communication` (pipeline
   shape exchange), `GlobalMemoryBuffer.get_tensor` (local attention only).
 - `torch.cuda.synchronize()` is a no-op (pipeline p2p, parallel_state barriers).
-- Factory functions and moves with `device="cuda"` / `0` / `Tensor.cuda()`
-  land on CPU: `schedules.forward_backward_*` (`total_num_tokens`),
+- `torch.cuda.Stream()`, `torch.cuda.current_stream()`, `torch.cuda.stream(s)`
+  give a stream that runs nothing asynchronously (`wait_stream`, `record_event`,
+  the event's `synchronize` are no-ops): the MoE alltoall token dispatcher
+  copies its split sizes to the host on a side stream
+  (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`), and the shared experts keep
+  a stream for overlap.
+- Factory functions and moves with `device="cuda"` / `0` / `Tensor.cuda()`,
+  and `torch.device(0)` itself (the YaRN rotary embedding of MLA builds its
+  tables under `with torch.device(torch.cuda.current_device())`), land on CPU: `schedules.forward_backward_*` (`total_num_tokens`),
   `FP32Optimizer._scale`, `MixedPrecisionOptimizer.found_inf`,
   `clip_grads.get_grad_norm_fp32` / `clip_grad_by_total_norm_fp32`
   (norm and overflow buffers).
+- `torch.distributed.all_to_all_single` gets its split sizes as lists: the
+  MoE alltoall dispatcher (expert parallelism) moves them to host numpy arrays
+  only when they are CUDA tensors, and gloo's binding refuses CPU tensors.
 - `Tensor.type()` answers `torch.cuda.<T>Tensor` for CPU tensors, because
   `DistributedOptimizer` and `Float16OptimizerWithFloat16Params` reject any
   parameter whose type string is not a CUDA one.
@@ -36,6 +46,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _MOVE_METHODS = {torch.Tensor.to, torch.Tensor.cuda}
@@ -56,9 +67,17 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device and len(args) == 1 and _is_cuda_device(args[0]):
+            return torch.device("cpu")  # `with torch.device(current_device()):` (YaRN RoPE)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if func is dist.all_to_all_single:
+            # The alltoall dispatcher turns its split sizes into host numpy arrays only when
+            # they are CUDA tensors; on CPU they stay tensors, which gloo's binding refuses.
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func in _MOVE_METHODS and len(args) > 1 and _is_cuda_device(args[1]):
@@ -70,20 +89,55 @@ def _current_device() -> int:
     return 0
 
 
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+
+class _CpuStream:
+    """A CUDA stream stand-in: CPU work is synchronous, so ordering is already right."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
 @contextlib.contextmanager
 def cpu_redirect() -> Iterator[None]:
     """Run Megatron code on CPU: CUDA device requests land on CPU (no-op with CUDA)."""
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
+    names = ("current_device", "synchronize", "Stream", "current_stream", "stream")
+    saved = {name: getattr(torch.cuda, name) for name in names}
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 class _CpuRngTracker:

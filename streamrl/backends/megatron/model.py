@@ -1,7 +1,9 @@
-"""A megatron-core GPTModel built from a Hugging Face config (Llama, Qwen2, Qwen3).
+"""A megatron-core GPTModel built from a Hugging Face config (families: `families.py`).
 
-Supported: GQA, RoPE with base and `linear` / `llama3` scaling, tied or
-untied embeddings, Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm, SwiGLU.
+Supported: GQA, RoPE with base and `linear` / `llama3` scaling, partial and
+interleaved RoPE (GLM), tied or untied embeddings, q/k/v bias, per-head q/k
+RMSNorm, GLM-4's sandwich norms (`PostNormRowParallelLinear`), SwiGLU,
+mixture-of-experts layers (`moe.py`) and multi-head latent attention (`mla.py`).
 
 Layer spec: Transformer Engine's when `transformer_engine` imports, otherwise
 Megatron's local spec with its unfused core attention replaced by
@@ -17,90 +19,17 @@ so they stay in the compute dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What conversion and the model builder need to know about an HF architecture."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    qk_norm: bool
-    tied_embeddings: bool
-    max_position_embeddings: int
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def num_parameters(self) -> int:
-        """Parameters of the HF model (tied embeddings counted once)."""
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        if self.qkv_bias:
-            attention += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        per_layer = attention + mlp + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + self.hidden_size
-
-
-def shape_from_hf(hf_config: Any) -> ModelShape:
-    """Read a transformers config (Llama / Qwen2 / Qwen3) into a ModelShape."""
-    model_type = hf_config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"megatron backend supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
-        )
-    if getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError(f"{model_type} with mlp_bias = true is not supported")
-    attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    if model_type != "qwen2" and attention_bias:
-        # HF puts a bias on o_proj too; Megatron's add_bias_linear would add MLP biases as well.
-        raise NotImplementedError(f"{model_type} with attention_bias = true is not supported")
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return ModelShape(
-        model_type=model_type,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-    )
-
-
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x) as one dict."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
+from streamrl.backends.megatron.families import (  # noqa: F401 - re-exported
+    SUPPORTED_MODEL_TYPES,
+    rope_parameters,
+    shape_from_hf,
+)
+from streamrl.backends.megatron.shapes import ModelShape
 
 
 def rope_inv_freq(hf_config: Any) -> torch.Tensor | None:
@@ -142,6 +71,8 @@ class SdpaAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,  # MLA: query/key and value head sizes differ
+        v_channels: int | None = None,
     ) -> None:
         super().__init__()
         if config.context_parallel_size != 1:
@@ -162,7 +93,7 @@ class SdpaAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SdpaAttention takes neither packed sequences nor a bias")
-        seq_len, batch, num_heads, head_dim = query.shape
+        seq_len, batch, num_heads, _ = query.shape
         context = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3),
             key.permute(1, 2, 0, 3),
@@ -172,7 +103,7 @@ class SdpaAttention(torch.nn.Module):
             scale=self.softmax_scale,
             enable_gqa=key.shape[2] != num_heads,
         )
-        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * value.shape[-1])
 
 
 def transformer_engine_available() -> bool:
@@ -183,6 +114,36 @@ def transformer_engine_available() -> bool:
     return True
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm for the local spec, also under sequence parallelism.
+
+    Megatron's `WrappedTorchNorm` refuses `sequence_parallel`; this one marks its
+    weight `sequence_parallel` instead, so `finalize_model_grads` sums the
+    weight's gradient over TP ranks (each rank saw only its part of the sequence)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _post_norm_linear() -> type:
+    """RowParallelLinear followed by an RMSNorm of its (all-reduced) output: GLM-4's
+    `post_self_attn_layernorm` / `post_mlp_layernorm`, as `linear_proj.post_norm` /
+    `linear_fc2.post_norm`. Megatron's layer adds the residual after it."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class PostNormRowParallelLinear(RowParallelLinear):
+        def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_norm = LocalRMSNorm(config, output_size, eps=config.layernorm_epsilon)
+
+        def forward(self, input_: torch.Tensor):
+            output, bias = super().forward(input_)
+            return self.post_norm(output), bias
+
+    return PostNormRowParallelLinear
+
+
 def build_transformer_config(
     shape: ModelShape,
     *,
@@ -191,9 +152,18 @@ def build_transformer_config(
     dtype: torch.dtype,
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
+    ep_size: int = 1,
+    options: Any = None,
+    hf_config: Any = None,
 ) -> Any:
-    """Megatron TransformerConfig for `shape` (dropout 0, no CUDA-extension fusions)."""
-    from megatron.core.transformer import TransformerConfig
+    """Megatron TransformerConfig for `shape` (dropout 0, no CUDA-extension fusions).
+
+    MoE fields come from `moe.moe_config_kwargs` (`options`: the MegatronConfig);
+    an MLA model gets an `MLATransformerConfig` (its RoPE read from `hf_config`)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    from streamrl.backends.megatron.mla import mla_config_kwargs
+    from streamrl.backends.megatron.moe import moe_config_kwargs
 
     on_cpu = not torch.cuda.is_available()
     recompute = {}
@@ -201,7 +171,13 @@ def build_transformer_config(
         recompute = dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    return TransformerConfig(
+    config_class, extra = TransformerConfig, {}
+    if shape.mla is not None:
+        config_class, extra = (
+            MLATransformerConfig,
+            mla_config_kwargs(shape, hf_config, tp_size=tp_size),
+        )
+    return config_class(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -214,7 +190,8 @@ def build_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
-        qk_layernorm=shape.qk_norm,
+        qk_layernorm=shape.qk_norm or shape.mla is not None,
+        rotary_interleaved=shape.rotary_interleaved,
         attention_dropout=0.0,
         hidden_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -231,7 +208,9 @@ def build_transformer_config(
         perform_initialization=True,
         # Micro-batches differ in length: pipeline stages exchange shapes first.
         variable_seq_lengths=pp_size > 1,
-        moe_token_dispatcher_type="alltoall",  # the default one refuses variable lengths
+        # The default (allgather) refuses variable lengths; MoE models choose their own.
+        **{"moe_token_dispatcher_type": "alltoall"}
+        | moe_config_kwargs(shape, options, ep_size=ep_size, tp_size=tp_size),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -239,23 +218,72 @@ def build_transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
+        **extra,
         **recompute,
     )
 
 
-def build_layer_spec(shape: ModelShape, *, attention: str, use_te: bool) -> Any:
-    """TE spec when available; else the local spec with SDPA (or Megatron's unfused) attention."""
+_NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm")
+_ATTENTION_NORM_SLOTS = ("q_layernorm", "k_layernorm", "kv_layernorm")
+
+
+def _use_local_norms(layer: Any) -> None:
+    """Every torch norm of a local-spec layer becomes `LocalRMSNorm` (sequence-parallel-able)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    submodules, attention = layer.submodules, layer.submodules.self_attention.submodules
+    for owner, slots in ((submodules, _NORM_SLOTS), (attention, _ATTENTION_NORM_SLOTS)):
+        for slot in slots:
+            if getattr(owner, slot, None) is WrappedTorchNorm:
+                setattr(owner, slot, LocalRMSNorm)
+
+
+def _use_duplicated_down_projections(mla_submodules: Any) -> None:
+    """MLA's q/kv down-projections as whole (TP-duplicated) linears, not column-parallel.
+
+    megatron-core 0.16.1 bug with the local spec's ColumnParallelLinear there: the
+    output is gathered over TP and split again in backward, so the gradient of the
+    shared RoPE key (`k_pos_emb`, used by every head) keeps only this rank's heads'
+    part (TP = 2 measured a 0.4% wrong grad norm). A duplicated linear under sequence
+    parallelism takes MLA's other branch, which gathers `k_pos_emb` over the sequence
+    and reduce-scatters its gradient: right. The weights are small (hidden x rank)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    mla_submodules.linear_q_down_proj = Linear
+    mla_submodules.linear_kv_down_proj = Linear
+
+
+def build_layer_spec(
+    shape: ModelShape, *, attention: str, use_te: bool, config: Any, options: Any = None
+) -> Any:
+    """The GPTModel's layer spec: TE's when available (plain dense models only); else
+    Megatron's local decoder block spec for this pipeline stage (one spec per layer, dense
+    or MoE), with `LocalRMSNorm`, SDPA (or Megatron's unfused) core attention, GLM-4's
+    post-norms and, when asked, the grouped-GEMM experts."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=shape.qk_norm
         )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=shape.qk_norm, normalization="RMSNorm"
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm"
     )
-    if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    spec.layer_norm = LocalRMSNorm
+    for layer in {id(layer): layer for layer in spec.layer_specs}.values():
+        submodules = layer.submodules
+        _use_local_norms(layer)
+        if attention == "sdpa":
+            submodules.self_attention.submodules.core_attention = SdpaAttention
+        if shape.mla is not None:
+            _use_duplicated_down_projections(submodules.self_attention.submodules)
+        if shape.post_norms:
+            submodules.self_attention.submodules.linear_proj = _post_norm_linear()
+            submodules.mlp.submodules.linear_fc2 = _post_norm_linear()
+        if shape.moe is not None and shape.moe.grouped:
+            from streamrl.backends.megatron.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(submodules.mlp)
     return spec
 
 
@@ -270,22 +298,34 @@ def build_gpt_model(
     attention: str = "sdpa",
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
+    options: Any = None,
 ) -> Any:
     """One pipeline stage of the GPTModel for `hf_config`, uninitialised, on `device`.
 
-    Load weights with `convert.load_hf_into_model`."""
+    `options` is the MegatronConfig (MoE keys; its expert_model_parallel_size must be the
+    one Megatron's groups were built with). Load weights with `convert.load_into_model`."""
     from megatron.core.models.gpt import GPTModel
 
-    shape = shape_from_hf(hf_config)
+    shape = learner_shape(hf_config, options)
     if shape.vocab_size % tp_size:
         raise ValueError(f"vocab size {shape.vocab_size} is not divisible by TP size {tp_size}")
     if shape.num_layers % pp_size:
         raise ValueError(f"{shape.num_layers} layers do not split evenly over {pp_size} stages")
-    use_te = transformer_engine_available() and device.type == "cuda"
-    if sequence_parallel and tp_size > 1 and not use_te:
-        raise NotImplementedError(
-            "sequence_parallel needs Transformer Engine (the local norms refuse it)"
-        )
+    plain = shape.moe is None and shape.mla is None and not shape.post_norms
+    use_te = transformer_engine_available() and device.type == "cuda" and plain
+    # Megatron refuses to train MoE layers at TP > 1 without sequence parallelism.
+    # MLA's duplicated down-projections (see build_layer_spec) are right only with it too.
+    needs_sequence_parallel = shape.moe is not None or shape.mla is not None
+    sequence_parallel = sequence_parallel or (needs_sequence_parallel and tp_size > 1)
+    if shape.moe is not None:
+        from streamrl.backends.megatron.moe import fix_megatron_without_transformer_engine
+
+        fix_megatron_without_transformer_engine()
+    if shape.mla is not None:
+        from streamrl.backends.megatron.mla import fix_megatron_mla_without_transformer_engine
+
+        fix_megatron_mla_without_transformer_engine()
+    ep_size = getattr(options, "expert_model_parallel_size", 1) if options is not None else 1
     config = build_transformer_config(
         shape,
         tp_size=tp_size,
@@ -293,10 +333,15 @@ def build_gpt_model(
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         gradient_checkpointing=gradient_checkpointing,
+        ep_size=ep_size,
+        options=options,
+        hf_config=hf_config,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(shape, attention=attention, use_te=use_te),
+        transformer_layer_spec=build_layer_spec(
+            shape, attention=attention, use_te=use_te, config=config, options=options
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -304,9 +349,38 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope",
+        rotary_percent=shape.rotary_percent,
         rotary_base=rope_parameters(hf_config)["rope_theta"],
     )
-    inv_freq = rope_inv_freq(hf_config)
-    if inv_freq is not None:
-        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+    if shape.mla is not None:
+        # finalize_model_grads sums every `q_layernorm` gradient over TP when qk_layernorm is
+        # set (right for per-head q/k norms); MLA's q_layernorm sees the whole compressed
+        # query on every TP rank, so that sum would multiply its gradient by TP. Under
+        # sequence parallelism its weight is marked `sequence_parallel`, which sums it.
+        config.qk_layernorm = False
+    else:
+        inv_freq = rope_inv_freq(hf_config)
+        if inv_freq is not None:
+            model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     return model.to(device=device, dtype=dtype)
+
+
+def padded_for_sequence_parallel(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """`input_ids` right-padded (token 0) to a multiple of TP under sequence parallelism.
+
+    Sequence parallelism splits the sequence over TP ranks; causal attention keeps the
+    real tokens from seeing the padding, and the loss drops the padded positions."""
+    tp_size = config.tensor_model_parallel_size
+    pad = -input_ids.shape[1] % tp_size if config.sequence_parallel else 0
+    return F.pad(input_ids, (0, pad)) if pad else input_ids
+
+
+def learner_shape(hf_config: Any, options: Any = None) -> ModelShape:
+    """`shape_from_hf`, plus what the learner's options change in the Megatron layout
+    (`moe_grouped_gemm`: one GroupedExperts tensor pair per layer instead of one MLP per expert)."""
+    import dataclasses
+
+    shape = shape_from_hf(hf_config)
+    if shape.moe is not None and getattr(options, "moe_grouped_gemm", False):
+        shape = dataclasses.replace(shape, moe=dataclasses.replace(shape.moe, grouped=True))
+    return shape

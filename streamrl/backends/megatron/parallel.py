@@ -30,6 +30,8 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep_size: int = 1
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -52,6 +54,8 @@ class Layout:
             "tp_size": self.tp_size,
             "pp_rank": self.pp_rank,
             "pp_size": self.pp_size,
+            "ep_rank": self.ep_rank,
+            "ep_size": self.ep_size,
         }
 
     def global_rank(self, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
@@ -59,10 +63,13 @@ class Layout:
         return tp_rank + self.tp_size * (dp_rank + self.dp_size * pp_rank)
 
 
-def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> Layout:
+def initialize_parallel(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> Layout:
     """Build Megatron's process groups over the already initialised default group.
 
-    Idempotent for the same sizes (tests build several backends in one process)."""
+    Expert parallelism (`ep_size`) splits the data-parallel ranks of each
+    (TP, PP) position: experts are placed over `tp-ep-dp-pp` with expert-TP =
+    TP, so EP must divide DP. Idempotent for the same sizes (tests build several
+    backends in one process)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
@@ -76,10 +83,17 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> Layout:
             f"learner world size {world_size} is not a multiple of "
             f"tensor_parallel_size * pipeline_parallel_size = {tp_size * pp_size}"
         )
+    if (world_size // (tp_size * pp_size)) % ep_size:
+        raise ValueError(
+            f"learner.megatron.expert_model_parallel_size = {ep_size} does not divide the "
+            f"data-parallel size {world_size // (tp_size * pp_size)} "
+            f"(num_gpus / (tensor_parallel_size * pipeline_parallel_size))"
+        )
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == tp_size
             and parallel_state.get_pipeline_model_parallel_world_size() == pp_size
+            and parallel_state.get_expert_model_parallel_world_size() == ep_size
         )
         if not same:
             parallel_state.destroy_model_parallel()
@@ -87,6 +101,8 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> Layout:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp_size,
             pipeline_model_parallel_size=pp_size,
+            expert_model_parallel_size=ep_size,
+            expert_tensor_parallel_size=tp_size,
             # No gloo duplicates of the groups: only Megatron's dp-zero optimizer
             # checkpoint format uses them, and CPU and GPU then build the same groups.
             create_gloo_process_groups=False,
@@ -113,6 +129,8 @@ def current_layout() -> Layout:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 
@@ -132,3 +150,15 @@ def pp_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_group()
+
+
+def ep_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def expert_tp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_group()

@@ -36,6 +36,8 @@ class Sequence:
     slot: int | None = None
     cached_tokens: int = 0
     stop_checker: StopStringChecker | None = None
+    return_routed_experts: bool = False
+    routed_experts: list[Any] | None = None  # per fed token: [layers, top_k] expert ids (hf runner)
 
     @property
     def tokens(self) -> list[int]:
