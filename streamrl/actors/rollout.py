@@ -30,6 +30,7 @@ from streamrl.agents.api import (
     VersionRule,
     score_trajectory,
 )
+from streamrl.data import DataPosition
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
 from streamrl.queues.accounting import StreamState
@@ -119,7 +120,7 @@ class RolloutWorker:
         self.counters = RolloutCounters()
         self.seed = seed
         """With a seed every sample gets its own `sampling_seed` (`sample_seed`)."""
-        self.start_position = source.position
+        self.start_position = source.position if source is not None else DataPosition()
         """Where the stream started in this process (for `stream_state`)."""
         self.in_flight: set[int] = set()
         """Seqs of groups started and not yet sent."""
