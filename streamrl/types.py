@@ -81,6 +81,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     status: SampleStatus = SampleStatus.OK
     response_text: str = ""
     metadata: dict[str, Any] = {}
+    turn_starts: list[int] = []
+    """Offsets in `response_ids` where each model turn starts, ascending (multi-turn
+    episodes; the buffer's per-turn staleness rule reads them). Empty means one turn."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)

@@ -30,6 +30,7 @@ from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
+from streamrl.queues import horizon
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
 from streamrl.types import Group
@@ -173,6 +174,9 @@ class LearnerLoop:
         if generated is not None:  # includes groups the buffer filtered, unlike reward_mean
             record["reward_generated_mean"] = generated
         record.update(_episode_metrics(groups))
+        record.update(
+            horizon.step_metrics(groups, trained_version, self.intake.buffer.max_staleness)
+        )
         record.update(step_metrics)
         rollout = self.intake.rollout_counters
         for key in (

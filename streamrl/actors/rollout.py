@@ -193,6 +193,10 @@ class RolloutWorker:
         if error is not None:
             metadata["error"] = error
         reward = trajectory.reward
+        if trajectory.reward_error is not None and status is SampleStatus.OK:
+            self.counters.reward_failures += 1
+            status = SampleStatus.REWARD_FAILED
+            metadata["reward_error"] = trajectory.reward_error
         if reward is None and status is SampleStatus.OK:
             outcome = await score_trajectory(
                 self.reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
@@ -218,4 +222,5 @@ class RolloutWorker:
             status=status,
             response_text=trajectory.text,
             metadata=metadata,
+            turn_starts=trajectory.turn_starts,
         )

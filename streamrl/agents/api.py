@@ -75,9 +75,16 @@ class Trajectory:
     prompt_ids: list[int] | None = None
     """Set when the episode started from other tokens than `prompt.input_ids` (an
     environment whose first observation is not the prompt); the sample's prompt then."""
+    reward_error: str | None = None
+    """Set with `reward` when the generate function's own reward failed (reward 0): the
+    sample is then marked `reward_failed` and counted, as for `rollout.reward_fn`."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Offset in `response_ids` where each model turn starts (`add_completion` records
+    them; the buffer's per-turn staleness rule reads them from `Sample.turn_starts`)."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
+        self.turn_starts.append(len(self.response_ids))
         self.response_ids.extend(completion.output_ids)
         self.loss_mask.extend([1] * len(completion.output_ids))
         self.logprobs.extend(completion.logprobs)
