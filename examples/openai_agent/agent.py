@@ -20,7 +20,7 @@ import anyio.to_thread
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sandbox import run_python  # noqa: E402
+from sandbox import run_python
 
 PYTHON_TOOL = {
     "type": "function",

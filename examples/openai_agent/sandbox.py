@@ -13,6 +13,7 @@ when that matters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -61,10 +62,8 @@ def run_python(code: str, limits: Limits = Limits()) -> str:
             process.communicate()
             return f"Error: the code ran past {limits.wall_s:g} s"
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # whatever it left running
-            except ProcessLookupError:
-                pass
     if process.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()
         reason = lines[-1] if lines else f"exit code {process.returncode}"
