@@ -162,7 +162,7 @@ def test_an_anthropic_request_becomes_the_same_messages_as_its_openai_equivalent
         ],
         "tools": [{"name": "add", "input_schema": {"type": "object"}}],
     }
-    request, flags = anthropic_api.parse_messages(body)
+    request, _flags = anthropic_api.parse_messages(body)
     assert request.messages == EXPECTED_MESSAGES
     assert request.tools == openai_api.parse_chat(OPENAI_BODY)[0].tools
     assert request.sampling.stop == ("END",) and request.sampling.max_tokens == 7
@@ -227,7 +227,7 @@ def test_a_continuation_is_the_templates_text_after_the_model_turn_minus_what_it
     """After a model turn that ended with <|im_end|>, only "\\n" of the turn close is added."""
     template = ChatTemplate(with_template(tokenizer, HERMES_TEMPLATE))
     assert template.native_tools and template.tool_format == "hermes"
-    model_ids = encode(tokenizer, '<tool_call>{"name": "add"}</tool_call>') + [IM_END]
+    model_ids = [*encode(tokenizer, '<tool_call>{"name": "add"}</tool_call>'), IM_END]
     ids = template.continuation_ids(HISTORY, FOLLOWED, TOOLS, model_ids)
     after = "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n6\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n"
     assert ids == encode(tokenizer, "\n" + after)
@@ -271,7 +271,7 @@ def test_an_explicit_llama3_format_on_a_template_without_tools_is_refused(tokeni
 
 
 def test_streamed_text_pieces_follow_token_boundaries_and_join_to_the_reply(tokenizer):
-    ids = encode(tokenizer, "The capital is Paris.") + [IM_END]
+    ids = [*encode(tokenizer, "The capital is Paris."), IM_END]
     pieces = split_text(tokenizer, ids, "The capital is Paris.")
     assert "".join(p for p, _ in pieces) == "The capital is Paris."
     assert [p for p, _ in pieces] == [tokenizer.decode([i]) for i in ids[:-1]]

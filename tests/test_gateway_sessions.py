@@ -63,11 +63,11 @@ def check_two_turn_layout(tokenizer, engine, session, first_prompt_text: str) ->
     result; the trajectory is exactly that, masked on the model's tokens only."""
     (first, _), (second, _) = engine.requests
     assert first == encode(tokenizer, first_prompt_text)
-    model_1 = encode(tokenizer, CALL_TEXT) + [IM_END]
+    model_1 = [*encode(tokenizer, CALL_TEXT), IM_END]
     observation = encode(tokenizer, RESULT_TURN)
     assert second == first + model_1 + observation
     trajectory = session.result().trajectory
-    model_2 = encode(tokenizer, "5") + [IM_END]
+    model_2 = [*encode(tokenizer, "5"), IM_END]
     assert trajectory.prompt_ids == first
     assert trajectory.response_ids == model_1 + observation + model_2
     assert trajectory.loss_mask == [1] * len(model_1) + [0] * len(observation) + [1] * len(model_2)
@@ -223,7 +223,7 @@ async def test_tokens_that_retokenise_differently_from_their_text_are_kept_as_ge
         messages += [{"role": "user", "content": "Sure?"}]
         await client.chat.completions.create(model="any", messages=messages)
     (first_input, _), (second_input, _) = engine.requests
-    kept = first_input + [par, is_, IM_END]
+    kept = [*first_input, par, is_, IM_END]
     assert second_input[: len(kept)] == kept
     trajectory = session.result().trajectory
     assert trajectory.response_ids[:3] == [par, is_, IM_END]
@@ -257,7 +257,7 @@ async def test_an_edited_history_starts_a_counted_branch_and_the_last_branch_is_
         tokenizer.apply_chat_template(edited, tokenize=False, add_generation_prompt=True),
     )  # rendered from scratch: "ONE" is not a model turn, so it is prompt
     assert trajectory.prompt_ids == engine.requests[2][0]
-    assert trajectory.response_ids == encode(tokenizer, "three") + [IM_END]
+    assert trajectory.response_ids == [*encode(tokenizer, "three"), IM_END]
     meta = trajectory.metadata
     assert (meta["gateway/fresh_starts"], meta["gateway/branches"]) == (1, 2)
     assert meta["gateway/abandoned_model_tokens"] == len(encode(tokenizer, "onetwo")) + 2
@@ -296,7 +296,7 @@ async def test_n_choices_branch_and_the_one_the_agent_continues_is_trained(token
         ]
         await client.chat.completions.create(model="any", messages=messages)
     trajectory = session.result().trajectory
-    right = encode(tokenizer, "right") + [IM_END]
+    right = [*encode(tokenizer, "right"), IM_END]
     assert trajectory.response_ids[: len(right)] == right
     assert (
         trajectory.metadata["gateway/abandoned_model_tokens"] == len(encode(tokenizer, "left")) + 1
