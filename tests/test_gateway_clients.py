@@ -93,54 +93,54 @@ async def test_an_openai_conversation_is_the_engines_tokens_turn_by_turn(
     tokenizer, engine_url, tiny_model_dir
 ):
     users = ["Tell me a story.", "Go on.", "And then?"]
-    async with RecordingEngineSet([engine_url]) as engines:
-        async with open_session(context(engines, tokenizer, max_new_tokens=8)) as session:
-            client = openai_client(session)
-            messages = [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": users[0]},
-            ]
-            first_text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            for turn, user in enumerate([*users[1:], None]):
-                if turn == 1:  # streamed, with usage and logprobs
-                    stream = await client.chat.completions.create(
-                        model="policy",
-                        messages=messages,
-                        seed=turn,
-                        stream=True,
-                        logprobs=True,
-                        stream_options={"include_usage": True},
-                    )
-                    chunks = [chunk async for chunk in stream]
-                    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                    streamed = [
-                        e.logprob
-                        for c in chunks
-                        if c.choices and c.choices[0].logprobs
-                        for e in c.choices[0].logprobs.content
-                    ]
-                    assert chunks[-1].usage.completion_tokens == len(
-                        engines.calls[-1][2].output_ids
-                    )
-                    assert streamed == engines.calls[-1][2].logprobs[: len(streamed)]
-                    reply = {"role": "assistant", "content": content}
-                else:
-                    response = await client.chat.completions.create(
-                        model="policy", messages=messages, seed=turn, logprobs=True
-                    )
-                    choice = response.choices[0]
-                    answer = engines.calls[-1][2]
-                    assert choice.message.content == answer.text
-                    assert [e.logprob for e in choice.logprobs.content] == answer.logprobs[
-                        : len(choice.logprobs.content)
-                    ]
-                    assert response.usage.prompt_tokens == len(engines.calls[-1][0])
-                    reply = choice.message.model_dump(exclude_none=True)
-                messages.append(reply)
-                if user is not None:
-                    messages.append({"role": "user", "content": user})
+    async with (
+        RecordingEngineSet([engine_url]) as engines,
+        open_session(context(engines, tokenizer, max_new_tokens=8)) as session,
+    ):
+        client = openai_client(session)
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": users[0]},
+        ]
+        first_text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        for turn, user in enumerate([*users[1:], None]):
+            if turn == 1:  # streamed, with usage and logprobs
+                stream = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    seed=turn,
+                    stream=True,
+                    logprobs=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = [chunk async for chunk in stream]
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                streamed = [
+                    e.logprob
+                    for c in chunks
+                    if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content
+                ]
+                assert chunks[-1].usage.completion_tokens == len(engines.calls[-1][2].output_ids)
+                assert streamed == engines.calls[-1][2].logprobs[: len(streamed)]
+                reply = {"role": "assistant", "content": content}
+            else:
+                response = await client.chat.completions.create(
+                    model="policy", messages=messages, seed=turn, logprobs=True
+                )
+                choice = response.choices[0]
+                answer = engines.calls[-1][2]
+                assert choice.message.content == answer.text
+                assert [e.logprob for e in choice.logprobs.content] == answer.logprobs[
+                    : len(choice.logprobs.content)
+                ]
+                assert response.usage.prompt_tokens == len(engines.calls[-1][0])
+                reply = choice.message.model_dump(exclude_none=True)
+            messages.append(reply)
+            if user is not None:
+                messages.append({"role": "user", "content": user})
     trajectory = session.result().trajectory
     check_trajectory(tokenizer, engines, trajectory, first_text, users[1:])
     check_logprobs_by_teacher_forcing(tiny_model_dir, trajectory)
@@ -153,30 +153,32 @@ async def test_an_anthropic_conversation_is_the_engines_tokens_turn_by_turn(
     tokenizer, engine_url, tiny_model_dir
 ):
     users = ["Hello.", "More."]
-    async with RecordingEngineSet([engine_url]) as engines:
-        async with open_session(context(engines, tokenizer, max_new_tokens=8)) as session:
-            client = anthropic_client(session)
-            messages = [{"role": "user", "content": users[0]}]
-            first_text = tokenizer.apply_chat_template(
-                [{"role": "system", "content": "Be brief."}, *messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            first = await client.messages.create(
-                model="policy", max_tokens=6, system="Be brief.", messages=messages
-            )
-            assert first.stop_reason in ("max_tokens", "end_turn")
-            assert first.usage.output_tokens == len(engines.calls[0][2].output_ids) <= 6
-            messages += [
-                {"role": "assistant", "content": first.content[0].text},
-                {"role": "user", "content": users[1]},
-            ]
-            async with client.messages.stream(
-                model="policy", max_tokens=6, system="Be brief.", messages=messages
-            ) as stream:
-                text = "".join([piece async for piece in stream.text_stream])
-                final = await stream.get_final_message()
-            assert text == final.content[0].text == engines.calls[1][2].text
+    async with (
+        RecordingEngineSet([engine_url]) as engines,
+        open_session(context(engines, tokenizer, max_new_tokens=8)) as session,
+    ):
+        client = anthropic_client(session)
+        messages = [{"role": "user", "content": users[0]}]
+        first_text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}, *messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        first = await client.messages.create(
+            model="policy", max_tokens=6, system="Be brief.", messages=messages
+        )
+        assert first.stop_reason in ("max_tokens", "end_turn")
+        assert first.usage.output_tokens == len(engines.calls[0][2].output_ids) <= 6
+        messages += [
+            {"role": "assistant", "content": first.content[0].text},
+            {"role": "user", "content": users[1]},
+        ]
+        async with client.messages.stream(
+            model="policy", max_tokens=6, system="Be brief.", messages=messages
+        ) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == final.content[0].text == engines.calls[1][2].text
     trajectory = session.result().trajectory
     check_trajectory(tokenizer, engines, trajectory, first_text, users[1:])
     check_logprobs_by_teacher_forcing(tiny_model_dir, trajectory)
@@ -185,18 +187,20 @@ async def test_an_anthropic_conversation_is_the_engines_tokens_turn_by_turn(
 async def test_a_random_models_text_retokenises_differently_yet_the_trajectory_keeps_its_tokens(
     tokenizer, engine_url
 ):
-    async with RecordingEngineSet([engine_url]) as engines:
-        async with open_session(context(engines, tokenizer, max_new_tokens=32)) as session:
-            client = openai_client(session)
-            messages = [{"role": "user", "content": "Say something."}]
-            for turn in range(3):
-                response = await client.chat.completions.create(
-                    model="policy", messages=messages, seed=100 + turn
-                )
-                messages += [
-                    response.choices[0].message.model_dump(exclude_none=True),
-                    {"role": "user", "content": "Again."},
-                ]
+    async with (
+        RecordingEngineSet([engine_url]) as engines,
+        open_session(context(engines, tokenizer, max_new_tokens=32)) as session,
+    ):
+        client = openai_client(session)
+        messages = [{"role": "user", "content": "Say something."}]
+        for turn in range(3):
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, seed=100 + turn
+            )
+            messages += [
+                response.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "Again."},
+            ]
     trajectory = session.result().trajectory
     generated = [answer.output_ids for _, _, answer in engines.calls]
     # The precondition: decoding the model's tokens and encoding the text again gives other
@@ -216,18 +220,20 @@ async def test_a_random_models_text_retokenises_differently_yet_the_trajectory_k
 
 
 async def test_completions_and_models_answer_from_the_real_engine(tokenizer, engine_url):
-    async with RecordingEngineSet([engine_url]) as engines:
-        async with open_session(context(engines, tokenizer)) as session:
-            client = openai_client(session)
-            assert [m.id for m in (await client.models.list()).data] == ["policy"]
-            first = await client.completions.create(
-                model="policy", prompt="Once upon", max_tokens=5, seed=1
-            )
-            text = first.choices[0].text
-            chunks = [c async for c in await client.completions.create(
-                model="policy", prompt="Once upon" + text + " a time", max_tokens=5, seed=2, stream=True
-            )]  # fmt: skip
-            streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    async with (
+        RecordingEngineSet([engine_url]) as engines,
+        open_session(context(engines, tokenizer)) as session,
+    ):
+        client = openai_client(session)
+        assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        first = await client.completions.create(
+            model="policy", prompt="Once upon", max_tokens=5, seed=1
+        )
+        text = first.choices[0].text
+        chunks = [c async for c in await client.completions.create(
+            model="policy", prompt="Once upon" + text + " a time", max_tokens=5, seed=2, stream=True
+        )]  # fmt: skip
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     (first_in, _, first_out), (second_in, _, second_out) = engines.calls
     assert text == first_out.text and streamed == second_out.text
     assert second_in == first_in + first_out.output_ids + encode(tokenizer, " a time")
