@@ -29,6 +29,32 @@ async def two_turns(base_url: str, prompt, question: str = "Hi.") -> str:
     return reply.choices[0].message.content
 
 
+async def long_episode(
+    base_url: str, prompt, turns: int, engine_url: str = "", model_dir: str = "", every: int = 3
+) -> str:
+    """`turns` model calls; with `engine_url`, the engine's weights are reloaded as a new
+    version after every `every` turns (as the trainer's updates would land)."""
+    import httpx
+    import openai
+
+    async with (
+        openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        messages = [{"role": "user", "content": "Count with me."}]
+        for turn in range(turns):
+            reply = await client.chat.completions.create(model="any", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+            messages += [{"role": "user", "content": f"Turn {turn + 2}."}]
+            if engine_url and (turn + 1) % every == 0:
+                version = str((turn + 1) // every)
+                body = {"model_path": model_dir, "weight_version": version}
+                (
+                    await http.post(f"{engine_url}/update_weights_from_disk", json=body)
+                ).raise_for_status()
+    return reply.choices[0].message.content
+
+
 def synchronous(base_url: str, prompt) -> dict:
     """An agent on the synchronous client (it runs in a worker thread)."""
     import openai

@@ -33,8 +33,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+import streamrl.agents.gateway.anthropic_api as anthropic_api
+import streamrl.agents.gateway.openai_api as openai_api
+import streamrl.agents.gateway.sse as sse
 from streamrl.agents.api import GenerateContext
-from streamrl.agents.gateway import anthropic_api, openai_api, sse
 from streamrl.agents.gateway.messages import RequestError
 from streamrl.agents.gateway.sessions import Session, SessionOptions
 from streamrl.agents.gateway.templates import ToolFormatOption, template_for
