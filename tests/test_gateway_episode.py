@@ -93,7 +93,7 @@ async def test_an_agent_process_gets_its_session_in_the_env_and_the_reward_sees_
     result, _ = await sample(
         engine_url,
         tokenizer,
-        command=[sys.executable, AGENTS, "anthropic"],
+        command=["{python}", AGENTS, "anthropic"],
         episode_reward="gateway_agents:episode_reward",
     )
     assert result.status == SampleStatus.OK

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ class AgentOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     agent_kwargs: dict[str, Any] = {}
     """Keyword arguments of the agent function."""
     command: list[str] = []
-    """Or: the command line of an agent run as its own process per episode."""
+    """Or: the command line of an agent run as its own process per episode; `{python}`
+    in it is this process's interpreter (`sys.executable`)."""
     cwd: str = ""
     """Working directory of the agent process; empty: the rollout process's."""
     env: dict[str, str] = {}
@@ -250,9 +252,10 @@ async def run_process(options: AgentOptions, session: Session, prompt: Prompt) -
             "STREAMRL_PROMPT": line.decode(),
             "STREAMRL_RESULT_FILE": str(result_path),
         }
+        argv = [part.replace("{python}", sys.executable) for part in options.command]
         with output_path.open("wb") as output:
             process = await asyncio.create_subprocess_exec(
-                *options.command,
+                *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=output,
                 stderr=asyncio.subprocess.STDOUT,
