@@ -228,7 +228,15 @@ class Buffer:
             self.stats.staleness[group.staleness(version)] += 1
             self.stats.versions_spanned[group.num_versions_spanned] += 1
             self.stats.turn_staleness.update(horizon.turn_staleness(group, version))
-            self.stats.num_past_bound += group.staleness(version) > self.max_staleness
+            if group.staleness(version) > self.max_staleness:  # per-turn rule: say so
+                self.stats.num_past_bound += 1
+                log.info(
+                    "group %s trained at staleness %d > %d under the per-turn rule (turns: %s)",
+                    group.group_id,
+                    group.staleness(version),
+                    self.max_staleness,
+                    horizon.turn_staleness(group, version),
+                )
             self.stats.wait_s_total += wait_s
             self.stats.wait_s_max = max(self.stats.wait_s_max, wait_s)
             self.stats.trained.add(group)

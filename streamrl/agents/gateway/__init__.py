@@ -9,6 +9,7 @@ OpenAI and Anthropic APIs") is the user's guide.
 | --- | --- |
 | `app.py` | `Gateway` (the aiohttp server and its sessions), `serving`, `current_gateway` |
 | `sessions.py` | `Session`: matching calls to recorded history, token reuse, branches |
+| `calls.py` | what a call asks (`ChatRequest`, `TextRequest`, `Sampling`) and gets (`Reply`) |
 | `templates.py` | `ChatTemplate`: first-turn and continuation rendering, tool support |
 | `tool_calls.py` | Hermes `<tool_call>` and Llama 3 JSON tool-call parsing |
 | `messages.py` | the canonical `Message` both APIs become |

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from streamrl.agents.gateway.calls import ChatRequest, Choice, Reply
 from streamrl.agents.gateway.messages import Message, RequestError, ToolSpec, text_of
 from streamrl.agents.gateway.openai_api import parse_sampling
-from streamrl.agents.gateway.sessions import ChatRequest, Choice, Reply
 from streamrl.agents.gateway.sse import split_text
 from streamrl.agents.gateway.tool_calls import ToolCall
 

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from streamrl.agents.gateway.calls import ChatRequest, Choice, Reply, Sampling, TextRequest
 from streamrl.agents.gateway.messages import (
     Message,
     RequestError,
@@ -23,7 +24,6 @@ from streamrl.agents.gateway.messages import (
     decode_arguments,
     text_of,
 )
-from streamrl.agents.gateway.sessions import ChatRequest, Choice, Reply, Sampling, TextRequest
 from streamrl.agents.gateway.sse import split_text
 from streamrl.agents.gateway.tool_calls import ToolCall
 
