@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     if args.log_level != "debug":  # one line per HTTP call drowns the progress lines
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for name in ("httpx", "httpx2"):  # httpx2: the openai / anthropic clients' transport
+            logging.getLogger(name).setLevel(logging.WARNING)
     module_name, _, function_name = args.entry.partition(":")
     entry = getattr(importlib.import_module(module_name), function_name)
     sys.exit(entry(args) or 0)

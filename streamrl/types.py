@@ -90,6 +90,9 @@ class Sample(msgspec.Struct, kw_only=True, gc=False):
     experts token t was routed to in every layer (SGLang's `return_routed_experts` layout;
     the last token is never fed), -1 where unknown (dense layers, tokens the engine did not
     report). None without `rollout.return_routed_experts`."""
+    turn_starts: list[int] = []
+    """Offsets in `response_ids` where each model turn starts, ascending (multi-turn
+    episodes; the buffer's per-turn staleness rule reads them). Empty means one turn."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)

@@ -36,7 +36,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.process",
         "streamrl.weights",
     ),
-    "streamrl.agents": ("streamrl.fleet", "streamrl.rewards", "streamrl.types", "streamrl.utils"),
+    # agents: the engines' client, rewards, wire types; the process helper (agent processes
+    # that die with the rollout process)
+    "streamrl.agents": (
+        "streamrl.fleet",
+        "streamrl.process",
+        "streamrl.rewards",
+        "streamrl.types",
+        "streamrl.utils",
+    ),
     "streamrl.tasks": ("streamrl.agents", "streamrl.rewards", "streamrl.types"),
     "streamrl.data": ("streamrl.tasks", "streamrl.types"),
     # the learner backends behind one interface

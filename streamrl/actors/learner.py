@@ -31,6 +31,7 @@ from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
 from streamrl.queues.accounting import AccountingError
+from streamrl.queues import horizon
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
 from streamrl.types import Group
@@ -187,6 +188,9 @@ class LearnerLoop:
         if generated is not None:  # includes groups the buffer filtered, unlike reward_mean
             record["reward_generated_mean"] = generated
         record.update(_episode_metrics(groups))
+        record.update(
+            horizon.step_metrics(groups, trained_version, self.intake.buffer.max_staleness)
+        )
         record.update(step_metrics)
         rollout = self.intake.rollout_counters
         for key in (

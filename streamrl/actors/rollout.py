@@ -265,6 +265,10 @@ class RolloutWorker:
         if error is not None:
             metadata["error"] = error
         reward = trajectory.reward
+        if trajectory.reward_error is not None and status is SampleStatus.OK:
+            self.counters.reward_failures += 1
+            status = SampleStatus.REWARD_FAILED
+            metadata["reward_error"] = trajectory.reward_error
         if reward is None and status is SampleStatus.OK:
             outcome = await score_trajectory(
                 self.reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
@@ -295,6 +299,7 @@ class RolloutWorker:
             metadata=metadata,
             versions_exact=trajectory.versions_exact,
             routed_experts=self._routed_experts(trajectory, len(prompt_ids)),
+            turn_starts=trajectory.turn_starts,
         )
 
     def _routed_experts(self, trajectory: Trajectory, num_prompt_tokens: int):

@@ -143,9 +143,16 @@ class Trajectory:
     """The last model turn's routed experts: the engine reports them for the turn's whole
     input (every earlier turn and observation) plus its output, so the last one covers the
     trajectory up to its final model token."""
+    reward_error: str | None = None
+    """Set with `reward` when the generate function's own reward failed (reward 0): the
+    sample is then marked `reward_failed` and counted, as for `rollout.reward_fn`."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Offset in `response_ids` where each model turn starts (`add_completion` records
+    them; the buffer's per-turn staleness rule reads them from `Sample.turn_starts`)."""
 
     def add_completion(self, completion: Completion) -> None:
         """Append a model turn: trainable, with its behaviour logprobs and versions."""
+        self.turn_starts.append(len(self.response_ids))
         self.response_ids.extend(completion.output_ids)
         self.loss_mask.extend([1] * len(completion.output_ids))
         self.logprobs.extend(completion.logprobs)

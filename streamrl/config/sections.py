@@ -93,6 +93,17 @@ class SamplingConfig(_Section):
         return params
 
 
+class GatewayConfig(_Section):
+    """The agent API gateway of a rollout process (`streamrl.agents.gateway`, docs/agents.md):
+    OpenAI and Anthropic endpoints that capture every token; started only when
+    `rollout.generate_fn` is a gateway generate function."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway binds; agents get per-episode base URLs on it."""
+    port: Port = 0
+    """Port the gateway binds; 0 picks a free one."""
+
+
 class RolloutConfig(_Section):
     batch_size: PositiveInt = 8
     """Groups (prompts) consumed per training step (slime --rollout-batch-size)."""
@@ -125,6 +136,7 @@ class RolloutConfig(_Section):
     `--enable-return-routed-experts`): they travel in `Sample.routed_experts`, and the megatron
     learner reports how often its own router agrees (`train/moe_router_agreement`). Implied by
     `algorithm.routing_replay`."""
+    gateway: GatewayConfig = GatewayConfig()
 
 
 class EngineConfig(_Section):
@@ -183,6 +195,21 @@ class BufferConfig(_Section):
     loopback address becomes this machine's IP, so a rollout process on another node reaches it."""
     port: Port = 0
     """Port the buffer binds for the rollout stream; 0 picks a free one."""
+    staleness_rule: Literal["per_turn", "episode"] = "per_turn"
+    """How max_staleness applies to multi-turn episodes (docs/algorithms.md): `per_turn`
+    bounds each turn when the next one starts and the last turn when trained, so long
+    episodes train with per-token correction; `episode` bounds the oldest token. The same
+    check for single-turn samples."""
+    max_episode_staleness: NonNegInt = 0
+    """With `per_turn`: evict groups whose oldest trained token is older than this; 0 means
+    no bound beyond the per-turn rule."""
+
+    def __post_init__(self) -> None:
+        if self.max_episode_staleness and self.max_episode_staleness < self.max_staleness:
+            raise ValueError(
+                f"buffer.max_episode_staleness = {self.max_episode_staleness} is below "
+                f"buffer.max_staleness = {self.max_staleness} (0 turns it off)"
+            )
 
 
 class AlgorithmConfig(_Section):

@@ -5,6 +5,7 @@
       RolloutWorker            prompts ─► generate fn ─► reward ─► Group ─► sender
       Evaluator                every eval.interval versions, through the same engines
       counters report          every 2 s, to the learner's metrics
+      agent API gateway        when the generate function uses one (streamrl.agents.gateway)
 
 The trainer writes the resolved `config.toml` and `rollout.json` (a
 `RolloutSpec`: where the buffer and the engines are, where the data resumes)
@@ -14,6 +15,7 @@ into the run directory and starts this process through its spawner
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -116,7 +118,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         seed=cfg.train.seed if cfg.rollout.deterministic else None,
         return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay,
     )
-    async with engines, anyio.create_task_group() as tg:
+    async with engines, _gateway(cfg, generate_fn), anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
         await tg.start(sender.run)
         tg.start_soon(worker.report_loop)
@@ -147,6 +149,13 @@ async def _request_limits(engines, model_path: str):
     config = await anyio.to_thread.run_sync(model_config, model_path)
     model_max = int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
     return await engines.read_limits(vocab_size=int(config.vocab_size), model_max=model_max)
+def _gateway(cfg: RunConfig, generate_fn) -> contextlib.AbstractAsyncContextManager:
+    """One agent API gateway for the process when the generate function uses it."""
+    if not getattr(generate_fn, "uses_gateway", False):
+        return contextlib.nullcontext()
+    from streamrl.agents.gateway import serving
+
+    return serving(host=cfg.rollout.gateway.host, port=cfg.rollout.gateway.port)
 
 
 async def _cancel_on_sigterm(scope: anyio.CancelScope) -> None:

@@ -219,6 +219,8 @@ class Trainer:
             capacity=cfg.buffer_capacity,
             filters=cfg.buffer.filters,
             start_version=state.version,
+            staleness_rule=cfg.buffer.staleness_rule,
+            max_episode_staleness=cfg.buffer.max_episode_staleness,
         )
         transport = cfg.weight_transport(device.type)
         publisher = WeightPublisher(

@@ -1,9 +1,12 @@
 """The bounded, staleness-aware buffer between the rollout stream and the learner.
 
-Invariants (tested with hypothesis in tests/test_buffer.py):
+Invariants (tested with hypothesis in tests/test_buffer.py, and for multi-turn
+episodes in tests/test_gateway_horizon.py):
 - at most `capacity` groups are held;
 - a group handed to the learner at version v has staleness
-  v - oldest_token_version <= max_staleness;
+  v - oldest_token_version <= max_staleness; under `staleness_rule = "per_turn"`
+  (`streamrl.queues.horizon`) that holds for each sample's last turn, and consecutive
+  turns are at most max_staleness versions apart (the same check for one turn);
 - every accepted group is handed out exactly once, or counted as filtered
   (at `put`) or evicted (stale, or overflow when a put finds the buffer full).
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from streamrl.queues import horizon
 from streamrl.types import Group, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,10 @@ class BufferStats:
     """Histogram of staleness of handed-out groups."""
     versions_spanned: collections.Counter = field(default_factory=collections.Counter)
     """Histogram of how many weight versions handed-out groups span."""
+    turn_staleness: collections.Counter = field(default_factory=collections.Counter)
+    """Histogram of staleness of each model turn of handed-out groups (see horizon.py)."""
+    num_past_bound: int = 0
+    """Handed-out groups whose oldest token was older than max_staleness (per-turn rule)."""
     wait_s_total: float = 0.0
     wait_s_max: float = 0.0
     generated: LengthStats = field(default_factory=LengthStats)
@@ -100,6 +108,8 @@ class BufferStats:
             "versions_spanned_histogram": {
                 str(k): v for k, v in sorted(self.versions_spanned.items())
             },
+            "turn_staleness_histogram": {str(k): v for k, v in sorted(self.turn_staleness.items())},
+            "groups_trained_past_bound": self.num_past_bound,
             "buffer_wait_s_mean": self.wait_s_total / handed,
             "buffer_wait_s_max": self.wait_s_max,
             "response_len_generated_mean": self.generated.mean,
@@ -126,11 +136,15 @@ class Buffer:
         filters: Iterable[str | GroupFilter] = (),
         clock: Callable[[], float] = time.monotonic,
         on_discard: Callable[[Group, str], None] | None = None,
+        staleness_rule: horizon.StalenessRule = "episode",
+        max_episode_staleness: int = 0,
     ) -> None:
         if capacity <= 0:
             raise ValueError("buffer capacity must be positive")
         self.capacity = capacity
         self.max_staleness = max_staleness
+        self.staleness_rule = staleness_rule
+        self.max_episode_staleness = max_episode_staleness
         self.filters = [(f, FILTERS[f]) if isinstance(f, str) else (f.__name__, f) for f in filters]
         self.stats = BufferStats()
         self._clock = clock
@@ -151,6 +165,16 @@ class Buffer:
                 self.stats.filtered[name] += 1
                 self._discard(group, f"filtered:{name}")
                 return f"filtered:{name}"
+        if self.staleness_rule == "per_turn" and horizon.max_turn_gap(group) > self.max_staleness:
+            self.stats.evicted["turn_stale"] += 1
+            log.warning(
+                "group %s evicted: a turn was %d versions old when the next began (> %d)",
+                group.group_id,
+                horizon.max_turn_gap(group),
+                self.max_staleness,
+            )
+            self._discard(group, "evicted:turn_stale")
+            return "evicted:turn_stale"
         if len(self._heap) >= self.capacity:
             victim = heapq.heappop(self._heap)
             self.stats.evicted["overflow"] += 1
@@ -158,7 +182,9 @@ class Buffer:
                 "buffer full (%d groups): evicted group %s", self.capacity, victim.group.group_id
             )
             self._discard(victim.group, "evicted:overflow")
-        oldest = group.oldest_version
+        # The heap key is the version the bound is measured from (the oldest token, or the
+        # last turn's oldest token under the per-turn rule): stale groups surface first.
+        oldest = horizon.bound_version(group, self.staleness_rule)
         entry = _Entry(-1 if oldest is None else oldest, next(self._arrivals), self._clock(), group)
         heapq.heappush(self._heap, entry)
         self._notify()
@@ -166,7 +192,7 @@ class Buffer:
 
     def evict_stale(self, version: int) -> int:
         """Evict groups that can no longer be trained at `version` (staleness > max)."""
-        num_evicted = 0
+        num_evicted = self._evict_episode_stale(version)
         while self._heap and version - self._heap[0].oldest_version > self.max_staleness:
             if self._heap[0].oldest_version < 0:  # nothing trainable in it: never stale
                 break
@@ -179,9 +205,9 @@ class Buffer:
                 entry.group.group_id,
                 version - entry.oldest_version,
                 self.max_staleness,
-                f" (its episode spans {spanned} versions: raise buffer.max_staleness above "
-                f"the versions a long episode lives through)"
-                if spanned > self.max_staleness
+                f" (its episode spans {spanned} versions: set buffer.staleness_rule = "
+                f"'per_turn', or raise buffer.max_staleness above the versions it lives through)"
+                if spanned > self.max_staleness and self.staleness_rule == "episode"
                 else "",
             )
             self._discard(entry.group, "evicted:stale")
@@ -201,6 +227,16 @@ class Buffer:
             self.stats.num_handed_out += 1
             self.stats.staleness[group.staleness(version)] += 1
             self.stats.versions_spanned[group.num_versions_spanned] += 1
+            self.stats.turn_staleness.update(horizon.turn_staleness(group, version))
+            if group.staleness(version) > self.max_staleness:  # per-turn rule: say so
+                self.stats.num_past_bound += 1
+                log.info(
+                    "group %s trained at staleness %d > %d under the per-turn rule (turns: %s)",
+                    group.group_id,
+                    group.staleness(version),
+                    self.max_staleness,
+                    horizon.turn_staleness(group, version),
+                )
             self.stats.wait_s_total += wait_s
             self.stats.wait_s_max = max(self.stats.wait_s_max, wait_s)
             self.stats.trained.add(group)
@@ -224,6 +260,28 @@ class Buffer:
         groups = [entry.group for entry in sorted(self._heap)]
         self._heap.clear()
         return groups
+
+    def _evict_episode_stale(self, version: int) -> int:
+        """Evict groups whose oldest token is past `max_episode_staleness` (when > 0)."""
+        limit = self.max_episode_staleness
+        if not limit:
+            return 0
+        stale = [e for e in self._heap if e.group.staleness(version) > limit]
+        if not stale:
+            return 0
+        self._heap = [e for e in self._heap if e.group.staleness(version) <= limit]
+        heapq.heapify(self._heap)
+        for entry in stale:
+            self.stats.evicted["episode_stale"] += 1
+            log.warning(
+                "group %s evicted: its oldest token is %d versions old (> "
+                "buffer.max_episode_staleness = %d)",
+                entry.group.group_id,
+                entry.group.staleness(version),
+                limit,
+            )
+            self._discard(entry.group, "evicted:episode_stale")
+        return len(stale)
 
     def _discard(self, group: Group, reason: str) -> None:
         if self._on_discard is not None:

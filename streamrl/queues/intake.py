@@ -68,6 +68,8 @@ class Intake:
         capacity: int,
         filters: Iterable[str | GroupFilter] = (),
         start_version: int = 0,
+        staleness_rule: str = "episode",
+        max_episode_staleness: int = 0,
     ) -> None:
         self.admission = Admission(
             batch_size=batch_size,
@@ -81,6 +83,8 @@ class Intake:
             max_staleness=max_staleness,
             filters=["generation_failed", *filters],
             on_discard=self._on_discard,
+            staleness_rule=staleness_rule,
+            max_episode_staleness=max_episode_staleness,
         )
         self.receiver = StreamReceiver(
             address, credits=self.admission, on_group=self._on_group, on_report=self._on_report
