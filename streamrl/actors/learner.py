@@ -30,8 +30,8 @@ from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
-from streamrl.queues.accounting import AccountingError
 from streamrl.queues import horizon
+from streamrl.queues.accounting import AccountingError
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
 from streamrl.types import Group

@@ -74,20 +74,6 @@ class Completion:
         if result.routed_experts is not None:
             self.routed_experts = result.routed_experts
 
-    def append(self, rest: Completion) -> None:
-        """Continue this turn with `rest` (a resumed call's completion)."""
-        self.output_ids += rest.output_ids
-        self.logprobs += rest.logprobs
-        self.versions += rest.versions
-        self.text += rest.text
-        self.finish_reason = rest.finish_reason
-        self.num_engine_calls += rest.num_engine_calls
-        self.num_resumes += 1 + rest.num_resumes
-        self.versions_exact &= rest.versions_exact
-        self.resume_prompt_tokens += rest.resume_prompt_tokens
-        if rest.routed_experts is not None:
-            self.routed_experts = rest.routed_experts
-
 
 @dataclass(frozen=True)
 class VersionRule:
@@ -174,6 +160,60 @@ class Trajectory:
         self.versions.extend([NO_VERSION] * len(token_ids))
 
 
+class Hold:
+    """Stops generation at a consistent point for a snapshot of the samples in flight.
+
+    While closed, every call parks before its next engine call: calls decoding when it
+    closes come back aborted (the worker aborts the engines' requests) with their partial
+    output, and new calls park before their first. `wait_parked` returns once every
+    active call has parked; `release` lets them all go on from their tokens."""
+
+    def __init__(self) -> None:
+        self._open = anyio.Event()
+        self._open.set()
+        self._changed = anyio.Event()
+        self.active: set[int] = set()
+        self.parked: set[int] = set()
+
+    @property
+    def is_closed(self) -> bool:
+        return not self._open.is_set()
+
+    def begin(self, completion: Completion) -> None:
+        self.active.add(id(completion))
+
+    def end(self, completion: Completion) -> None:
+        self.active.discard(id(completion))
+        self._notify()
+
+    async def checkpoint(self, completion: Completion) -> None:
+        """Park here while the hold is closed."""
+        if self._open.is_set():
+            return
+        self.parked.add(id(completion))
+        self._notify()
+        try:
+            await self._open.wait()
+        finally:
+            self.parked.discard(id(completion))
+
+    def close(self) -> None:
+        if self._open.is_set():
+            self._open = anyio.Event()
+
+    async def wait_parked(self) -> None:
+        while not self.active <= self.parked:
+            changed = self._changed
+            await changed.wait()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
 class GenerateFn(Protocol):
     """One prompt -> one trajectory. It may also carry `for_group(ctx, prompt, n) ->
     list[Trajectory]`, which the rollout worker then uses to make a group's n samples at
@@ -199,6 +239,10 @@ class GenerateContext:
     """How responses' tokens get their versions (exact, or a safe lower bound)."""
     return_routed_experts: bool = False
     """Ask engines for each token's routed experts (`rollout.return_routed_experts`)."""
+    hold: Hold | None = None
+    """Lets the rollout worker stop every call at a consistent point (a snapshot)."""
+    completions: list[Completion] = field(default_factory=list)
+    """Every completion this context's calls made, in order (what a snapshot reads)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -207,47 +251,71 @@ class GenerateContext:
         params = {**self.sampling_params, **overrides}
         budget = max_new_tokens or params.get("max_new_tokens", 128)
         completion = Completion()
+        self.completions.append(completion)
+        return await self.continue_completion(completion, input_ids, budget, params)
+
+    async def continue_completion(
+        self, completion: Completion, input_ids: list[int], budget: int, params: dict[str, Any]
+    ) -> Completion:
+        """Generate into `completion` (possibly holding tokens already: a sample resumed after
+        an abort or a restart) until it finishes or holds `budget` tokens."""
+        params = dict(params)
         failures = 0
         deadline = time.monotonic() + self.retry_timeout_s
-        while True:
-            params["max_new_tokens"] = budget - len(completion.output_ids)
-            engine = self._engine(failures)
-            floor = self.version_rule.floor()
-            sent = input_ids + completion.output_ids
-            try:
-                result = await engine.generate(sent, params, **self._generate_options())
-            except EngineError as exc:
-                if exc.status == ABORTED_BEFORE_START and time.monotonic() < deadline:
-                    continue  # no token was made: send it again (it waits out the pause)
-                failures += 1
-                is_client_error = exc.status is not None and 400 <= exc.status < 500
-                if is_client_error or time.monotonic() > deadline:
-                    raise
-                log.warning("engine call failed (%s); retry %d", exc, failures)
-                await anyio.sleep(min(0.25 * 2**failures, 5.0))
-                continue
-            if completion.num_engine_calls:
-                completion.resume_prompt_tokens += len(sent)
-            completion.num_engine_calls += 1
-            versions, is_exact = self.version_rule.versions(result, floor)
-            completion.extend(result, versions, is_exact=is_exact)
-            if not result.is_aborted:
-                completion.finish_reason = FinishReason(result.finish_reason.type)
-                return completion
-            if len(completion.output_ids) >= budget:
-                completion.finish_reason = FinishReason.LENGTH
-                return completion
-            # Aborted by a weight update (pause mode "abort"): continue from what we have.
-            completion.num_resumes += 1
+        if self.hold is not None:
+            self.hold.begin(completion)
+        try:
+            while True:
+                if self.hold is not None:
+                    await self.hold.checkpoint(completion)
+                if len(completion.output_ids) >= budget:
+                    completion.finish_reason = FinishReason.LENGTH
+                    return completion
+                params["max_new_tokens"] = budget - len(completion.output_ids)
+                engine = self._engine(failures)
+                floor = self.version_rule.floor()
+                sent = input_ids + completion.output_ids
+                try:
+                    result = await engine.generate(sent, params, **self._generate_options())
+                except EngineError as exc:
+                    if exc.status == ABORTED_BEFORE_START and time.monotonic() < deadline:
+                        continue  # no token was made: send it again (it waits out the pause)
+                    failures += 1
+                    is_client_error = exc.status is not None and 400 <= exc.status < 500
+                    if is_client_error or time.monotonic() > deadline:
+                        raise
+                    log.warning("engine call failed (%s); retry %d", exc, failures)
+                    await anyio.sleep(min(0.25 * 2**failures, 5.0))
+                    continue
+                if completion.num_engine_calls:
+                    completion.resume_prompt_tokens += len(sent)
+                completion.num_engine_calls += 1
+                versions, is_exact = self.version_rule.versions(result, floor)
+                completion.extend(result, versions, is_exact=is_exact)
+                if not result.is_aborted:
+                    completion.finish_reason = FinishReason(result.finish_reason.type)
+                    return completion
+                # Aborted by a weight update (pause mode "abort") or a snapshot: continue
+                # from what we have.
+                completion.num_resumes += 1
+        finally:
+            if self.hold is not None:
+                self.hold.end(completion)
 
     async def generate_samples(
         self, input_ids: list[int], n: int, **overrides: Any
     ) -> list[Completion]:
         """`n` model turns from the same `input_ids` in one engine call (SGLang's `n`: they share
         the prefill and one HTTP round trip); a sample a weight update aborted is continued on
-        its own through `generate`. An engine failure falls back to n separate `generate`s."""
+        its own. An engine failure falls back to n separate `generate`s."""
         params = {**self.sampling_params, **overrides}
         budget = params.get("max_new_tokens", 128)
+        completions = [Completion() for _ in range(n)]
+        self.completions.extend(completions)
+        if self.hold is not None:  # parked like the calls it becomes, until a snapshot is done
+            for completion in completions:
+                self.hold.begin(completion)
+                await self.hold.checkpoint(completion)
         floor = self.version_rule.floor()
         try:
             results = await self._engine(0).generate_many(
@@ -259,9 +327,13 @@ class GenerateContext:
                 raise
             log.warning("batched engine call failed (%s); generating samples one by one", exc)
             results = []
+        finally:
+            if self.hold is not None:
+                for completion in completions:
+                    self.hold.end(completion)
         if len(results) != n:
+            del self.completions[-n:]
             return await self._each(n, lambda: self.generate(input_ids, **overrides))
-        completions = [Completion() for _ in range(n)]
 
         async def finish(completion: Completion, result: GenerateResult) -> None:
             completion.num_engine_calls = 1
@@ -270,14 +342,8 @@ class GenerateContext:
             if not result.is_aborted:
                 completion.finish_reason = FinishReason(result.finish_reason.type)
                 return
-            remaining = budget - len(completion.output_ids)
-            if remaining <= 0:
-                completion.finish_reason = FinishReason.LENGTH
-                return
-            resumed_from = input_ids + completion.output_ids
-            rest = await self.generate(resumed_from, **{**overrides, "max_new_tokens": remaining})
-            rest.resume_prompt_tokens += len(resumed_from)
-            completion.append(rest)
+            completion.num_resumes += 1
+            await self.continue_completion(completion, input_ids, budget, params)
 
         async with anyio.create_task_group() as tg:
             for completion, result in zip(completions, results, strict=True):

@@ -149,6 +149,8 @@ async def _request_limits(engines, model_path: str):
     config = await anyio.to_thread.run_sync(model_config, model_path)
     model_max = int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
     return await engines.read_limits(vocab_size=int(config.vocab_size), model_max=model_max)
+
+
 def _gateway(cfg: RunConfig, generate_fn) -> contextlib.AbstractAsyncContextManager:
     """One agent API gateway for the process when the generate function uses it."""
     if not getattr(generate_fn, "uses_gateway", False):
