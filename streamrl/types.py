@@ -193,6 +193,30 @@ class Group(msgspec.Struct, kw_only=True, tag="group"):
         self.finished_at = time.time()
 
 
+class PartialSample(msgspec.Struct, kw_only=True, frozen=True):
+    """One sample of a group in flight at a snapshot: the tokens its model turn had so far
+    (each with its behaviour logprob and version), or all of them if it had finished."""
+
+    index: int
+    output_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    text: str = ""
+    finish_reason: str = ""
+    """Empty while the sample was still being generated."""
+    versions_exact: bool = True
+
+
+class PartialGroup(msgspec.Struct, kw_only=True, frozen=True):
+    """A group in flight at a snapshot (`Report(kind="in_flight")`), saved with a checkpoint
+    and continued on resume: its prompt is named by `prompt_seq`. `samples` is empty when
+    the generate function cannot be continued from tokens (multi-turn episodes): the group
+    is then generated again from its prompt."""
+
+    prompt_seq: int
+    samples: list[PartialSample] = []
+
+
 # ---------------------------------------------------------------- codec
 
 

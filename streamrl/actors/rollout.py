@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 
+from streamrl.actors.in_flight import InFlight, resume_completion
 from streamrl.agents.api import (
     GenerateContext,
     GenerateFn,
@@ -35,7 +37,15 @@ from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
 from streamrl.queues.accounting import StreamState
 from streamrl.queues.transport import StreamSender
-from streamrl.types import FinishReason, Group, Prompt, Sample, SampleStatus
+from streamrl.types import (
+    FinishReason,
+    Group,
+    PartialGroup,
+    PartialSample,
+    Prompt,
+    Sample,
+    SampleStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +69,15 @@ class RolloutCounters:
     resumes: int = 0
     resume_prompt_tokens: int = 0
     """Prompt tokens sent again to resume aborted calls (the extra prefill of `abort`)."""
+    snapshots: int = 0
+    """Snapshots of the groups in flight answered (one per checkpoint)."""
+    resumed_samples: int = 0
+    """Samples a checkpoint saved in flight, continued from their tokens after a restart."""
+    resumed_tokens: int = 0
+    """Their tokens kept (not generated again)."""
+    regenerated_groups: int = 0
+    """Groups a checkpoint saved in flight that had to be generated again from the prompt
+    (their generate function cannot be continued from tokens)."""
     inexact_version_samples: int = 0
     """Samples some of whose tokens carry a lower bound of their version (`VersionRule`)."""
     rejected: Counter = field(default_factory=Counter)
@@ -99,6 +118,7 @@ class RolloutWorker:
         version_rule: VersionRule | None = None,
         seed: int | None = None,
         return_routed_experts: bool = False,
+        resume: list[PartialGroup] = (),
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -122,8 +142,11 @@ class RolloutWorker:
         """With a seed every sample gets its own `sampling_seed` (`sample_seed`)."""
         self.start_position = source.position if source is not None else DataPosition()
         """Where the stream started in this process (for `stream_state`)."""
-        self.in_flight: set[int] = set()
-        """Seqs of groups started and not yet sent."""
+        self.in_flight = InFlight(resumable=getattr(generate_fn, "resumable", False))
+        """Groups started and not yet sent (`streamrl.actors.in_flight`)."""
+        self.resume = list(resume)
+        """Groups a checkpoint saved in flight: started before any new prompt."""
+        self.resumed_seqs: list[int] = []
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Start groups while credits come. When the receiver says stop (training is over),
@@ -132,10 +155,15 @@ class RolloutWorker:
         task_status.started()
         async with anyio.create_task_group() as groups:
             while await self.sender.acquire():
-                prompt = self.source.next()
+                partial = self.resume.pop(0) if self.resume else None
+                if partial is None:
+                    prompt = self.source.next()
+                else:
+                    prompt = self.source.get(partial.prompt_seq)
+                    self.resumed_seqs.append(prompt.seq)
                 self.counters.groups_started += 1
-                self.in_flight.add(prompt.seq)
-                groups.start_soon(self._run_group, prompt)
+                self.in_flight.started(prompt.seq)
+                groups.start_soon(self._run_group, prompt, partial)
             await self.report()
             groups.cancel_scope.cancel()
 
@@ -154,9 +182,20 @@ class RolloutWorker:
             start_skip=list(start.skip),
             next_seq=self.source.position.next_seq,
             too_long=sorted(getattr(self.source, "too_long_seqs", ())),
-            in_flight=sorted(self.in_flight),
+            in_flight=sorted(self.in_flight.seqs),
             unacked=sorted(int(group_id[1:]) for group_id in self.sender.unacked_ids),
+            resumed=list(self.resumed_seqs),
         )
+
+    async def snapshot_loop(self) -> None:
+        """Answer every `Snapshot` request with the groups in flight (their tokens so far)."""
+        step = -1
+        while (step := await self.sender.next_snapshot(step)) >= 0:
+            groups, cost = await self.in_flight.snapshot(self.engines, self.n_samples_per_prompt)
+            self.counters.snapshots += 1
+            await self.sender.send_report(
+                "in_flight", {"step": step, "groups": msgspec.to_builtins(groups), **cost}
+            )
 
     async def report_loop(self) -> None:
         """Send counters every `report_interval_s` (the learner logs them with each step)."""
@@ -164,9 +203,13 @@ class RolloutWorker:
             await anyio.sleep(self.report_interval_s)
             await self.report()
 
-    async def _run_group(self, prompt: Prompt) -> None:
+    async def _run_group(self, prompt: Prompt, partial: PartialGroup | None = None) -> None:
         started_at = time.time()
-        trajectories = await self._generate(prompt)
+        if partial is not None and partial.samples:
+            trajectories = await self._resume(prompt, partial)
+        else:
+            self.counters.regenerated_groups += partial is not None
+            trajectories = await self._generate(prompt)
         samples: list[Sample | None] = [None] * len(trajectories)
 
         async def score_one(index: int) -> None:
@@ -187,22 +230,51 @@ class RolloutWorker:
         )
         group.mark_finished()
         await self.sender.send(group)
-        self.in_flight.discard(prompt.seq)
+        self.in_flight.sent(prompt.seq)
         self.counters.groups_sent += 1
 
     async def run_sample(self, prompt: Prompt, index: int) -> Sample:
         """One sample of `prompt` through the generate function and the reward (no group)."""
-        try:
-            context = self._context(f"{prompt.seq}-{index}", prompt, index)
-            result = (await self.generate_fn(context, prompt), None)
-        except Exception as exc:
-            result = self._failed(prompt, index, exc)
-        return await self._to_sample(prompt, index, *result)
+        return await self._to_sample(prompt, index, *await self._one(prompt, index))
 
-    def _context(self, session_key: str, prompt: Prompt, index: int) -> GenerateContext:
+    async def _resume(
+        self, prompt: Prompt, partial: PartialGroup
+    ) -> list[tuple[Trajectory, str | None]]:
+        """A group saved in flight: each sample continued from its tokens (`in_flight`)."""
+        results: list = [None] * self.n_samples_per_prompt
+
+        async def one(sample: PartialSample) -> None:
+            context = self._context(f"{prompt.seq}-{sample.index}", prompt, sample.index)
+            try:
+                completion = await resume_completion(context, sample, list(prompt.input_ids))
+            except Exception as exc:
+                results[sample.index] = self._failed(prompt, sample.index, exc)
+                return
+            trajectory = Trajectory()
+            trajectory.add_completion(completion)
+            results[sample.index] = (trajectory, None)
+
+        async with anyio.create_task_group() as tg:
+            for sample in partial.samples:
+                self.counters.resumed_samples += 1
+                self.counters.resumed_tokens += len(sample.output_ids)
+                tg.start_soon(one, sample)
+        missing = [i for i, result in enumerate(results) if result is None]
+        for index in missing:  # a sample the snapshot did not hold: made anew
+            results[index] = await self._one(prompt, index)
+        return results
+
+    def _context(
+        self, session_key: str, prompt: Prompt, index: int, *, whole_group: bool = False
+    ) -> GenerateContext:
         params = dict(self.sampling_params)
         if self.seed is not None:
             params["sampling_seed"] = sample_seed(self.seed, prompt.seq, index)
+        context = self._new_context(session_key, params)
+        self.in_flight.add_context(prompt.seq, None if whole_group else index, context)
+        return context
+
+    def _new_context(self, session_key: str, params: dict[str, Any]) -> GenerateContext:
         return GenerateContext(
             engines=self.engines,
             tokenizer=self.tokenizer,
@@ -210,6 +282,7 @@ class RolloutWorker:
             kwargs=self.generate_kwargs,
             session_key=session_key,
             retry_timeout_s=self.retry_timeout_s,
+            hold=self.in_flight.hold,
             version_rule=self.version_rule,
             return_routed_experts=self.return_routed_experts,
         )
@@ -225,7 +298,9 @@ class RolloutWorker:
                 results = [
                     (t, None)
                     # One call for the group: the engine seeds sample j with seed + j.
-                    for t in await for_group(self._context(f"{prompt.seq}", prompt, 0), prompt, n)
+                    for t in await for_group(
+                        self._context(f"{prompt.seq}", prompt, 0, whole_group=True), prompt, n
+                    )
                 ]
             except Exception as exc:  # every engine failed, or the user's code raised
                 results = [self._failed(prompt, index, exc) for index in range(n)]
@@ -233,19 +308,21 @@ class RolloutWorker:
             results: list = [None] * n
 
             async def one(index: int) -> None:
-                try:
-                    trajectory = await self.generate_fn(
-                        self._context(f"{prompt.seq}-{index}", prompt, index), prompt
-                    )
-                    results[index] = (trajectory, None)
-                except Exception as exc:
-                    results[index] = self._failed(prompt, index, exc)
+                results[index] = await self._one(prompt, index)
 
             async with anyio.create_task_group() as tg:
                 for index in range(n):
                     tg.start_soon(one, index)
         self.counters.busy_s += time.perf_counter() - started
         return results
+
+    async def _one(self, prompt: Prompt, index: int) -> tuple[Trajectory, str | None]:
+        """Sample `index` of `prompt` through the generate function (the error if it failed)."""
+        try:
+            context = self._context(f"{prompt.seq}-{index}", prompt, index)
+            return await self.generate_fn(context, prompt), None
+        except Exception as exc:
+            return self._failed(prompt, index, exc)
 
     def _failed(self, prompt: Prompt, index: int, exc: Exception) -> tuple[Trajectory, str]:
         """Keep a record of a sample that could not be generated (the group will be filtered)."""

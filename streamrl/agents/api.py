@@ -61,6 +61,8 @@ class Completion:
     resume_prompt_tokens: int = 0
     """Tokens sent again as the prompt of a resumed call (prompt + partial output: the extra
     prefill an abort costs)."""
+    is_finished: bool = False
+    """The turn has ended (by stop, length or budget); False while it is being generated."""
     routed_experts: Any = None
     """The latest engine call's routed experts (`GenerateResult.routed_experts`): it covers its
     whole input, so it supersedes what earlier calls of a resumed turn reported."""
@@ -270,6 +272,7 @@ class GenerateContext:
                     await self.hold.checkpoint(completion)
                 if len(completion.output_ids) >= budget:
                     completion.finish_reason = FinishReason.LENGTH
+                    completion.is_finished = True
                     return completion
                 params["max_new_tokens"] = budget - len(completion.output_ids)
                 engine = self._engine(failures)
@@ -294,6 +297,7 @@ class GenerateContext:
                 completion.extend(result, versions, is_exact=is_exact)
                 if not result.is_aborted:
                     completion.finish_reason = FinishReason(result.finish_reason.type)
+                    completion.is_finished = True
                     return completion
                 # Aborted by a weight update (pause mode "abort") or a snapshot: continue
                 # from what we have.
@@ -324,43 +328,36 @@ class GenerateContext:
         except EngineError as exc:
             is_client_error = exc.status is not None and 400 <= exc.status < 500
             if is_client_error and exc.status != ABORTED_BEFORE_START:
+                for completion in completions:
+                    self._end(completion)
                 raise
             log.warning("batched engine call failed (%s); generating samples one by one", exc)
             results = []
-        finally:
-            if self.hold is not None:
-                for completion in completions:
-                    self.hold.end(completion)
-        if len(results) != n:
-            del self.completions[-n:]
-            return await self._each(n, lambda: self.generate(input_ids, **overrides))
-
-        async def finish(completion: Completion, result: GenerateResult) -> None:
+        if len(results) != n:  # one by one, into the same completions (a snapshot's order)
+            results = [None] * n
+        # Every result lands in its completion before anything else runs, so a snapshot
+        # waiting for the calls to park sees the tokens.
+        for completion, result in zip(completions, results, strict=True):
+            if result is None:
+                continue
             completion.num_engine_calls = 1
             versions, is_exact = self.version_rule.versions(result, floor)
             completion.extend(result, versions, is_exact=is_exact)
-            if not result.is_aborted:
+            if result.is_aborted:
+                completion.num_resumes += 1
+            else:
                 completion.finish_reason = FinishReason(result.finish_reason.type)
-                return
-            completion.num_resumes += 1
-            await self.continue_completion(completion, input_ids, budget, params)
-
+                completion.is_finished = True
+                self._end(completion)
         async with anyio.create_task_group() as tg:
-            for completion, result in zip(completions, results, strict=True):
-                tg.start_soon(finish, completion, result)
+            for completion in completions:
+                if not completion.is_finished:
+                    tg.start_soon(self.continue_completion, completion, input_ids, budget, params)
         return completions
 
-    @staticmethod
-    async def _each(n: int, make) -> list[Completion]:
-        out: list[Completion | None] = [None] * n
-
-        async def one(index: int) -> None:
-            out[index] = await make()
-
-        async with anyio.create_task_group() as tg:
-            for index in range(n):
-                tg.start_soon(one, index)
-        return out
+    def _end(self, completion: Completion) -> None:
+        if self.hold is not None:
+            self.hold.end(completion)
 
     def _generate_options(self) -> dict[str, Any]:
         return {"return_routed_experts": True} if self.return_routed_experts else {}

@@ -27,3 +27,6 @@ async def generate_group(ctx: GenerateContext, prompt: Prompt, n: int) -> list[T
 
 
 generate.for_group = generate_group
+generate.resumable = True
+"""A sample is one completion of the prompt, scored by `rollout.reward_fn`: a sample saved
+mid-way (a checkpoint's snapshot) can be continued from its tokens."""

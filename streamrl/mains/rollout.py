@@ -26,6 +26,7 @@ import msgspec
 from streamrl.config import RunConfig, load_config
 from streamrl.data import DataPosition
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
+from streamrl.types import PartialGroup, make_decoder
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class RolloutSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     position: DataPosition = msgspec.field(default_factory=DataPosition)
     """Where the prompt stream resumes."""
     start_version: int = 0
+    resume_file: str = ""
+    """msgpack list of `PartialGroup`s a checkpoint saved in flight, started before any new
+    prompt; empty for none."""
 
 
 def write_spec(run_dir: Path, spec: RolloutSpec) -> Path:
@@ -55,6 +59,13 @@ def write_spec(run_dir: Path, spec: RolloutSpec) -> Path:
 
 def read_spec(run_dir: Path) -> RolloutSpec:
     return msgspec.json.decode((run_dir / SPEC_FILE).read_bytes(), type=RolloutSpec)
+
+
+def read_resume(spec: RolloutSpec) -> list[PartialGroup]:
+    """The groups to continue first (`RolloutSpec.resume_file`)."""
+    if not spec.resume_file:
+        return []
+    return make_decoder(list[PartialGroup]).decode(Path(spec.resume_file).read_bytes())
 
 
 def start_rollout(
@@ -116,12 +127,14 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
             single_version=cfg.pause_mode == "abort", floor=lambda: sender.version
         ),
         seed=cfg.train.seed if cfg.rollout.deterministic else None,
+        resume=read_resume(spec),
         return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay,
     )
     async with engines, _gateway(cfg, generate_fn), anyio.create_task_group() as tg:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
         await tg.start(sender.run)
         tg.start_soon(worker.report_loop)
+        tg.start_soon(worker.snapshot_loop)
         if cfg.eval.interval and cfg.eval.datasets:
             evaluator = Evaluator(
                 list(cfg.eval.datasets),

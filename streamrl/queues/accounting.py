@@ -50,11 +50,14 @@ class StreamState(msgspec.Struct, frozen=True, kw_only=True):
     """Seqs started and not yet sent."""
     unacked: list[int] = []
     """Seqs sent and not yet acknowledged."""
+    resumed: list[int] = []
+    """Seqs of groups saved in flight by a checkpoint that this process started again."""
 
     def started(self) -> set[int]:
         """Every seq this process started."""
         skipped = set(self.start_skip) | set(self.too_long)
-        return {seq for seq in range(self.first_seq, self.next_seq) if seq not in skipped}
+        fresh = {seq for seq in range(self.first_seq, self.next_seq) if seq not in skipped}
+        return fresh | set(self.resumed)
 
     def as_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

@@ -7,6 +7,8 @@
                                        ◄──    Ack(group_ids)       sender forgets them
       Report(kind, payload)            ──►    evaluation results, rollout counters
                                        ◄──    Stop()               no more groups are wanted
+                                       ◄──    Snapshot(step)       report the groups in flight
+      Report("in_flight", ...)         ──►    (their tokens so far: a checkpoint)
 
 A credit is permission to *start* one group (admission control, AReaL's
 staleness rule) and reserves the buffer slot it will occupy, so a sender never
@@ -52,5 +54,12 @@ class Stop(msgspec.Struct, tag="stop"):
     reason: str = ""
 
 
+class Snapshot(msgspec.Struct, tag="snapshot"):
+    """Report the groups in flight now (a checkpoint at learner step `step`): the sender
+    answers with `Report(kind="in_flight", payload={"step": step, "groups": [...]})`."""
+
+    step: int
+
+
 ToReceiver = Hello | Group | Report
-ToSender = Credit | Ack | Stop
+ToSender = Credit | Ack | Stop | Snapshot

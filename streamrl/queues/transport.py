@@ -29,7 +29,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from streamrl.queues.protocol import Ack, Credit, Hello, Report, Stop, ToReceiver, ToSender
+from streamrl.queues.protocol import (
+    Ack,
+    Credit,
+    Hello,
+    Report,
+    Snapshot,
+    Stop,
+    ToReceiver,
+    ToSender,
+)
 from streamrl.types import Group, make_decoder, make_encoder
 
 log = logging.getLogger(__name__)
@@ -176,6 +185,12 @@ class StreamReceiver:
         session.announced_version = self.credits.version
         await self._send(session.identity, Credit(num_groups, self.credits.version))
 
+    async def request_snapshot(self, step: int) -> int:
+        """Ask every sender for its groups in flight (`Snapshot`); returns how many were asked."""
+        for session in self._sessions.values():
+            await self._send(session.identity, Snapshot(step))
+        return len(self._sessions)
+
     async def stop(self, reason: str = "") -> None:
         """Tell every sender to stop starting groups; groups already sent are still received."""
         self._stopped = True
@@ -261,6 +276,8 @@ class StreamSender:
         self.session = uuid.uuid4().hex
         self.version = 0
         self.is_stopped = False
+        self.snapshot_step = -1
+        """The newest `Snapshot` request's step (-1: none yet)."""
         self._credits = 0
         self._unacked: dict[str, tuple[float, bytes]] = {}
         self._changed = anyio.Event()
@@ -327,6 +344,13 @@ class StreamSender:
             changed = self._changed
             await changed.wait()
 
+    async def next_snapshot(self, after: int) -> int:
+        """Wait for a `Snapshot` request newer than step `after`; its step (-1 once stopped)."""
+        while self.snapshot_step <= after and not self.is_stopped:
+            changed = self._changed
+            await changed.wait()
+        return -1 if self.is_stopped else self.snapshot_step
+
     async def wait_version(self, version: int) -> None:
         """Wait until the receiver reports engines at `version` or later (or stops)."""
         while self.version < version and not self.is_stopped:
@@ -347,6 +371,8 @@ class StreamSender:
                 self._unacked.pop(group_id, None)
         elif isinstance(message, Stop):
             self.is_stopped = True
+        elif isinstance(message, Snapshot):
+            self.snapshot_step = max(self.snapshot_step, message.step)
         self._changed.set()
         self._changed = anyio.Event()
 

@@ -1,0 +1,128 @@
+"""The groups a rollout worker has in flight: what a snapshot reads and a restart continues.
+
+A snapshot (the trainer's `Snapshot(step)`, sent when it writes a checkpoint) closes the
+worker's `Hold`, aborts every engine request (each comes back with its partial output),
+waits until every call has parked, and reports each group's samples as `PartialGroup`s:
+their tokens, behaviour logprobs and versions so far. Then the hold opens and every call
+goes on from its tokens: generation stops for the snapshot alone.
+
+On resume the trainer hands the saved groups to the new rollout process, which starts
+them before new prompts: each sample continues from its tokens on the restored engines
+(`resume_completion`); a finished one is kept as it was. A generate function that is not
+one model turn per sample (multi-turn episodes keep state of their own) cannot be
+continued from tokens: its groups are generated again from their prompts, and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from streamrl.agents.api import Completion, GenerateContext, Hold
+from streamrl.types import FinishReason, PartialGroup, PartialSample
+
+SNAPSHOT_TIMEOUT_S = 60.0
+"""A snapshot whose calls have not all parked by then reports no partial samples (their
+groups are then generated again on resume)."""
+
+
+@dataclass
+class _GroupState:
+    contexts: dict[int | None, GenerateContext] = field(default_factory=dict)
+    """Sample index -> its context; None -> one context making the whole group (`for_group`)."""
+
+
+class InFlight:
+    """The worker's groups in flight, by prompt seq (see the module docstring)."""
+
+    def __init__(self, *, resumable: bool) -> None:
+        self.resumable = resumable
+        """Whether the generate function makes each sample as one model turn of the prompt."""
+        self.hold = Hold()
+        self._groups: dict[int, _GroupState] = {}
+
+    @property
+    def seqs(self) -> set[int]:
+        return set(self._groups)
+
+    def started(self, seq: int) -> None:
+        self._groups[seq] = _GroupState()
+
+    def add_context(self, seq: int, index: int | None, context: GenerateContext) -> None:
+        if seq in self._groups:
+            self._groups[seq].contexts[index] = context
+
+    def sent(self, seq: int) -> None:
+        self._groups.pop(seq, None)
+
+    async def snapshot(self, engines, num_samples: int) -> tuple[list[PartialGroup], dict]:
+        """Stop every call at its tokens, read them, let them go on. Returns the groups and
+        what it cost (`seconds`, `complete`: every call parked in time)."""
+        started = time.perf_counter()
+        self.hold.close()
+        try:
+            with anyio.move_on_after(SNAPSHOT_TIMEOUT_S) as timeout:
+                await engines.abort_all()
+                await self.hold.wait_parked()
+            complete = not timeout.cancelled_caught
+            groups = [
+                PartialGroup(prompt_seq=seq, samples=self._samples(state, num_samples))
+                if complete and self.resumable
+                else PartialGroup(prompt_seq=seq)
+                for seq, state in sorted(self._groups.items())
+            ]
+        finally:
+            self.hold.release()
+        return groups, {"seconds": time.perf_counter() - started, "complete": complete}
+
+    def _samples(self, state: _GroupState, num_samples: int) -> list[PartialSample]:
+        if None in state.contexts:  # one context for the group: its completions in order
+            completions = dict(enumerate(state.contexts[None].completions[:num_samples]))
+        else:
+            completions = {
+                index: context.completions[0]
+                for index, context in state.contexts.items()
+                if context.completions
+            }
+        return [
+            PartialSample(
+                index=index,
+                output_ids=list(c.output_ids),
+                logprobs=list(c.logprobs),
+                versions=list(c.versions),
+                text=c.text,
+                finish_reason=str(c.finish_reason) if c.is_finished else "",
+                versions_exact=c.versions_exact,
+            )
+            for index, c in sorted(completions.items())
+        ]
+
+
+def restored_completion(sample: PartialSample) -> Completion:
+    """A saved sample as the completion it was."""
+    return Completion(
+        output_ids=list(sample.output_ids),
+        logprobs=list(sample.logprobs),
+        versions=list(sample.versions),
+        text=sample.text,
+        finish_reason=FinishReason(sample.finish_reason or "stop"),
+        is_finished=bool(sample.finish_reason),
+        versions_exact=sample.versions_exact,
+        num_engine_calls=1 if sample.output_ids else 0,
+    )
+
+
+async def resume_completion(
+    context: GenerateContext, sample: PartialSample, input_ids: list[int]
+) -> Completion:
+    """Continue a saved sample from its tokens (a finished one comes back as it was)."""
+    completion = restored_completion(sample)
+    context.completions.append(completion)
+    if completion.is_finished:
+        return completion
+    budget = int(context.sampling_params.get("max_new_tokens", 128))
+    return await context.continue_completion(
+        completion, input_ids, budget, dict(context.sampling_params)
+    )

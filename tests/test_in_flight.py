@@ -1,0 +1,107 @@
+"""A snapshot reads every group in flight at its tokens, and a new worker continues them."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import msgspec
+import pytest
+from engine_helpers import running_engines
+
+from streamrl.actors.rollout import RolloutWorker
+from streamrl.agents import single_turn
+from streamrl.data import PromptSource
+from streamrl.fleet.engine_set import EngineSet
+from streamrl.models import load_tokenizer
+from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.types import PartialGroup
+
+pytestmark = pytest.mark.anyio
+
+BUDGET = 200
+
+
+def worker(source, sender, engines, tokenizer, **kwargs) -> RolloutWorker:
+    return RolloutWorker(
+        worker_id="rollout-test",
+        source=source,
+        sender=sender,
+        engines=engines,
+        tokenizer=tokenizer,
+        generate_fn=single_turn.generate,
+        reward_fn=lambda inp: 1.0,
+        n_samples_per_prompt=2,
+        sampling_params={"max_new_tokens": BUDGET, "ignore_eos": True, "temperature": 1.0},
+        **kwargs,
+    )
+
+
+async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_from_them(
+    tiny_model_dir, tmp_path
+):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    groups, reports = [], []
+    receiver = StreamReceiver(
+        "tcp://127.0.0.1:0",
+        credits=UnlimitedCredits(2),
+        on_group=groups.append,
+        on_report=lambda report: reports.append(report),
+    )
+    with running_engines(tiny_model_dir, tmp_path) as engines:
+        async with EngineSet([e.url for e in engines]) as engine_set:
+            async with anyio.create_task_group() as tg:
+                address = await tg.start(receiver.run)
+                sender = StreamSender(address, sender_id="rollout-test")
+                await tg.start(sender.run)
+                first = worker(
+                    PromptSource(str(data), tokenizer=tokenizer, seed=0),
+                    sender,
+                    engine_set,
+                    tokenizer,
+                )
+                tg.start_soon(first.run)
+                tg.start_soon(first.snapshot_loop)
+                with anyio.fail_after(60):  # readiness: both groups are decoding
+                    while len(first.in_flight.hold.active) < 4:
+                        await anyio.sleep(0.02)
+                    await anyio.sleep(0.3)
+                    await receiver.request_snapshot(7)
+                    while not [r for r in reports if r.kind == "in_flight"]:
+                        await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()
+            (report,) = [r for r in reports if r.kind == "in_flight"]
+            assert report.payload["step"] == 7 and report.payload["complete"]
+            saved = msgspec.convert(report.payload["groups"], list[PartialGroup])
+            assert len(saved) == 2 and all(len(g.samples) == 2 for g in saved)
+            partial = [s for g in saved for s in g.samples]
+            assert all(0 < len(s.output_ids) < BUDGET and not s.finish_reason for s in partial)
+            assert all(len(s.logprobs) == len(s.versions) == len(s.output_ids) for s in partial)
+
+            # A new process continues them before any new prompt.
+            groups.clear()
+            receiver = StreamReceiver(
+                "tcp://127.0.0.1:0", credits=UnlimitedCredits(2), on_group=groups.append
+            )
+            async with anyio.create_task_group() as tg:
+                address = await tg.start(receiver.run)
+                sender = StreamSender(address, sender_id="rollout-test-2")
+                await tg.start(sender.run)
+                source = PromptSource(str(data), tokenizer=tokenizer, seed=0)
+                second = worker(source, sender, engine_set, tokenizer, resume=saved)
+                tg.start_soon(second.run)
+                with anyio.fail_after(120):
+                    while len(groups) < 2:
+                        await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+    by_seq = {g.prompt_seq: g for g in groups[:2]}
+    assert set(by_seq) == {g.prompt_seq for g in saved}
+    for group in saved:
+        for sample, kept in zip(by_seq[group.prompt_seq].samples, group.samples, strict=True):
+            assert len(sample.response_ids) == BUDGET
+            assert list(sample.response_ids[: len(kept.output_ids)]) == kept.output_ids
+            assert list(sample.logprobs[: len(kept.logprobs)]) == pytest.approx(kept.logprobs)
+    assert second.counters.resumed_samples == 4
+    assert second.counters.resumed_tokens == sum(len(s.output_ids) for s in partial)
