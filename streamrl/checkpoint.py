@@ -1,5 +1,8 @@
 """Checkpoints: `run_dir/checkpoints/step_NNNNNN/` with the model (Hugging Face format),
-the optimizer, and `state.json` (step, version, data position).
+the optimizer, `state.json` (step, version, data position), the run's asynchronous state
+(`async_state.msgpack`: the buffer, every prompt's fate, the groups in flight with their
+tokens; `streamrl.queues.intake.IntakeState`) and the learner process's random states
+(`rng.msgpack`).
 
 A checkpoint directory is written under a temporary name and renamed when
 complete, so `latest()` never returns a half-written one.
@@ -45,17 +48,70 @@ def read_state(path: Path) -> TrainState:
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
 
 
-def save(run_dir: Path, state: TrainState, write_model, *, keep: int) -> Path:
-    """Write a checkpoint with `write_model(directory)` and keep the newest `keep`."""
+def save(
+    run_dir: Path,
+    state: TrainState,
+    write_model,
+    *,
+    keep: int,
+    files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write a checkpoint with `write_model(directory)` and `files` (name -> bytes, e.g. the
+    async state), and keep the newest `keep`."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{state.step:06d}"
     partial = root / f".partial_step_{state.step:06d}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     write_model(partial)
+    for name, data in (files or {}).items():
+        (partial / name).write_bytes(data)
     (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+ASYNC_STATE_FILE = "async_state.msgpack"
+RNG_FILE = "rng.msgpack"
+
+
+def rng_state() -> bytes:
+    """This process's random states (Python, NumPy, torch CPU and CUDA) as msgpack."""
+    import random
+
+    import msgspec
+    import numpy as np
+    import torch
+
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [kind, keys.tolist(), position, has_gauss, gauss],
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "cuda": [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        if torch.cuda.is_available()
+        else [],
+    }
+    return msgspec.msgpack.encode(state)
+
+
+def restore_rng(data: bytes) -> None:
+    """Put back what `rng_state` saved (CUDA states only where this process sees the GPUs)."""
+    import random
+
+    import msgspec
+    import numpy as np
+    import torch
+
+    state = msgspec.msgpack.decode(data)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        cuda = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state["cuda"]]
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])

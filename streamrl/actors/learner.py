@@ -34,9 +34,13 @@ from streamrl.queues import horizon
 from streamrl.queues.accounting import AccountingError
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
-from streamrl.types import Group
+from streamrl.types import Group, make_encoder
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 120.0
+"""A checkpoint waits this long for the rollout's groups in flight (it holds generation
+for the snapshot alone), else is written without them."""
 
 
 class LearnerLoop:
@@ -139,14 +143,52 @@ class LearnerLoop:
         return train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
 
     async def save(self) -> Path:
+        """A checkpoint of the model, the optimizer and the run's asynchronous state: the
+        intake at a cut with the rollout (buffered groups, every prompt's fate, the groups
+        in flight with their tokens) and this process's random states."""
+        cut = await self.intake.snapshot(self.state.step, timeout_s=SNAPSHOT_TIMEOUT_S)
         position = position_after(self.intake.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
+        files = {
+            checkpoint.ASYNC_STATE_FILE: make_encoder().encode(cut),
+            checkpoint.RNG_FILE: checkpoint.rng_state(),
+        }
+        started = time.perf_counter()
         path = await anyio.to_thread.run_sync(
             lambda: checkpoint.save(
-                self.run_dir, self.state, self.backend.save, keep=self.cfg.train.keep_checkpoints
+                self.run_dir,
+                self.state,
+                self.backend.save,
+                keep=self.cfg.train.keep_checkpoints,
+                files=files,
             )
         )
-        log.info("checkpoint %s (version %d)", path, self.version)
+        self.metrics.write(
+            {
+                "kind": "checkpoint",
+                "step": self.state.step,
+                "version": self.version,
+                "time": self.metrics.elapsed_s,
+                "checkpoint/snapshot_s": cut.snapshot_s,
+                "checkpoint/write_s": time.perf_counter() - started,
+                "checkpoint/complete": cut.is_complete,
+                "checkpoint/buffered_groups": len(cut.buffered),
+                "checkpoint/in_flight_groups": len(cut.in_flight),
+                "checkpoint/in_flight_samples": sum(len(g.samples) for g in cut.in_flight),
+                "checkpoint/in_flight_tokens": sum(
+                    len(s.output_ids) for g in cut.in_flight for s in g.samples
+                ),
+            },
+            step=self.state.step,
+        )
+        log.info(
+            "checkpoint %s (version %d): %d groups buffered, %d in flight (snapshot %.2f s)",
+            path,
+            self.version,
+            len(cut.buffered),
+            len(cut.in_flight),
+            cut.snapshot_s,
+        )
         return path
 
     def _record(
@@ -201,6 +243,9 @@ class LearnerLoop:
             "resumes",
             "resume_prompt_tokens",
             "inexact_version_samples",
+            "resumed_samples",
+            "resumed_tokens",
+            "regenerated_groups",
             "groups_started",
         ):
             if key in rollout:

@@ -37,6 +37,8 @@ from streamrl.mains.follower import write_spec as write_learner_spec
 from streamrl.mains.rollout import RolloutSpec, start_rollout
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner, free_port, streamrl_argv
+from streamrl.queues.intake import IntakeState
+from streamrl.types import make_decoder, make_encoder
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class Trainer:
         self.ranks = None
         self.leader = None
         self._prepared: tuple[checkpoint.TrainState, str, Path | None] | None = None
+        self.async_state: IntakeState | None = None
+        """The checkpoint's asynchronous state when resuming (buffer, fates, groups in flight)."""
 
     def stop(self) -> None:
         """Stop every process this trainer started (idempotent; also after a failure)."""
@@ -132,6 +136,11 @@ class Trainer:
             return checkpoint.TrainState(), self._initial_model(), None
         state = checkpoint.read_state(latest)
         log.info("resuming from %s: step %d, version %d", latest, state.step, state.version)
+        if (latest / checkpoint.ASYNC_STATE_FILE).exists():
+            data = (latest / checkpoint.ASYNC_STATE_FILE).read_bytes()
+            self.async_state = make_decoder(IntakeState).decode(data)
+        if (latest / checkpoint.RNG_FILE).exists():
+            checkpoint.restore_rng((latest / checkpoint.RNG_FILE).read_bytes())
         return state, str(latest), latest
 
     def _initial_model(self) -> str:
@@ -222,6 +231,8 @@ class Trainer:
             staleness_rule=cfg.buffer.staleness_rule,
             max_episode_staleness=cfg.buffer.max_episode_staleness,
         )
+        if self.async_state is not None:
+            intake.restore(self.async_state)
         transport = cfg.weight_transport(device.type)
         publisher = WeightPublisher(
             weights=backend.hf_weights,
@@ -312,11 +323,24 @@ class RolloutKeeper:
         self.model_path = model_path
         self.process: ProcessHandle | None = None
         self.num_restarts = 0
+        saved = trainer.async_state
+        self.saved_in_flight = list(saved.in_flight) if saved is not None else []
+        """Groups a checkpoint saved in flight: continued first by the (next) process."""
 
     def start(self) -> None:
-        """Start a rollout process from where the stream stands now."""
+        """Start a rollout process from where the stream stands now: after every group that
+        arrived, with the checkpoint's groups in flight that have not arrived continued
+        first (their seqs are not handed out again)."""
         trainer = self.trainer
-        position = position_after(self.intake.received_seqs, since=self.loop.start_position)
+        received = self.intake.received_seqs
+        pending = [g for g in self.saved_in_flight if g.prompt_seq not in received]
+        resume_file = ""
+        if pending:
+            resume_path = trainer.run_dir / "rollout_resume.msgpack"
+            resume_path.write_bytes(make_encoder().encode(pending))
+            resume_file = str(resume_path)
+        done = received | {group.prompt_seq for group in pending}
+        position = position_after(done, since=self.loop.start_position)
         self.process = start_rollout(
             trainer.spawner,
             trainer.run_dir,
@@ -327,6 +351,7 @@ class RolloutKeeper:
                 model_path=self.model_path,
                 position=position,
                 start_version=self.loop.version,
+                resume_file=resume_file,
             ),
             log_level=trainer.cfg.logging.level,
         )

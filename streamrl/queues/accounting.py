@@ -76,6 +76,14 @@ class Accounting:
     """Problems found at the latest rollout report."""
     moving: set[int] = field(default_factory=set)
     """Seqs in flight or in transit, not yet received, at the latest rollout report."""
+    last_started: set[int] = field(default_factory=set)
+    """Every seq the rollout process of the latest report started."""
+
+    @property
+    def num_started(self) -> int:
+        """Seqs started: those the latest rollout process started, and every one received.
+        Equal to received + in flight only when none is lost (the identity's test)."""
+        return len(self.last_started | self.received)
 
     @property
     def in_flight(self) -> int:
@@ -106,6 +114,7 @@ class Accounting:
             )
         self.cut_problems = problems
         self.moving = moving - self.received
+        self.last_started = started
 
     def problems(self, buffered: Iterable[int]) -> list[str]:
         """Everything that breaks the partition or the latest cut (empty when all is well)."""
@@ -132,7 +141,7 @@ class Accounting:
         num_buffered = len(set(buffered))
         received = len(self.received)
         return {
-            "accounting/started": received + self.in_flight,
+            "accounting/started": self.num_started,
             "accounting/received": received,
             "accounting/trained": len(self.trained),
             "accounting/filtered": len(self.filtered),

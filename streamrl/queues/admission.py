@@ -78,6 +78,11 @@ class Admission:
         """Groups that came back but will not be trained (filtered or evicted)."""
         self.num_discarded += num_groups
 
+    def add_live(self, num_groups: int) -> None:
+        """Groups started before a resume that will still be trained (a checkpoint's
+        buffered groups): they count against the staleness budget."""
+        self._base += num_groups
+
     def set_version(self, version: int) -> None:
         """The engines now serve `version`: B more groups may start per version gained."""
         self.version = max(self.version, version)

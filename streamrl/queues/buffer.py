@@ -250,6 +250,20 @@ class Buffer:
             await changed.wait()
         return batch
 
+    def groups(self) -> list[Group]:
+        """The groups held, oldest first (a checkpoint's copy; they stay held)."""
+        return [entry.group for entry in sorted(self._heap)]
+
+    def restore(self, groups: Iterable[Group]) -> None:
+        """Hold checkpointed groups again (they passed the filters when they arrived)."""
+        for group in groups:
+            oldest = group.oldest_version
+            entry = _Entry(
+                -1 if oldest is None else oldest, next(self._arrivals), self._clock(), group
+            )
+            heapq.heappush(self._heap, entry)
+        self._notify()
+
     @property
     def seqs(self) -> list[int]:
         """Prompt seqs of the groups held."""

@@ -16,11 +16,17 @@ return (the buffer has room again); the publisher reports new versions with
 `done_seqs` (trained, filtered or evicted) make a checkpoint's data position, and
 `accounting_problems()` checks, at every step, that every group received is in
 exactly one fate and every prompt the rollout started is received or in flight.
-`summary()` gives the same accounting in counts at the end.
+`summary()` gives the same accounting in counts at the end (over the run's whole
+lineage: a resumed run restores the fates with `restore`).
+
+`snapshot(step)` takes the intake's state at a consistent cut with the rollout for a
+checkpoint (`IntakeState`): the buffered groups, every seq's fate and the groups in
+flight with their tokens so far.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +39,7 @@ from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer, GroupFilter
 from streamrl.queues.protocol import Report
 from streamrl.queues.transport import StreamReceiver
-from streamrl.types import Group
+from streamrl.types import Group, PartialGroup
 
 
 @dataclass
@@ -54,6 +60,25 @@ class GeneratedRewards:
         mean = self.total / self.num_samples
         self.total, self.num_samples = 0.0, 0
         return mean
+
+
+class IntakeState(msgspec.Struct, kw_only=True):
+    """The intake at a consistent cut with the rollout (a checkpoint's `async_state.msgpack`):
+    the groups buffered, every prompt seq's fate, and the groups in flight with their
+    tokens so far (`PartialGroup`), which the rollout reported right after the groups it had
+    sent, so no group is in two of them."""
+
+    buffered: list[Group] = []
+    received: list[int] = []
+    trained: list[int] = []
+    filtered: list[int] = []
+    evicted: list[int] = []
+    in_flight: list[PartialGroup] = []
+    is_complete: bool = False
+    """False when the rollout did not answer in time: `in_flight` is then empty and those
+    groups are generated again on resume."""
+    snapshot_s: float = 0.0
+    """From the request to the rollout's answer (generation was held for part of it)."""
 
 
 class Intake:
@@ -95,6 +120,8 @@ class Intake:
         self.rollout_counters: dict[str, Any] = {}
         """The rollout worker's latest counters (its `rollout` reports)."""
         self._eval_reports: list[Report] = []
+        self._cuts: dict[int, IntakeState] = {}
+        self._cut_arrived = anyio.Event()
 
     def bind(self) -> str:
         """Bind the receiver now; returns the address rollout processes connect to."""
@@ -139,6 +166,43 @@ class Intake:
     def accounting_metrics(self) -> dict[str, int]:
         return self.accounting.as_metrics(self.buffer.seqs)
 
+    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+        """This intake's state at a cut with the rollout worker (`IntakeState`): the worker
+        is asked for its groups in flight, and the cut is taken when its answer arrives.
+        Without an answer within `timeout_s` the state is taken now, without them."""
+        started = time.perf_counter()
+        if await self.receiver.request_snapshot(step):
+            with anyio.move_on_after(timeout_s):
+                while step not in self._cuts:
+                    arrived = self._cut_arrived
+                    await arrived.wait()
+        state = self._cuts.pop(step, None) or self._cut([], is_complete=False)
+        state.snapshot_s = time.perf_counter() - started
+        return state
+
+    def restore(self, state: IntakeState) -> None:
+        """Take back a checkpoint's state: its groups buffered again, every seq's fate. The
+        buffered groups count against the staleness budget as groups started."""
+        self.buffer.restore(state.buffered)
+        accounting = self.accounting
+        accounting.received.update(state.received)
+        accounting.trained.update(state.trained)
+        accounting.filtered.update(state.filtered)
+        accounting.evicted.update(state.evicted)
+        self.admission.add_live(len(state.buffered))
+
+    def _cut(self, in_flight: list[PartialGroup], *, is_complete: bool) -> IntakeState:
+        accounting = self.accounting
+        return IntakeState(
+            buffered=self.buffer.groups(),
+            received=sorted(accounting.received),
+            trained=sorted(accounting.trained),
+            filtered=sorted(accounting.filtered),
+            evicted=sorted(accounting.evicted),
+            in_flight=in_flight,
+            is_complete=is_complete,
+        )
+
     def pop_eval_reports(self) -> list[Report]:
         """Evaluation results that arrived since the last call."""
         reports, self._eval_reports = self._eval_reports, []
@@ -146,22 +210,19 @@ class Intake:
 
     def summary(self) -> dict[str, Any]:
         """The group accounting at this moment (see the module docstring)."""
-        stats = self.buffer.stats
-        started = int(self.rollout_counters.get("groups_started", self.admission.num_granted))
-        received = self.receiver.stats.num_groups
-        buffered = len(self.buffer)
-        accounted = stats.num_handed_out + stats.num_filtered + stats.num_evicted
+        stats, accounting = self.buffer.stats, self.accounting
+        received = len(accounting.received)
         return {
-            "groups_started": started,
+            "groups_started": accounting.num_started,
             "groups_received": received,
-            "groups_trained": stats.num_handed_out,
-            "groups_filtered": stats.num_filtered,
-            "groups_evicted": stats.num_evicted,
-            "groups_buffered_at_stop": buffered,
-            "groups_in_flight_at_stop": started - received,
+            "groups_trained": len(accounting.trained),
+            "groups_filtered": len(accounting.filtered),
+            "groups_evicted": len(accounting.evicted),
+            "groups_buffered_at_stop": len(self.buffer),
+            "groups_in_flight_at_stop": accounting.in_flight,
             "groups_duplicate": self.receiver.stats.num_duplicates,
             "bad_frames": self.receiver.stats.num_bad_frames,
-            "accounting_ok": received == accounted + buffered and started >= received,
+            "accounting_ok": not self.accounting_problems(),
             "buffer": stats.as_dict(),
             "rollout": self.rollout_counters,
         }
@@ -185,3 +246,10 @@ class Intake:
                 self.accounting.on_report(msgspec.convert(report.payload["stream"], StreamState))
         elif report.kind == "eval":
             self._eval_reports.append(report)
+        elif report.kind == "in_flight":  # the cut: every group sent before it has arrived
+            payload = report.payload
+            in_flight = msgspec.convert(payload.get("groups", []), list[PartialGroup])
+            complete = bool(payload.get("complete", False))
+            self._cuts[int(payload["step"])] = self._cut(in_flight, is_complete=complete)
+            self._cut_arrived.set()
+            self._cut_arrived = anyio.Event()
