@@ -74,6 +74,11 @@ def save(
     return final
 
 
+def size_bytes(path: Path) -> int:
+    """Bytes of every file under a checkpoint directory."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 ASYNC_STATE_FILE = "async_state.msgpack"
 RNG_FILE = "rng.msgpack"
 

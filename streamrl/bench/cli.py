@@ -5,6 +5,7 @@ streamrl bench sync-vs-async CONFIG [--eta K] --steps N [--json PATH]
 streamrl bench weight-sync --shape qwen2-0.5b --engines 1..N [--json PATH]
 streamrl bench collective [--backend nccl] [--json PATH]
 streamrl bench transport [--json PATH]
+streamrl bench checkpoint CONFIG --every K --steps N [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def _staleness(commands) -> None:
         help="comma-separated off-policy corrections to compare (decoupled_ppo, tis, none)",
     )
     parser.set_defaults(entry="streamrl.bench.staleness:staleness_command")
+
+
+def _checkpoint(commands) -> None:
+    parser = commands.add_parser(
+        "checkpoint", help="what checkpoints of the whole async state cost a running run"
+    )
+    _add_run_args(parser, default_steps=12)
+    parser.add_argument("--every", type=int, default=3, help="a checkpoint every K steps")
+    parser.set_defaults(entry="streamrl.bench.checkpoint:checkpoint_command")
 
 
 def _merge(commands) -> None:
@@ -215,6 +225,7 @@ COMMANDS = (
     _sync_async,
     _weight_sync,
     _pause,
+    _checkpoint,
     _collective,
     _collective_worker,
     _run_one,

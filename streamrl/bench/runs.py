@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import signal
 import sys
 import time
@@ -83,7 +84,11 @@ def run_observed(
     spec: RunSpec, *, timeout_s: float, log_level: str = "warning", gpus: GpuMonitor | None = None
 ) -> dict[str, Any]:
     """Run `spec` to completion in a child process; returns `summarize(...)` of it, with each
-    GPU's busy share over the window when `gpus` watches them."""
+    GPU's busy share over the window when `gpus` watches them. A run directory left by an
+    earlier bench in the same `--work-dir` is replaced (the bench owns it)."""
+    if (spec.run_dir / "metrics.jsonl").exists():
+        print(f"  replacing the earlier run in {spec.run_dir}", file=sys.stderr)
+        shutil.rmtree(spec.run_dir)
     argv = streamrl_argv("--log-level", log_level, "bench", "run-one", str(spec.config_path))
     if spec.record_path is not None:
         argv += ["--record", str(spec.record_path)]

@@ -79,6 +79,9 @@ class IntakeState(msgspec.Struct, kw_only=True):
     groups are generated again on resume."""
     snapshot_s: float = 0.0
     """From the request to the rollout's answer (generation was held for part of it)."""
+    rollout_pause_s: float = 0.0
+    """How long the rollout held its generation for the cut (`rollout_pause_s` <= `snapshot_s`):
+    every engine request aborted, every call parked, the tokens read."""
 
 
 class Intake:
@@ -250,6 +253,8 @@ class Intake:
             payload = report.payload
             in_flight = msgspec.convert(payload.get("groups", []), list[PartialGroup])
             complete = bool(payload.get("complete", False))
-            self._cuts[int(payload["step"])] = self._cut(in_flight, is_complete=complete)
+            cut = self._cut(in_flight, is_complete=complete)
+            cut.rollout_pause_s = float(payload.get("seconds", 0.0))
+            self._cuts[int(payload["step"])] = cut
             self._cut_arrived.set()
             self._cut_arrived = anyio.Event()
