@@ -801,3 +801,22 @@ def test_row_logprobs_and_entropy_match_the_sequence_forms():
             rtol=1e-6,
             atol=1e-6,
         )
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 2 * 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_entropy_has_the_gradient_of_the_direct_formula(monkeypatch, chunk_elements, dtype):
+    monkeypatch.setattr(algorithms.logits, "_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(7, 11, generator=generator)).to(dtype)
+    weights = torch.randn(7, generator=generator)
+    for temperature in (1.0, 0.7, 0.0):
+        ours = logits.clone().requires_grad_(True)
+        (entropy_of_rows(ours, temperature=temperature) * weights).sum().backward()
+        direct = logits.clone().requires_grad_(True)
+        z = direct.float() / (temperature or 1.0)
+        entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+        (entropy * weights).sum().backward()
+        assert ours.grad.dtype == dtype and ours.grad.abs().sum() > 0
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ours.grad, direct.grad, rtol=tolerance, atol=tolerance)

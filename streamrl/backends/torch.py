@@ -80,12 +80,9 @@ class TorchBackend:
             logits, targets, temperature=temperature
         )
         entropy = None
-        if need_entropy:
+        if need_entropy:  # with its gradient: an entropy bonus trains through it
             entropy = torch.zeros_like(logprobs)
-            with torch.no_grad():
-                entropy[:, 1:][predicts] = algorithms.entropy_of_rows(
-                    logits.detach(), temperature=temperature
-                )
+            entropy[:, 1:][predicts] = algorithms.entropy_of_rows(logits, temperature=temperature)
         return batch, logprobs, entropy
 
     @torch.no_grad()
