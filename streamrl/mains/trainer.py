@@ -155,6 +155,14 @@ class Trainer:
 
     # ---- starting ------------------------------------------------------------
 
+    def build_learner(self, device, dtype):
+        """This rank's learner backend, built from what `prepare` decided (a resume then
+        restores the checkpoint into it with `backend.load`)."""
+        from streamrl.backends.build import build_backend
+
+        _, model_path, _ = self.prepare()
+        return build_backend(self.cfg, model_path, device, dtype)
+
     def _start_learner_ranks(self, model_path: str, device) -> None:
         """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
         if self.cfg.learner.backend != "megatron":
@@ -191,11 +199,10 @@ class Trainer:
     async def _start_engines_and_backend(self, model_path: str, device, dtype, version: int):
         """Engines (and router) start while the learner loads its model in a thread."""
         from streamrl.actors.supervisor import EngineSupervisor
-        from streamrl.backends.build import build_backend
         from streamrl.fleet.commands import engine_argv_factory
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            backend_future = pool.submit(build_backend, self.cfg, model_path, device, dtype)
+            backend_future = pool.submit(self.build_learner, device, dtype)
             self.supervisor = EngineSupervisor(
                 self.cfg,
                 run_dir=self.run_dir,
