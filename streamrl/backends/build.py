@@ -16,8 +16,17 @@ def learner_devices(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
     return device, resolve_dtype(cfg.learner.dtype, device)
 
 
-def build_backend(cfg: RunConfig, model_path: str, device: torch.device, dtype: torch.dtype):
-    """The learner backend named by `learner.backend`, loaded from `model_path`."""
+def build_backend(
+    cfg: RunConfig,
+    model_path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    reference_path: str | None = None,
+):
+    """The learner backend named by `learner.backend`, loaded from `model_path`; its KL
+    reference (with `algorithm.kl_loss_coef` > 0) from `reference_path` (None: `model_path`).
+    A resumed run passes its initial model there, so the reference never drifts."""
     need_reference = cfg.algorithm.kl_loss_coef > 0
     if cfg.learner.backend == "torch":
         from streamrl.backends.torch import TorchBackend
@@ -28,6 +37,7 @@ def build_backend(cfg: RunConfig, model_path: str, device: torch.device, dtype: 
             device=device,
             dtype=dtype,
             need_reference=need_reference,
+            reference_path=reference_path,
             seed=cfg.model.seed,
         )
     import warnings
@@ -47,6 +57,7 @@ def build_backend(cfg: RunConfig, model_path: str, device: torch.device, dtype: 
         device=str(device),
         dtype=dtype,
         need_reference=need_reference,
+        reference_path=reference_path,
         seed=cfg.model.seed,
     )
 

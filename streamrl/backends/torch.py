@@ -28,6 +28,7 @@ class TorchBackend:
         device: torch.device,
         dtype: torch.dtype,
         need_reference: bool = False,
+        reference_path: str | None = None,
         seed: int = 0,
     ) -> None:
         from streamrl.models import load_model
@@ -47,7 +48,9 @@ class TorchBackend:
             self.model.gradient_checkpointing_enable()
         self.reference = None
         if need_reference:
-            self.reference, _ = load_model(model_path, device=str(device), dtype=dtype, seed=seed)
+            self.reference, _ = load_model(
+                reference_path or model_path, device=str(device), dtype=dtype, seed=seed
+            )
             self.reference.eval().requires_grad_(False)
         self.grad_clip = cfg.grad_clip
         self.optimizer = torch.optim.AdamW(

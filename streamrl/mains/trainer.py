@@ -161,7 +161,15 @@ class Trainer:
         from streamrl.backends.build import build_backend
 
         _, model_path, _ = self.prepare()
-        return build_backend(self.cfg, model_path, device, dtype)
+        return build_backend(
+            self.cfg, model_path, device, dtype, reference_path=self.reference_path
+        )
+
+    @property
+    def reference_path(self) -> str:
+        """The KL reference: the run's initial model, on every start and every resume (a
+        resume loads the policy from its checkpoint, never the reference)."""
+        return self._initial_model()
 
     def _start_learner_ranks(self, model_path: str, device) -> None:
         """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
@@ -170,7 +178,9 @@ class Trainer:
         from streamrl.backends.rendezvous import init_distributed, start_ranks
 
         world_size = self.cfg.learner.num_gpus
-        write_learner_spec(self.run_dir, LearnerSpec(model_path=model_path))
+        write_learner_spec(
+            self.run_dir, LearnerSpec(model_path=model_path, reference_path=self.reference_path)
+        )
         env = {}
         if self.cfg.cluster.learner_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))

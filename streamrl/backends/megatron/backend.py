@@ -101,6 +101,7 @@ class MegatronBackend:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         need_reference: bool = False,
+        reference_path: str | None = None,
         seed: int = 0,
     ) -> None:
         from transformers import AutoConfig
@@ -127,7 +128,7 @@ class MegatronBackend:
             self.ddp, self.optimizer = self._wrap_for_training(self.model)
             self.reference = None
             if need_reference:
-                self.reference = self._build_model(hf_state).eval().requires_grad_(False)
+                self.reference = self._build_reference(hf_state, reference_path, seed=seed)
         del hf_state
 
     # ------------------------------------------------------------ roles
@@ -161,6 +162,19 @@ class MegatronBackend:
             gradient_checkpointing=self.cfg.gradient_checkpointing,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
+        return model
+
+    def _build_reference(
+        self, hf_state: convert.HFCheckpoint, reference_path: str | None, *, seed: int
+    ) -> torch.nn.Module:
+        """The frozen KL reference, from `reference_path` (the run's initial model on a
+        resume) or, when that is None, from the policy's own weights."""
+        holder = None
+        if reference_path is not None and reference_path != str(self.model_dir):
+            reference_dir, holder = resolve_model_dir(reference_path, seed=seed)
+            hf_state = convert.HFCheckpoint(reference_dir)
+        model = self._build_model(hf_state).eval().requires_grad_(False)
+        del holder
         return model
 
     def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
