@@ -83,3 +83,47 @@ def test_with_zero_advantages_the_entropy_bonus_gradient_is_that_of_the_mean_ent
     for name, grad in expected.items():
         # the loss is -entropy_coef * H: its gradient is minus the entropy's
         torch.testing.assert_close(got[name], -grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_1e_8_scale_update_survives_training_in_bfloat16(tiny_model_dir):
+    """learner.dtype = bfloat16 (the CUDA default, here on the CPU): a step of lr 1e-8 moves
+    the weights by about 1e-8 (Adam's first step is lr * sign(g)), which bf16 weights of
+    magnitude ~0.02 (spacing ~1e-4) would round away."""
+    cfg = _config(tiny_model_dir, algorithm={"entropy_coef": 1.0}, lr=1e-8, grad_clip=0.0)
+    backend = TorchBackend(
+        tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.bfloat16
+    )
+    before = {n: p.detach().double().clone() for n, p in backend.model.named_parameters()}
+    backend.train_mini_batch(
+        _micro_batches(), make_loss_fn(cfg), temperature=1.0, need_entropy=True
+    )
+    moved, total = 0, 0
+    for name, parameter in backend.model.named_parameters():
+        if parameter.grad is None:
+            continue
+        step = (parameter.detach().double() - before[name]).abs()
+        has_gradient = parameter.grad.abs() > 1e-6  # Adam moves these by ~lr (eps = 1e-8)
+        total += int(has_gradient.sum())
+        moved += int((step[has_gradient] > 0.5e-8).sum())
+        assert float(step.max()) < 2e-8, name
+    assert total > 1000
+    assert moved / total > 0.99, f"{moved} of {total} weights kept a 1e-8 update"
+
+
+def test_training_in_bfloat16_computes_in_bfloat16_and_publishes_bfloat16_weights(tiny_model_dir):
+    cfg = _config(tiny_model_dir)
+    exact = TorchBackend(
+        tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.float32
+    )
+    mixed = TorchBackend(
+        tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.bfloat16
+    )
+    batches = _micro_batches()
+    fp32 = exact.compute_logprobs(batches, temperature=1.0)[0]
+    bf16 = mixed.compute_logprobs(batches, temperature=1.0)[0]
+    difference = (fp32 - bf16).abs().max()
+    assert 0 < difference < 0.1  # bf16 matmuls: close to fp32, not equal to it
+    published = dict(mixed.hf_weights())
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    for name, parameter in mixed.model.named_parameters():
+        torch.testing.assert_close(published[name], parameter.detach().to(torch.bfloat16))
