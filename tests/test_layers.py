@@ -45,6 +45,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.config",
         "streamrl.models",
         "streamrl.process",
+        "streamrl.schedules",
         "streamrl.types",
         "streamrl.weights",
     ),

@@ -32,7 +32,6 @@ from streamrl.backends.batching import gather_responses, pack_micro_batches, sca
 from streamrl.config import RunConfig
 from streamrl.types import Group, Sample
 
-
 COUNTS = ("log_ratio_clamped_tokens",)
 """Loss metrics that are counts: summed over the step's mini-batches, not averaged."""
 
