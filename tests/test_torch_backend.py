@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from streamrl import algorithms
@@ -129,3 +130,35 @@ def test_training_in_bfloat16_computes_in_bfloat16_and_publishes_bfloat16_weight
     assert {t.dtype for t in published.values()} == {torch.bfloat16}
     for name, parameter in mixed.model.named_parameters():
         torch.testing.assert_close(published[name], parameter.detach().to(torch.bfloat16))
+
+
+def test_the_torch_learning_rate_follows_the_schedule_and_resumes_where_it_stopped(
+    tiny_model_dir, tmp_path
+):
+    from streamrl.schedules import lr_at
+
+    schedule = {"lr": 1e-3, "warmup_steps": 2, "decay_style": "cosine", "decay_steps": 3}
+    schedule["min_lr"] = 1e-4
+    cfg = _config(tiny_model_dir, algorithm={"entropy_coef": 1.0})
+    loss_fn, batches = make_loss_fn(cfg), _micro_batches()
+
+    def build():
+        return TorchBackend(
+            tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.float32,
+            lr_schedule=schedule,
+        )  # fmt: skip
+
+    def lrs(backend, num_steps: int) -> list[float]:
+        return [
+            backend.train_mini_batch(batches, loss_fn, temperature=1.0, need_entropy=True)["lr"]
+            for _ in range(num_steps)
+        ]
+
+    backend = build()
+    before = lrs(backend, 3)
+    backend.save(tmp_path / "checkpoint")
+    resumed = build()
+    resumed.load(tmp_path / "checkpoint")
+    expected = [lr_at(step, **schedule) for step in range(7)]
+    assert expected[:2] == pytest.approx([5e-4, 1e-3]) and expected[5:] == pytest.approx([1e-4] * 2)
+    assert before + lrs(resumed, 4) == pytest.approx(expected, rel=1e-12)

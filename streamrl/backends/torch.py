@@ -77,7 +77,7 @@ class TorchBackend:
         self.grad_clip = cfg.grad_clip
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=cfg.lr,
+            lr=lr_schedule["lr"] if lr_schedule else cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
