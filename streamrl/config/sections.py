@@ -250,7 +250,7 @@ class CriticConfig(_Section):
     """Model the critic's body starts from (a Hugging Face directory, `smollm2` or
     `random:<shape>`); empty means the policy's initial model. Its value head starts at 0."""
     lr: NonNegFloat = 0.0
-    """The critic's peak learning rate (slime --critic-lr); 0 means learner.lr. It follows
+    """The critic's peak learning rate; 0 means learner.lr. It follows
     the policy's schedule shape (warmup, decay) scaled to this peak."""
 
 
