@@ -40,9 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     run.set_defaults(entry="streamrl.launch.run:run_command")
 
-    check = commands.add_parser("check", help="validate a config and print it resolved")
+    check = commands.add_parser(
+        "check",
+        help="validate a config, its code, data and model paths; print it resolved (exit 2 on a problem)",
+    )
     _add_config_args(check)
-    check.set_defaults(entry="streamrl.cli:check_command")
+    check.set_defaults(entry="streamrl.check:check_command")
 
     engine = commands.add_parser("engine", help="the embedded inference engine")
     engine_commands = engine.add_subparsers(dest="engine_command", required=True)
@@ -71,18 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     follower.add_argument("--run-dir", required=True)
     follower.set_defaults(entry="streamrl.mains.follower:follower_command")
     return parser
-
-
-def check_command(args: argparse.Namespace) -> int:
-    from streamrl.config import ConfigError, dump_toml, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(dump_toml(cfg), end="")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> None:

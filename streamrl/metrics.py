@@ -1,12 +1,16 @@
-"""Run metrics: `metrics.jsonl` (one JSON object per record), TensorBoard scalars, a progress line."""
+"""Run metrics: `metrics.jsonl` (one JSON object per record), TensorBoard scalars, a progress
+line, and optionally Weights & Biases (`logging.wandb`): every record's numbers, steps and
+evals alike, logged as they are written, plotted against the record's `step`."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,16 @@ log = logging.getLogger(__name__)
 class MetricsWriter:
     """Appends records to `run_dir/metrics.jsonl` and mirrors numbers to TensorBoard."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, progress: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        progress: bool = True,
+        wandb: dict[str, Any] | None = None,
+    ) -> None:
+        """`wandb`: start a W&B run with these settings (`project`, `name`, `mode`, `config`;
+        see `start_wandb`); None logs nothing to W&B."""
         self.path = run_dir / "metrics.jsonl"
         self.progress = progress
         self.started_at = time.monotonic()
@@ -29,6 +42,7 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:  # tensorboard is a dependency; keep running without it
                 log.warning("tensorboard is not installed: writing metrics.jsonl only")
+        self._wandb = start_wandb(run_dir, **wandb) if wandb is not None else None
 
     @property
     def elapsed_s(self) -> float:
@@ -39,9 +53,19 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
+                if _is_number(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            numbers = {key: value for key, value in record.items() if _is_number(value)}
+            kind = record.get("kind")
+            if kind is not None:  # an eval or checkpoint record joins its step's row, prefixed
+                numbers = {
+                    key if "/" in key else f"{kind}/{key}": value
+                    for key, value in numbers.items()
+                    if key != "step"
+                }
+            self._wandb.log(numbers, step=step)
 
     def print_step(self, record: dict[str, Any], total_steps: int) -> None:
         if not self.progress:
@@ -60,6 +84,51 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+WANDB_ID_FILE = "wandb_run_id"
+"""Holds the run's W&B id, so a resumed run logs into the same W&B run."""
+
+
+def start_wandb(
+    run_dir: Path,
+    *,
+    project: str,
+    name: str = "",
+    mode: str = "online",
+    config: dict[str, Any] | None = None,
+) -> Any:
+    """A W&B run for `run_dir` (files under run_dir/wandb/), resumed when the directory
+    already had one. The WANDB_MODE environment variable, when set, overrides `mode`.
+    RuntimeError when the `wandb` package is missing."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError(
+            "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
+        ) from None
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    run = wandb.init(
+        project=project,
+        name=name or run_dir.resolve().name,
+        dir=str(run_dir),
+        mode=os.environ.get("WANDB_MODE") or mode,
+        config=config or {},
+        id=run_id,
+        resume="allow",
+    )
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _plain(value: Any) -> Any:

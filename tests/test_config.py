@@ -173,3 +173,53 @@ def test_auto_weight_transport_follows_where_learner_and_engines_are(device, set
 
     cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": "x"}, **settings})
     assert cfg.weight_transport(device) == expected
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"learner": {"lr": 1e-5, "min_lr": 1e-4}}, r"learner\.min_lr = 0\.0001 must be at most"),
+        (
+            {
+                "learner": {"lr_decay_style": "linear", "lr_warmup_steps": 100},
+                "train": {"steps": 100},
+            },
+            r"learner\.lr_decay_style = 'linear' has no steps.*learner\.lr_decay_steps",
+        ),
+        (
+            {"rollout": {"batch_size": 8, "over_sampling_batch_size": 4}},
+            r"rollout\.over_sampling_batch_size = 4 must be 0 or at least rollout\.batch_size",
+        ),
+        ({"buffer": {"filters": ["zero_std", "nonzero"]}}, r"buffer\.filters\[1\] = 'nonzero'"),
+        ({"train": {"mode": "train_only"}}, r"train\.load_rollouts"),
+        ({"train": {"load_rollouts": "runs/x/rollouts"}}, r"train\.load_rollouts is read only"),
+    ],
+)
+def test_recipe_keys_that_cannot_work_together_are_refused_naming_them(sections, message):
+    from streamrl.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"data": {"path": "builtin:arithmetic"}, **sections})
+
+
+def test_the_lr_schedule_decays_to_the_end_of_training_when_its_length_is_zero():
+    from streamrl.config import config_from_dict
+
+    cfg = config_from_dict(
+        {
+            "data": {"path": "builtin:arithmetic"},
+            "rollout": {"batch_size": 2, "n_samples_per_prompt": 4},
+            "learner": {"lr": 1e-5, "lr_warmup_steps": 3, "lr_decay_style": "cosine",
+                        "global_batch_size": 4},
+            "train": {"steps": 10},
+        }
+    )  # fmt: skip
+    assert cfg.total_optimizer_steps == 20
+    assert cfg.lr_schedule == {
+        "lr": 1e-5, "warmup_steps": 3, "decay_style": "cosine", "decay_steps": 17, "min_lr": 0.0,
+    }  # fmt: skip
+    assert cfg.groups_started_per_step == 2
+    over = config_from_dict(
+        {"data": {"path": "x"}, "rollout": {"batch_size": 2, "over_sampling_batch_size": 6}}
+    )
+    assert over.groups_started_per_step == 6 and over.buffer_capacity == (1 + 2) * 6

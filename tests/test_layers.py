@@ -24,8 +24,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "streamrl.rewards": ("streamrl.utils",),
     # the weight wire, from both ends
     "streamrl.weights": (),
-    # the stream and the buffer: only the wire types
-    "streamrl.queues": ("streamrl.types",),
+    # the stream and the buffer: the wire types (and import_object, for user filters)
+    "streamrl.queues": ("streamrl.types", "streamrl.utils"),
     # the embedded engine: nothing of the trainer
     "streamrl.engine": ("streamrl.models", "streamrl.weights"),
     # the trainer's side of the engines
@@ -53,6 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.config",
         "streamrl.models",
         "streamrl.process",
+        "streamrl.schedules",
         "streamrl.types",
         "streamrl.weights",
     ),

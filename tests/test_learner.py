@@ -153,3 +153,38 @@ def test_a_proximal_pass_is_made_only_when_pi_prox_differs_from_the_training_for
         cfg(algorithm={"advantage_estimator": "reinforce_plus_plus", "kl_loss_coef": 0.01})
     )
     assert not needs_proximal_pass(cfg(algorithm={"kl_loss_coef": 0.01}))  # KL in the loss only
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+def test_algorithm_loss_selects_the_policy_loss_of_the_step(loss):
+    from streamrl.backends.base import MicroBatch
+    from streamrl.backends.step import make_loss_fn
+
+    cfg = config_from_dict(
+        {
+            "data": {"path": "x"},
+            "model": {"path": "m"},
+            "algorithm": {"loss": loss, "eps_clip": 0.1},
+        }
+    )
+    generator = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = MicroBatch(
+        input_ids=torch.zeros(2, 4, dtype=torch.int64),
+        attention_mask=torch.ones(2, 4, dtype=torch.int64),
+        loss_mask=mask,
+        behaviour_logprobs=-torch.rand(2, 4, generator=generator) * mask,
+        sample_indices=[0, 1],
+        advantages=torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, -1.0, -1.0, 0.0]]),
+        proximal_logprobs=-torch.rand(2, 4, generator=generator) * mask,
+        num_tokens_in_mini_batch=5.0,
+        num_sequences_in_mini_batch=2,
+    )
+    logprobs = (-torch.rand(2, 4, generator=generator) * mask).requires_grad_(True)
+    got, metrics = make_loss_fn(cfg)(batch, logprobs, None)
+    per_token, _ = algorithms.policy_loss(
+        logprobs, batch.proximal_logprobs, batch.behaviour_logprobs, batch.advantages, mask,
+        eps_clip=0.1, loss=loss,
+    )  # fmt: skip
+    torch.testing.assert_close(got, per_token.sum() / 5.0)
+    assert metrics["log_ratio_clamped_tokens"] == 0

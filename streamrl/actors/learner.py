@@ -11,6 +11,13 @@ start only with admission credits; credits come back as the buffer drains
 (`take`) and as the publisher lands new versions on the engines (the
 publisher's `on_published` is the intake's). The loop sees only the intake,
 the publisher, the backend and the metrics writer.
+
+The debug modes of `train.mode` change the loop's parts, not its shape: `rollout_only`
+has no backend and no publisher (each step's groups are written by the `RolloutWriter`,
+and admission is told a step passed so generation goes on at the same pace, while the
+policy stays version 0); `train_only` has no publisher and takes its groups from saved
+files (`streamrl.queues.rollout_files.ReplayIntake`). `train.save_rollouts` adds the
+writer to the other modes.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from streamrl.queues import horizon
 from streamrl.queues.accounting import AccountingError
 from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
+from streamrl.queues.rollout_files import RolloutWriter
 from streamrl.types import Group, make_encoder
 
 log = logging.getLogger(__name__)
@@ -48,14 +56,17 @@ class LearnerLoop:
         self,
         cfg: RunConfig,
         *,
-        backend: LearnerBackend,
+        backend: LearnerBackend | None,
         intake: Intake,
-        publisher: WeightPublisher,
+        publisher: WeightPublisher | None,
         metrics: MetricsWriter,
         run_dir: Path,
         state: checkpoint.TrainState,
         pad_id: int,
+        writer: RolloutWriter | None = None,
     ) -> None:
+        """`backend` None: nothing is trained (`rollout_only`); `publisher` None: no engines
+        take weights (`rollout_only`, `train_only`); `writer`: each step's groups are saved."""
         self.cfg = cfg
         self.backend = backend
         self.intake = intake
@@ -64,6 +75,7 @@ class LearnerLoop:
         self.run_dir = run_dir
         self.state = state
         self.pad_id = pad_id
+        self.writer = writer
         self.version = state.version
         self.start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
         self._trained_tokens = 0
@@ -97,21 +109,30 @@ class LearnerLoop:
             groups = await self.intake.take(batch_size, self.version)
             groups.sort(key=lambda group: group.prompt_seq)  # rows in one order, run after run
             idle_s = time.perf_counter() - wait_started
+            if self.writer is not None:
+                await anyio.to_thread.run_sync(self.writer.write, self.state.step + 1, groups)
             step_started = time.perf_counter()
-            step_metrics = await anyio.to_thread.run_sync(self._train, groups)
-            train_s = time.perf_counter() - step_started
             trained_version = self.version
-            self.version += 1
-            publish = await self.publisher.publish(self.version)
+            if self.backend is None:  # rollout_only: the policy stays where it is
+                step_metrics = {"train/trained_tokens": 0.0}
+                await self.intake.on_published(self.state.step + 1)  # a step's credits
+            else:
+                step_metrics = await anyio.to_thread.run_sync(self._train, groups)
+                self.version += 1
+            train_s = time.perf_counter() - step_started
+            publish = None
+            if self.publisher is not None:
+                publish = await self.publisher.publish(self.version)
             self.state.step += 1
             self.state.version = self.version
             self.state.samples_trained += sum(len(g.samples) for g in groups)
             self._trained_tokens += int(step_metrics["train/trained_tokens"])
             record = self._record(groups, trained_version, idle_s, train_s, step_metrics)
-            record["weights/learner_stall_s"] = publish.learner_stall_s
-            record["weights/digest_mismatches"] = self.publisher.num_digest_mismatches
+            record["weights/learner_stall_s"] = publish.learner_stall_s if publish else 0.0
+            if self.publisher is not None:
+                record["weights/digest_mismatches"] = self.publisher.num_digest_mismatches
             record["step_time_s"] = time.perf_counter() - wait_started
-            if self.publisher.records:
+            if self.publisher is not None and self.publisher.records:
                 last = self.publisher.records[-1].as_metrics()
                 record.update({k: v for k, v in last.items() if k != "weights/learner_stall_s"})
             problems = self.intake.accounting_problems()
@@ -129,9 +150,10 @@ class LearnerLoop:
             self.metrics.print_step(record, self.cfg.train.steps)
             self.record_eval_reports()
             interval = self.cfg.train.save_interval
-            if interval and self.state.step % interval == 0:
+            if interval and self.state.step % interval == 0 and self.backend is not None:
                 await self.save()
-        await self.publisher.wait_idle()
+        if self.publisher is not None:
+            await self.publisher.wait_idle()
         return self.state
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
@@ -221,6 +243,7 @@ class LearnerLoop:
             "groups_filtered": stats.num_filtered,
             "groups_evicted": stats.num_evicted,
             "groups_buffered": len(self.intake.buffer),
+            **{f"filtered/{name}": count for name, count in sorted(stats.filtered.items())},
             "learner_idle_s": idle_s,
             "train_s": train_s,
             "time": elapsed,

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+RETURNS_VARIANCE_TOLERANCE = 1e-10
+"""Below this share of mean(R^2), Var[R] is rounding (see `explained_variance`)."""
+
 
 def gae_advantages(
     rewards_per_token: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float, lam: float
@@ -88,13 +91,17 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
     1 for a perfect critic, 0 for one that predicts the mean return, negative
     for one worse than that. Variances are population ones, taken in float64.
-    When Var[R] = 0 (constant returns, or no masked token) there is nothing to
-    explain and the result is 0, never NaN, so averages of it stay finite.
+    When the returns do not vary (no masked token, or Var[R] <= 1e-10 * mean(R^2):
+    constant returns up to the float32 rounding of GAE's sums, such as a batch whose
+    rewards are all 1) there is nothing to explain and the result is 0, never NaN or a
+    huge negative number, so averages of it stay meaningful.
     """
     is_on = mask > 0
     returns = returns.detach().double()[is_on]
     residuals = returns - values.detach().double()[is_on]
-    returns_variance = returns.var(correction=0) if returns.numel() else returns.new_zeros(())
-    if returns_variance == 0:
+    if not returns.numel():
+        return torch.zeros((), dtype=torch.float32, device=values.device)
+    returns_variance = returns.var(correction=0)
+    if returns_variance <= RETURNS_VARIANCE_TOLERANCE * returns.square().mean():
         return torch.zeros((), dtype=torch.float32, device=values.device)
     return (1.0 - residuals.var(correction=0) / returns_variance).float()

@@ -59,12 +59,44 @@ def logprobs_of_rows(logits: Tensor, targets: Tensor, *, temperature: float = 1.
 
 
 def entropy_of_rows(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits[i] / temperature) for flat rows; [N] float32."""
+    """Entropy of softmax(logits[i] / temperature) for flat rows; [N] float32.
+
+    Differentiable with respect to `logits` (an entropy bonus trains through it). The
+    backward pass recomputes the softmax chunk by chunk from the logits instead of
+    keeping fp32 copies: with x = z / T, dH/dz_j = -p_j (log p_j + H) / T."""
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _RowEntropy.apply(logits, temperature)
+    return _entropy_rows(logits, temperature)
+
+
+def _entropy_rows(logits: Tensor, temperature: float) -> Tensor:
     pieces = []
     for _, _, chunk in _row_chunks(logits, temperature):
         log_probs = chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)
         pieces.append(-(torch.exp(log_probs) * log_probs).sum(-1))
     return torch.cat(pieces) if pieces else logits.new_zeros(0, dtype=torch.float32)
+
+
+class _RowEntropy(torch.autograd.Function):
+    """`entropy_of_rows` with a backward that recomputes p from the saved logits."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float) -> Tensor:
+        entropy = _entropy_rows(logits.detach(), temperature)
+        ctx.save_for_backward(logits, entropy)
+        ctx.temperature = temperature
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy: Tensor) -> tuple[Tensor, None]:
+        logits, entropy = ctx.saved_tensors
+        scale = ctx.temperature or 1.0
+        grad = torch.empty_like(logits)
+        for start, end, chunk in _row_chunks(logits.detach(), ctx.temperature):
+            log_probs = chunk - torch.logsumexp(chunk, dim=-1, keepdim=True)
+            local = -torch.exp(log_probs) * (log_probs + entropy[start:end, None])
+            grad[start:end] = (local * (grad_entropy[start:end, None] / scale)).to(grad.dtype)
+        return grad, None
 
 
 def _row_chunks(logits: Tensor, temperature: float) -> Iterator[tuple[int, int, Tensor]]:

@@ -4,13 +4,19 @@
             ─► proximal logprobs (weights before this step: decoupled PPO's pi_prox;
                a forward pass of its own only when needed, see `needs_proximal_pass`)
             ─► reference logprobs (only with a KL loss)
-            ─► advantages (group-relative or REINFORCE++, on response tokens)
+            ─► values (only with the critic of `gae`)
+            ─► advantages (group-relative, REINFORCE++ or GAE, on response tokens)
             ─► for each mini-batch (learner.global_batch_size samples): forward, loss,
-               backward per micro-batch, one optimizer step
+               backward per micro-batch, one optimizer step; then the same for the
+               critic's value loss on the same micro-batches, with its own optimizer
 
-The loss per token is the policy loss (with the configured off-policy
-correction), plus kl_loss_coef * KL(pi || pi_ref), minus entropy_coef * H,
-aggregated over the mini-batch (token_mean or seq_mean).
+The loss per token is the policy loss (`algorithm.loss`: ppo, gspo or cispo, with the
+configured off-policy correction), plus kl_loss_coef * KL(pi || pi_ref), minus
+entropy_coef * H, aggregated over the mini-batch (token_mean or seq_mean).
+
+GAE: the reward of a sample sits on its last trained token (every other token's reward is
+0), so with gamma = lam = 1 each token's return is the sample's reward; the values are the
+critic's before the step, which are also V_old of the clipped value loss.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from streamrl.backends.base import LearnerBackend, MicroBatch
 from streamrl.backends.batching import gather_responses, pack_micro_batches, scatter_responses
 from streamrl.config import RunConfig
 from streamrl.types import Group, Sample
+
+COUNTS = ("log_ratio_clamped_tokens",)
+"""Loss metrics that are counts: summed over the step's mini-batches, not averaged."""
 
 
 def train_step(
@@ -47,16 +56,30 @@ def train_step(
     if algo.kl_loss_coef > 0:
         reference = backend.compute_logprobs(step_batches, temperature=temperature, reference=True)
         reference_by_sample = gather_responses(samples, step_batches, reference)
+    critic = _critic_of(backend, cfg)
+    values_by_sample = None
+    if critic is not None:
+        values_by_sample = gather_responses(
+            samples, step_batches, critic.compute_values(step_batches)
+        )
 
     response_mask = _response_tensor(samples, "loss_mask")
     behaviour_by_sample = _response_tensor(samples, "logprobs")
-    advantages = _advantages(
-        cfg, samples, group_size, response_mask, proximal_by_sample, reference_by_sample
-    )
     metrics = _batch_metrics(samples, response_mask, behaviour_by_sample, proximal_by_sample)
+    returns = None
+    if values_by_sample is None:
+        advantages = _advantages(
+            cfg, samples, group_size, response_mask, proximal_by_sample, reference_by_sample
+        )
+    else:
+        advantages, returns = _gae(cfg, samples, response_mask, values_by_sample)
+        metrics.update(_critic_metrics(values_by_sample, returns, response_mask))
+    if algo.normalize_advantages:
+        advantages = algorithms.masked_whiten(advantages, response_mask)
 
     mini_batches = _split(all_indices, cfg.optimizer_steps_per_step)
     loss_fn = make_loss_fn(cfg)
+    value_loss_fn = make_value_loss_fn(cfg) if critic is not None else None
     need_entropy = True
     sums: dict[str, float] = {}
     for indices in mini_batches:
@@ -71,12 +94,22 @@ def train_step(
                 micro_batch.reference_logprobs = scatter_responses(
                     samples, micro_batch, reference_by_sample
                 )
+            if returns is not None:
+                micro_batch.extras["old_values"] = scatter_responses(
+                    samples, micro_batch, values_by_sample
+                )
+                micro_batch.extras["returns"] = scatter_responses(samples, micro_batch, returns)
         result = backend.train_mini_batch(
             micro_batches, loss_fn, temperature=temperature, need_entropy=need_entropy
         )
+        if critic is not None:
+            critic_result = critic.train_mini_batch(micro_batches, value_loss_fn)
+            result.update({f"critic_{k}": v for k, v in critic_result.items()})
         for key, value in result.items():
             sums[key] = sums.get(key, 0.0) + value
-    metrics.update({f"train/{k}": v / len(mini_batches) for k, v in sums.items()})
+    metrics.update(
+        {f"train/{k}": v if k in COUNTS else v / len(mini_batches) for k, v in sums.items()}
+    )
     if proximal_by_sample is None:  # the mismatch moments came from the training forward
         w_mean, w2_mean = (
             metrics.pop("train/importance_w_mean"),
@@ -124,6 +157,7 @@ def make_loss_fn(cfg: RunConfig):
             correction=algo.off_policy_correction,
             tis_clip=algo.tis_clip,
             behaviour_weight_cap=algo.behaviour_weight_cap,
+            loss=algo.loss,
         )
 
         def reduce(values: torch.Tensor) -> torch.Tensor:
@@ -139,6 +173,7 @@ def make_loss_fn(cfg: RunConfig):
             "pg_loss": reduce(per_token).detach(),
             "clip_fraction": reduce(parts["clipped"]).detach(),
             "behaviour_weight": reduce(parts["behaviour_weight"]).detach(),
+            "log_ratio_clamped_tokens": _token_sum(parts["log_ratio_clamped"], mask),
         }
         if micro_batch.proximal_logprobs is None:
             metrics.update(_mismatch_moments(micro_batch, logprobs.detach()))
@@ -156,6 +191,86 @@ def make_loss_fn(cfg: RunConfig):
         return loss, metrics
 
     return loss_fn
+
+
+def make_value_loss_fn(cfg: RunConfig):
+    """The critic's per-micro-batch loss: `algorithms.value_loss` against the step's returns,
+    clipped around the values before the step (`algorithm.value_clip`), reduced like the
+    policy loss."""
+    algo = cfg.algorithm
+
+    def value_loss_fn(
+        micro_batch: MicroBatch, values: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = micro_batch.loss_mask
+        per_token, parts = algorithms.value_loss(
+            values,
+            micro_batch.extras["old_values"],
+            micro_batch.extras["returns"],
+            mask,
+            clip=algo.value_clip,
+        )
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return algorithms.aggregate(
+                x,
+                mask,
+                algo.loss_aggregation,
+                num_tokens=micro_batch.num_tokens_in_mini_batch,
+                num_sequences=micro_batch.num_sequences_in_mini_batch,
+            )
+
+        loss = reduce(per_token)
+        return loss, {
+            "value_loss": loss.detach(),
+            "value_clip_fraction": reduce(parts["value_clipped"]).detach(),
+        }
+
+    return value_loss_fn
+
+
+def _critic_of(backend: LearnerBackend, cfg: RunConfig):
+    """The backend's critic when the estimator is `gae` (None otherwise)."""
+    if cfg.algorithm.advantage_estimator != "gae":
+        return None
+    critic = getattr(backend, "critic", None)
+    if critic is None:
+        raise ValueError(
+            "algorithm.advantage_estimator = 'gae' needs a critic, and this learner backend "
+            f"({type(backend).__name__}) has none"
+        )
+    return critic
+
+
+def _gae(
+    cfg: RunConfig, samples: list[Sample], mask: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns [N, R] with each sample's reward on its last trained token."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    token_rewards = torch.zeros_like(mask)
+    positions = torch.arange(mask.shape[1])
+    last = torch.where(mask > 0, positions, -1).amax(dim=1)  # -1: no trained token
+    rows = (last >= 0).nonzero().squeeze(1)
+    token_rewards[rows, last[rows]] = rewards[rows]
+    algo = cfg.algorithm
+    return algorithms.gae_advantages(token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+
+
+def _critic_metrics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor):
+    """How well the critic's values before the step predicted the step's returns."""
+    on = mask > 0
+    return {
+        "train/critic_explained_variance": float(
+            algorithms.explained_variance(values, returns, mask)
+        ),
+        "train/critic_value_mean": float(values[on].mean()) if on.any() else 0.0,
+        "train/critic_return_mean": float(returns[on].mean()) if on.any() else 0.0,
+    }
+
+
+def _token_sum(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """How many trained tokens of this micro-batch carry the flag (summed over the step)."""
+    return torch.where(mask > 0, flags, 0.0).sum().detach()
 
 
 def _advantages(

@@ -1,14 +1,24 @@
 """`learner.backend = "torch"`: any Hugging Face causal LM, AdamW, one process.
 
-fp32 on CPU, bf16 on CUDA (`learner.dtype`); an optional frozen reference
-model for the KL loss; gradient checkpointing when configured.
+Precision: the trained weights are fp32 (the master copy) whatever `learner.dtype`
+says; with `bfloat16` (the CUDA default) the forward and backward run under bf16
+autocast, so an update far below bf16's resolution (1e-8 on a weight of 0.02) still
+accumulates, as in Megatron's distributed optimizer. Engines get the weights cast to
+the compute dtype (`hf_weights`); checkpoints keep the fp32 master weights.
+
+The learning rate follows `streamrl.schedules.lr_at` through a `LambdaLR` stepped after
+every optimizer step (its step count is saved with the optimizer). An optional frozen
+reference model (in the compute dtype) serves the KL loss; an optional critic
+(`streamrl.backends.critic`) the GAE estimator; gradient checkpointing when configured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +27,9 @@ from streamrl.backends.base import LossFn, MicroBatch
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
+
+CRITIC_DIR = "critic"
+"""The critic's part of a checkpoint directory."""
 
 
 class TorchBackend:
@@ -28,16 +41,26 @@ class TorchBackend:
         device: torch.device,
         dtype: torch.dtype,
         need_reference: bool = False,
+        reference_path: str | None = None,
+        lr_schedule: dict[str, Any] | None = None,
+        critic_path: str | None = None,
+        critic_lr: float = 0.0,
         seed: int = 0,
     ) -> None:
+        """`dtype` is the compute dtype; `lr_schedule` the keyword arguments of
+        `streamrl.schedules.lr_multiplier` (None: constant `cfg.lr`); `critic_path` the
+        model a critic starts from (None: no critic), trained at peak `critic_lr` on the
+        same schedule shape."""
         from streamrl.models import load_model
+        from streamrl.schedules import lr_multiplier
 
         if cfg.num_threads and device.type == "cpu":
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(seed)
         self.device = device
+        self.dtype = dtype
         self.model, self.tokenizer = load_model(
-            model_path, device=str(device), dtype=dtype, seed=seed
+            model_path, device=str(device), dtype=torch.float32, seed=seed
         )
         self.model.train()
         self.model.config.use_cache = False
@@ -47,16 +70,45 @@ class TorchBackend:
             self.model.gradient_checkpointing_enable()
         self.reference = None
         if need_reference:
-            self.reference, _ = load_model(model_path, device=str(device), dtype=dtype, seed=seed)
+            self.reference, _ = load_model(
+                reference_path or model_path, device=str(device), dtype=dtype, seed=seed
+            )
             self.reference.eval().requires_grad_(False)
         self.grad_clip = cfg.grad_clip
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=cfg.lr,
+            lr=lr_schedule["lr"] if lr_schedule else cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
+        multiplier = lr_multiplier(**lr_schedule) if lr_schedule else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, multiplier or (lambda step: 1.0)
+        )
+        self.critic = None
+        if critic_path is not None:
+            from streamrl.backends.critic import TorchCritic
+
+            self.critic = TorchCritic(
+                critic_path,
+                device=device,
+                dtype=dtype,
+                lr=critic_lr or cfg.lr,
+                lr_multiplier=multiplier,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+                grad_clip=cfg.grad_clip,
+                gradient_checkpointing=cfg.gradient_checkpointing,
+                seed=seed,
+            )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 (or fp16) autocast around a forward when the compute dtype is not fp32."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
 
     @property
     def is_publisher(self) -> bool:
@@ -69,23 +121,21 @@ class TorchBackend:
         prompt and padding are most positions of a batch, and the vocabulary is large.
         Other positions hold 0, as the LearnerBackend layout says."""
         batch = micro_batch.to(self.device)
-        hidden = model.get_decoder()(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask
-        ).last_hidden_state
         predicts = batch.loss_mask[:, 1:] > 0  # position p predicts token p + 1
-        logits = model.get_output_embeddings()(hidden[:, :-1][predicts])
+        with self._autocast():
+            hidden = model.get_decoder()(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask
+            ).last_hidden_state
+            logits = model.get_output_embeddings()(hidden[:, :-1][predicts])
         targets = batch.input_ids[:, 1:][predicts]
         logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         logprobs[:, 1:][predicts] = algorithms.logprobs_of_rows(
             logits, targets, temperature=temperature
         )
         entropy = None
-        if need_entropy:
+        if need_entropy:  # with its gradient: an entropy bonus trains through it
             entropy = torch.zeros_like(logprobs)
-            with torch.no_grad():
-                entropy[:, 1:][predicts] = algorithms.entropy_of_rows(
-                    logits.detach(), temperature=temperature
-                )
+            entropy[:, 1:][predicts] = algorithms.entropy_of_rows(logits, temperature=temperature)
         return batch, logprobs, entropy
 
     @torch.no_grad()
@@ -125,14 +175,16 @@ class TorchBackend:
                 sums[key] = sums.get(key, 0.0) + float(value)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate of this update
         self.optimizer.step()
+        self.scheduler.step()
         sums["grad_norm"] = float(grad_norm)
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors under its names (a tied head appears once, as the
-        embedding; MoE experts one by one, as SGLang loads them: `models.checkpoint_views`)."""
+        embedding; MoE experts one by one, as SGLang loads them: `models.checkpoint_views`),
+        in the compute dtype: a bf16 copy of each fp32 master weight on CUDA."""
         from streamrl.models import checkpoint_views
 
         tied = {
@@ -142,17 +194,23 @@ class TorchBackend:
         }
         for name, tensor in checkpoint_views(self.model).items():
             if name not in tied:
-                yield name, tensor.detach()
+                yield name, tensor.detach().to(self.dtype)
 
     def save(self, path: Path) -> None:
-        """`path` becomes a Hugging Face model directory plus `optimizer.pt`."""
+        """`path` becomes a Hugging Face model directory (fp32 master weights) plus
+        `optimizer.pt` (optimizer and LR schedule) and, with a critic, `critic/`."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+            path / "optimizer.pt",
+        )
+        if self.critic is not None:
+            self.critic.save(path / CRITIC_DIR)
 
     def load(self, path: Path) -> None:
         from safetensors.torch import load_file
@@ -166,5 +224,11 @@ class TorchBackend:
             raise ValueError(
                 f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        optimizer_state = torch.load(path / "optimizer.pt", map_location=self.device)
-        self.optimizer.load_state_dict(optimizer_state)
+        state = torch.load(path / "optimizer.pt", map_location=self.device)
+        if "optimizer" not in state:  # written before the LR schedule was saved with it
+            state = {"optimizer": state, "scheduler": None}
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            self.critic.load(path / CRITIC_DIR)

@@ -8,6 +8,8 @@ dotted keys; `streamrl.config.loading` turns it into a `ConfigError` naming the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from streamrl.config.sections import (
     AlgorithmConfig,
     BufferConfig,
@@ -51,10 +53,43 @@ class RunConfig(_Section):
 
     @property
     def buffer_capacity(self) -> int:
-        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * rollout.batch_size."""
+        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * groups_started_per_step."""
         if self.buffer.capacity:
             return self.buffer.capacity
-        return (self.effective_max_staleness + 2) * self.rollout.batch_size
+        return (self.effective_max_staleness + 2) * self.groups_started_per_step
+
+    @property
+    def groups_started_per_step(self) -> int:
+        """Groups admission lets start per version: `rollout.over_sampling_batch_size`, or
+        rollout.batch_size when that is 0."""
+        return self.rollout.over_sampling_batch_size or self.rollout.batch_size
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """train.steps * optimizer_steps_per_step: the optimizer updates of a whole run."""
+        return self.train.steps * self.optimizer_steps_per_step
+
+    @property
+    def lr_schedule(self) -> dict[str, Any]:
+        """The keyword arguments of `streamrl.schedules.lr_at` for the policy: learner.lr,
+        lr_warmup_steps, lr_decay_style, min_lr and the decay length (learner.lr_decay_steps,
+        or total_optimizer_steps - lr_warmup_steps when that is 0)."""
+        learner = self.learner
+        decay_steps = learner.lr_decay_steps
+        if not decay_steps and learner.lr_decay_style != "constant":
+            decay_steps = max(self.total_optimizer_steps - learner.lr_warmup_steps, 0)
+        return {
+            "lr": learner.lr,
+            "warmup_steps": learner.lr_warmup_steps,
+            "decay_style": learner.lr_decay_style,
+            "decay_steps": decay_steps,
+            "min_lr": min(learner.min_lr, learner.lr),
+        }
+
+    @property
+    def critic_lr(self) -> float:
+        """The critic's peak learning rate: learner.critic.lr, or learner.lr when that is 0."""
+        return self.learner.critic.lr or self.learner.lr
 
     @property
     def samples_per_step(self) -> int:
@@ -184,6 +219,55 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     names = [d.name for d in cfg.eval.datasets]
     if len(set(names)) != len(names):
         problems.append(f"eval.datasets names must be unique, got {names}")
+    problems += _recipe_problems(cfg)
+    return problems
+
+
+BUILTIN_FILTERS = ("zero_std", "truncated")
+"""The names `buffer.filters` accepts besides `module:function` (streamrl.queues.filters)."""
+
+
+def _recipe_problems(cfg: RunConfig) -> list[str]:
+    """The LR schedule, the critic, dynamic sampling and the debug modes."""
+    problems = []
+    learner, rollout, train = cfg.learner, cfg.rollout, cfg.train
+    if learner.min_lr > learner.lr:
+        problems.append(
+            f"learner.min_lr = {learner.min_lr} must be at most learner.lr = {learner.lr}"
+        )
+    schedule = cfg.lr_schedule
+    if schedule["decay_style"] != "constant" and schedule["decay_steps"] < 1:
+        problems.append(
+            f"learner.lr_decay_style = {learner.lr_decay_style!r} has no steps to decay over: "
+            f"learner.lr_warmup_steps = {learner.lr_warmup_steps} covers all "
+            f"{cfg.total_optimizer_steps} optimizer steps of the run; set learner.lr_decay_steps"
+        )
+    if rollout.over_sampling_batch_size and rollout.over_sampling_batch_size < rollout.batch_size:
+        problems.append(
+            f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} must be 0 "
+            f"or at least rollout.batch_size = {rollout.batch_size}"
+        )
+    if cfg.algorithm.advantage_estimator == "gae" and learner.backend != "torch":
+        problems.append(
+            "algorithm.advantage_estimator = 'gae' (a critic) needs learner.backend = 'torch': "
+            "the megatron backend has no value model yet"
+        )
+    for index, name in enumerate(cfg.buffer.filters):
+        module, sep, function = name.partition(":")
+        if name not in BUILTIN_FILTERS and not (sep and module and function):
+            problems.append(
+                f"buffer.filters[{index}] = {name!r} is neither a built-in filter "
+                f"({', '.join(BUILTIN_FILTERS)}) nor 'module:function'"
+            )
+    if train.mode == "train_only" and not train.load_rollouts:
+        problems.append(
+            "train.mode = 'train_only' needs train.load_rollouts (a rollouts/ directory)"
+        )
+    if train.load_rollouts and train.mode != "train_only":
+        problems.append(
+            f"train.load_rollouts is read only with train.mode = 'train_only' (train.mode = "
+            f"{train.mode!r})"
+        )
     return problems
 
 

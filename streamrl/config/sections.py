@@ -136,6 +136,12 @@ class RolloutConfig(_Section):
     `--enable-return-routed-experts`): they travel in `Sample.routed_experts`, and the megatron
     learner reports how often its own router agrees (`train/moe_router_agreement`). Implied by
     `algorithm.routing_replay`."""
+    over_sampling_batch_size: NonNegInt = 0
+    """Groups admission lets start per training step (slime --over-sampling-batch-size); 0
+    means rollout.batch_size. Set it above batch_size when `buffer.filters` drop groups, so
+    the buffer holds a full batch when the learner asks (the learner always takes
+    batch_size groups). Groups that pass the filters beyond what the learner can train
+    within buffer.max_staleness are evicted as stale and counted."""
     gateway: GatewayConfig = GatewayConfig()
 
 
@@ -188,8 +194,19 @@ class BufferConfig(_Section):
     """eta: max versions between a trained token's policy and the learner (0 = on-policy)."""
     capacity: NonNegInt = 0
     """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size."""
-    filters: list[Literal["zero_std"]] = msgspec.field(default_factory=lambda: ["zero_std"])
-    """`zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling)."""
+    filters: list[str] = msgspec.field(default_factory=lambda: ["zero_std"])
+    """Group filters, applied in order as groups arrive; a dropped group is counted under
+    the filter's name (metrics.jsonl `filtered/<name>`, summary.json `buffer.filtered_by`).
+    Built in: `zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling),
+    `truncated` drops groups in which a sample ended by length. `module:function` names a
+    callable Group -> bool (True keeps the group), imported when the run starts (slime
+    --dynamic-sampling-filter-path)."""
+    min_response_tokens: NonNegInt = 0
+    """Drop groups in which a sample has fewer response tokens (counted as
+    `min_response_tokens`); 0 turns the bound off."""
+    max_response_tokens: NonNegInt = 0
+    """Drop groups in which a sample has more response tokens (counted as
+    `max_response_tokens`); 0 turns the bound off."""
     host: str = "127.0.0.1"
     """Address the buffer binds for the rollout stream. With `cluster.launcher = "ray"` a
     loopback address becomes this machine's IP, so a rollout process on another node reaches it."""
@@ -214,11 +231,24 @@ class BufferConfig(_Section):
 
 class AlgorithmConfig(_Section):
     advantage_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
     ] = "grpo"
-    """slime --advantage-estimator; `dr_grpo` is GRPO without std normalisation."""
+    """slime --advantage-estimator; `dr_grpo` is GRPO without std normalisation; `gae` trains
+    a critic (`learner.critic`) and uses GAE(gamma, lam) advantages (slime's `ppo`)."""
     gamma: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
-    """Discount for reinforce_plus_plus token returns."""
+    """Discount of reinforce_plus_plus token returns and of GAE (slime --gamma)."""
+    lam: Probability = 1.0
+    """GAE's lambda (slime --lambd); used by `gae` only."""
+    value_clip: NonNegFloat = 0.2
+    """Clip range of the critic's value loss around the values before the step (slime
+    --value-clip); 0 turns clipping off. Used by `gae` only."""
+    normalize_advantages: bool = False
+    """Whiten the token advantages over the step's trained tokens (slime
+    --normalize-advantages); the reinforce_plus_plus estimators always do."""
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: the clipped PPO surrogate, GSPO's sequence-level ratio (arXiv 2507.18071;
+    use clip ranges near 3e-4 / 4e-4) or CISPO's clipped, detached IS weight (MiniMax-M1,
+    arXiv 2506.13585). slime selects these with --advantage-estimator gspo / cispo."""
     eps_clip: PositiveFloat = 0.2
     """PPO clip range (slime --eps-clip)."""
     eps_clip_high: NonNegFloat = 0.0
@@ -280,6 +310,17 @@ class MegatronConfig(_Section):
     learner's until the next weight push either way: the bias is published with the weights)."""
 
 
+class CriticConfig(_Section):
+    """The value model of `algorithm.advantage_estimator = "gae"` (torch backend only)."""
+
+    path: str = ""
+    """Model the critic's body starts from (a Hugging Face directory, `smollm2` or
+    `random:<shape>`); empty means the policy's initial model. Its value head starts at 0."""
+    lr: NonNegFloat = 0.0
+    """The critic's peak learning rate; 0 means learner.lr. It follows
+    the policy's schedule shape (warmup, decay) scaled to this peak."""
+
+
 class LearnerConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -288,10 +329,27 @@ class LearnerConfig(_Section):
     num_gpus: PositiveInt = 1
     """Learner processes (one per GPU; gloo processes on CPU)."""
     lr: PositiveFloat = 1e-6
+    """Peak learning rate (slime --lr)."""
+    lr_warmup_steps: NonNegInt = 0
+    """Optimizer steps of linear warmup: update k < W runs at lr * (k + 1) / W (slime
+    --lr-warmup-iters; streamrl.schedules gives the exact convention); 0 means none."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: stay at lr, or decay linearly or by a half cosine to min_lr
+    (slime --lr-decay-style)."""
+    lr_decay_steps: NonNegInt = 0
+    """Optimizer steps the decay takes, counted after the warmup (slime --lr-decay-iters
+    counts from 0, warmup included); 0 means to the end of training (train.steps *
+    optimizer steps per step, minus the warmup)."""
+    min_lr: NonNegFloat = 0.0
+    """Learning rate at the end of the decay, and after it (slime --min-lr); at most lr."""
     weight_decay: NonNegFloat = 0.0
+    """AdamW's decoupled weight decay (slime --weight-decay)."""
     adam_beta1: Probability = 0.9
+    """(slime --adam-beta1)"""
     adam_beta2: Probability = 0.999
+    """(slime --adam-beta2)"""
     adam_eps: PositiveFloat = 1e-8
+    """(slime --adam-eps)"""
     grad_clip: NonNegFloat = 1.0
     """Max global grad norm; 0 turns clipping off."""
     global_batch_size: NonNegInt = 0
@@ -302,6 +360,7 @@ class LearnerConfig(_Section):
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""
     megatron: MegatronConfig = MegatronConfig()
+    critic: CriticConfig = CriticConfig()
 
 
 class WeightsConfig(_Section):
@@ -350,8 +409,18 @@ class ClusterConfig(_Section):
 
 
 class TrainConfig(_Section):
-    mode: Literal["async", "sync"] = "async"
-    """`async` overlaps generation and training; `sync` alternates them (the baseline)."""
+    mode: Literal["async", "sync", "rollout_only", "train_only"] = "async"
+    """`async` overlaps generation and training; `sync` alternates them (the baseline).
+    Debug modes: `rollout_only` generates and writes every step's groups to
+    run_dir/rollouts/ without training or pushing weights (slime --debug-rollout-only);
+    `train_only` trains on the groups of `train.load_rollouts`, one file per step, without
+    engines or a rollout process (slime --debug-train-only)."""
+    save_rollouts: bool = False
+    """Also write every step's groups to run_dir/rollouts/step_NNNNNN.msgpack in the other
+    modes (slime --save-debug-rollout-data); `rollout_only` always writes them."""
+    load_rollouts: str = ""
+    """`train_only`: the directory of step_NNNNNN.msgpack files (a run's `rollouts/`) whose
+    step k trains on file k (slime --load-debug-rollout-data)."""
     steps: PositiveInt = 100
     """Training steps, each consuming rollout.batch_size groups (slime --num-rollout)."""
     output_dir: str = "runs/default"
@@ -385,3 +454,13 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     progress: bool = True
     """Print one line per step; off in tests and benches."""
+    wandb: bool = False
+    """Log every metrics.jsonl record (steps and evals) to Weights & Biases (slime
+    --use-wandb); needs the `wandb` extra (`pip install 'streamrl[wandb]'`)."""
+    wandb_project: str = "streamrl"
+    """W&B project (slime --wandb-project)."""
+    wandb_name: str = ""
+    """W&B run name; empty means the run directory's name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """`offline` writes the run under run_dir/wandb/ for a later `wandb sync` (slime
+    --wandb-mode); the WANDB_MODE environment variable, when set, wins."""

@@ -25,6 +25,8 @@ class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     model_path: str
     """The model (the initial one, or the checkpoint a resume starts from)."""
+    reference_path: str = ""
+    """The KL reference model: the run's initial model (empty: `model_path`)."""
 
 
 def write_spec(run_dir: Path, spec: LearnerSpec) -> Path:
@@ -48,7 +50,9 @@ def follower_command(args) -> int:
     init_distributed(device=device.type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    backend = build_backend(cfg, spec.model_path, device, dtype)
+    backend = build_backend(
+        cfg, spec.model_path, device, dtype, reference_path=spec.reference_path or None
+    )
     try:
         follow(backend, make_loss_fn(cfg))
     finally:

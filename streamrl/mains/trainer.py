@@ -16,6 +16,10 @@ its model, binds the intake, starts the rollout process, trains to
 final version, rollout, learner ranks. It returns the summary (also written to
 `summary.json`). Where the processes run is the spawner's business
 (`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.RaySpawner`).
+
+`train.mode = "rollout_only"` starts the engines and the rollout process but no learner
+model and no weight publisher (the loop writes each step's groups); `"train_only"`
+starts neither engines nor rollout (`_run_replay`: the learner trains on saved groups).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Trainer:
         self.supervisor = None
         self.ranks = None
         self.leader = None
+        self.filters = []
+        """(name, filter) pairs of buffer.filters, imported by `prepare`."""
         self._prepared: tuple[checkpoint.TrainState, str, Path | None] | None = None
         self.async_state: IntakeState | None = None
         """The checkpoint's asynchronous state when resuming (buffer, fates, groups in flight)."""
@@ -78,16 +84,26 @@ class Trainer:
         from streamrl.backends.build import learner_devices
 
         state, model_path, resume_from = self.prepare()
+        if self.cfg.train.mode == "train_only":
+            from streamrl.mains.replay import run_replay
+            from streamrl.queues.rollout_files import ReplayIntake
+
+            intake = ReplayIntake(Path(self.cfg.train.load_rollouts), start_step=state.step)
+            try:
+                intake.check(self.cfg.train.steps)
+            except ValueError as exc:
+                raise RunError(str(exc)) from None
+            return await run_replay(self, intake, state, model_path, resume_from)
         device, dtype = learner_devices(self.cfg)
-        self._start_learner_ranks(model_path, device)
-        backend = await self._start_engines_and_backend(model_path, device, dtype, state.version)
+        is_training = self.cfg.train.mode != "rollout_only"
+        if is_training:
+            self.start_learner_ranks(model_path, device)
+        backend = await self._start_engines_and_backend(
+            model_path, device, dtype, state.version, build_learner=is_training
+        )
         if resume_from is not None:
             await anyio.to_thread.run_sync(backend.load, resume_from)
-        metrics = MetricsWriter(
-            self.run_dir,
-            tensorboard=self.cfg.logging.tensorboard,
-            progress=self.cfg.logging.progress,
-        )
+        metrics = self.metrics_writer()
         try:
             intake, publisher, loop = self._actors(backend, device, state, metrics)
             rollout = RolloutKeeper(self, intake, loop, model_path)
@@ -122,6 +138,7 @@ class Trainer:
         return self._prepared
 
     def _prepare_run_dir(self) -> tuple[checkpoint.TrainState, str, Path | None]:
+        self._load_user_code()
         latest = checkpoint.latest(self.run_dir)
         if self.resume and latest is None:
             raise RunError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
@@ -143,6 +160,48 @@ class Trainer:
             checkpoint.restore_rng((latest / checkpoint.RNG_FILE).read_bytes())
         return state, str(latest), latest
 
+    def _load_user_code(self) -> None:
+        """Import the filters (and check the W&B package) before anything starts: a
+        ConfigError names the key."""
+        from streamrl.config import ConfigError
+        from streamrl.queues.filters import load_filters
+
+        buffer = self.cfg.buffer
+        try:
+            self.filters = load_filters(
+                buffer.filters,
+                min_response_tokens=buffer.min_response_tokens,
+                max_response_tokens=buffer.max_response_tokens,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.cfg.logging.wandb:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(
+                    "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
+                )
+
+    def metrics_writer(self) -> MetricsWriter:
+        logging_cfg = self.cfg.logging
+        wandb = None
+        if logging_cfg.wandb:
+            from streamrl.config import to_toml_dict
+
+            wandb = {
+                "project": logging_cfg.wandb_project,
+                "name": logging_cfg.wandb_name,
+                "mode": logging_cfg.wandb_mode,
+                "config": to_toml_dict(self.cfg),
+            }
+        return MetricsWriter(
+            self.run_dir,
+            tensorboard=logging_cfg.tensorboard,
+            progress=logging_cfg.progress,
+            wandb=wandb,
+        )
+
     def _initial_model(self) -> str:
         """The model every process loads; a `random:` model is written once so all agree."""
         path = self.cfg.model.path
@@ -157,14 +216,32 @@ class Trainer:
 
     # ---- starting ------------------------------------------------------------
 
-    def _start_learner_ranks(self, model_path: str, device) -> None:
+    def build_learner(self, device, dtype):
+        """This rank's learner backend, built from what `prepare` decided (a resume then
+        restores the checkpoint into it with `backend.load`)."""
+        from streamrl.backends.build import build_backend
+
+        _, model_path, _ = self.prepare()
+        return build_backend(
+            self.cfg, model_path, device, dtype, reference_path=self.reference_path
+        )
+
+    @property
+    def reference_path(self) -> str:
+        """The KL reference: the run's initial model, on every start and every resume (a
+        resume loads the policy from its checkpoint, never the reference)."""
+        return self._initial_model()
+
+    def start_learner_ranks(self, model_path: str, device) -> None:
         """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
         if self.cfg.learner.backend != "megatron":
             return
         from streamrl.backends.rendezvous import init_distributed, start_ranks
 
         world_size = self.cfg.learner.num_gpus
-        write_learner_spec(self.run_dir, LearnerSpec(model_path=model_path))
+        write_learner_spec(
+            self.run_dir, LearnerSpec(model_path=model_path, reference_path=self.reference_path)
+        )
         env = {}
         if self.cfg.cluster.learner_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))
@@ -190,14 +267,18 @@ class Trainer:
 
             torch.cuda.set_device(device)
 
-    async def _start_engines_and_backend(self, model_path: str, device, dtype, version: int):
-        """Engines (and router) start while the learner loads its model in a thread."""
+    async def _start_engines_and_backend(
+        self, model_path: str, device, dtype, version: int, *, build_learner: bool = True
+    ):
+        """Engines (and router) start while the learner loads its model in a thread (None
+        without `build_learner`: rollout_only)."""
         from streamrl.actors.supervisor import EngineSupervisor
-        from streamrl.backends.build import build_backend
         from streamrl.fleet.commands import engine_argv_factory
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            backend_future = pool.submit(build_backend, self.cfg, model_path, device, dtype)
+            backend_future = pool.submit(
+                self.build_learner if build_learner else lambda *args: None, device, dtype
+            )
             self.supervisor = EngineSupervisor(
                 self.cfg,
                 run_dir=self.run_dir,
@@ -206,6 +287,10 @@ class Trainer:
             )
             self.supervisor.start()  # in the main thread: children die with the thread that forks
             backend = await anyio.to_thread.run_sync(backend_future.result)
+        return self.lead(backend)
+
+    def lead(self, backend):
+        """With learner ranks > 0, rank 0's calls go through a Leader that they follow."""
         if self.ranks is not None:
             from streamrl.backends.ranks import Leader
 
@@ -226,26 +311,29 @@ class Trainer:
             batch_size=cfg.rollout.batch_size,
             max_staleness=cfg.effective_max_staleness,
             capacity=cfg.buffer_capacity,
-            filters=cfg.buffer.filters,
+            filters=self.filters,
             start_version=state.version,
             staleness_rule=cfg.buffer.staleness_rule,
             max_episode_staleness=cfg.buffer.max_episode_staleness,
+            groups_per_step=cfg.groups_started_per_step,
         )
         if self.async_state is not None:
             intake.restore(self.async_state)
-        transport = cfg.weight_transport(device.type)
-        publisher = WeightPublisher(
-            weights=backend.hf_weights,
-            members=self.supervisor.live_clients,
-            on_published=intake.on_published,
-            bucket_bytes=cfg.weights.bucket_bytes,
-            flattened=cfg.weights.flattened_buckets,
-            pause_mode=cfg.pause_mode,
-            transport=transport,
-            master_address=self.spawner.reachable(cfg.weights.master_address),
-            staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",
-            stages=self._remote_stages(transport),
-        )
+        publisher = None
+        if backend is not None:
+            transport = cfg.weight_transport(device.type)
+            publisher = WeightPublisher(
+                weights=backend.hf_weights,
+                members=self.supervisor.live_clients,
+                on_published=intake.on_published,
+                bucket_bytes=cfg.weights.bucket_bytes,
+                flattened=cfg.weights.flattened_buckets,
+                pause_mode=cfg.pause_mode,
+                transport=transport,
+                master_address=self.spawner.reachable(cfg.weights.master_address),
+                staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",
+                stages=self._remote_stages(transport),
+            )
         loop = LearnerLoop(
             cfg,
             backend=backend,
@@ -255,8 +343,17 @@ class Trainer:
             run_dir=self.run_dir,
             state=state,
             pad_id=pad_token_id(backend),
+            writer=self.rollout_writer(),
         )
         return intake, publisher, loop
+
+    def rollout_writer(self):
+        """The writer of each step's groups (rollout_only, or train.save_rollouts), or None."""
+        if self.cfg.train.mode != "rollout_only" and not self.cfg.train.save_rollouts:
+            return None
+        from streamrl.queues.rollout_files import RolloutWriter
+
+        return RolloutWriter(self.run_dir)
 
     def _remote_stages(self, transport: str):
         """Pipeline stages 1..PP-1 publish from their own ranks (None without PP)."""
@@ -276,18 +373,21 @@ class Trainer:
         cfg, supervisor = self.cfg, self.supervisor
         async with anyio.create_task_group() as tg:
             await tg.start(intake.run)
-            await tg.start(publisher.run)
+            if publisher is not None:
+                await tg.start(publisher.run)
             if not cfg.engine.urls:
-                tg.start_soon(supervisor.monitor, publisher)
+                tg.start_soon(supervisor.monitor, publisher or _InitialWeights())
             watch = anyio.CancelScope()
             tg.start_soon(rollout.keep_alive, watch)
             await loop.run()
-            if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
+            is_saved = cfg.train.save_interval and loop.state.step % cfg.train.save_interval == 0
+            if loop.backend is not None and not is_saved:
                 await loop.save()
             watch.cancel()
             with anyio.fail_after(cfg.engine.startup_timeout_s):
                 await supervisor.wait_settled()  # an engine mid-restart gets the final weights
-            await _final_resync(publisher, supervisor)
+            if publisher is not None:
+                await _final_resync(publisher, supervisor)
             engine_versions = await supervisor.versions()
             await intake.stop("training finished")
             await _wait_exit(rollout.process, timeout_s=30.0)
@@ -297,6 +397,17 @@ class Trainer:
             self.leader.close()
             await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
         return engine_versions
+
+
+class _InitialWeights:
+    """The weight sink of rollout_only: a restarted engine loads the initial model, which is
+    the policy, so there is nothing to resync."""
+
+    def invalidate(self) -> None:
+        pass
+
+    async def resync(self) -> None:
+        pass
 
 
 async def _final_resync(publisher, supervisor) -> None:

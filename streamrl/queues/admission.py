@@ -14,6 +14,14 @@ resume at version v0 the count is rebased to v0 * B (AReaL issue #1388).
 
 A second bound keeps the buffer within capacity: groups in flight plus
 groups buffered never exceed it, so a finished group always has a slot.
+
+Over-sampling (`rollout.over_sampling_batch_size` = O >= B, slime's flag): the
+rule counts O groups per version instead of B, so when filters drop a share of
+the groups, enough of them are already in flight for the buffer to hold B
+trainable ones when the learner asks. If fewer than (O - B) / O of them are
+dropped, the surplus waits in the buffer; the buffer's own bound still holds
+(a group whose oldest token is more than eta versions old is evicted as stale
+and counted, never trained), so every trained group keeps the staleness bound.
 """
 
 from __future__ import annotations
@@ -30,14 +38,19 @@ class Admission:
         capacity: int,
         start_version: int = 0,
         num_buffered: Callable[[], int] = lambda: 0,
+        groups_per_step: int = 0,
     ) -> None:
         if capacity < batch_size:
             raise ValueError(f"capacity {capacity} < batch size {batch_size}")
+        if groups_per_step and groups_per_step < batch_size:
+            raise ValueError(f"groups_per_step {groups_per_step} < batch size {batch_size}")
         self.batch_size = batch_size
+        self.groups_per_step = groups_per_step or batch_size
+        """B in the rule, or O with over-sampling (see the module docstring)."""
         self.max_staleness = max_staleness
         self.capacity = capacity
         self.version = start_version
-        self._base = start_version * batch_size
+        self._base = start_version * self.groups_per_step
         self.num_granted = 0
         self.num_returned = 0
         self.num_revoked = 0
@@ -56,7 +69,9 @@ class Admission:
 
     def num_startable(self, num_buffered: int) -> int:
         """New groups that may start now, given how many wait in the buffer."""
-        by_staleness = (self.version + self.max_staleness + 1) * self.batch_size - self.num_live
+        by_staleness = (
+            self.version + self.max_staleness + 1
+        ) * self.groups_per_step - self.num_live
         by_capacity = self.capacity - num_buffered - self.num_in_flight
         return max(0, min(by_staleness, by_capacity))
 
@@ -84,5 +99,5 @@ class Admission:
         self._base += num_groups
 
     def set_version(self, version: int) -> None:
-        """The engines now serve `version`: B more groups may start per version gained."""
+        """The engines now serve `version`: B (or O) more groups may start per version gained."""
         self.version = max(self.version, version)

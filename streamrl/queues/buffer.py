@@ -27,29 +27,10 @@ from dataclasses import dataclass, field
 import anyio
 
 from streamrl.queues import horizon
-from streamrl.types import Group, SampleStatus
+from streamrl.queues.filters import FILTERS, GroupFilter, NamedFilter
+from streamrl.types import Group
 
 log = logging.getLogger(__name__)
-
-GroupFilter = Callable[[Group], bool]
-"""Returns True to keep a group."""
-
-
-def zero_std_filter(group: Group) -> bool:
-    """Keep a group only if its rewards differ (DAPO's dynamic sampling): equal rewards give zero advantage."""
-    rewards = group.rewards
-    return len(rewards) > 0 and max(rewards) != min(rewards)
-
-
-def generation_failed_filter(group: Group) -> bool:
-    """Drop a group in which a sample could not be generated (its record stays in the counts)."""
-    return all(s.status != SampleStatus.GENERATION_FAILED for s in group.samples)
-
-
-FILTERS: dict[str, GroupFilter] = {
-    "zero_std": zero_std_filter,
-    "generation_failed": generation_failed_filter,
-}
 
 
 @dataclass
@@ -133,7 +114,7 @@ class Buffer:
         *,
         capacity: int,
         max_staleness: int,
-        filters: Iterable[str | GroupFilter] = (),
+        filters: Iterable[str | GroupFilter | NamedFilter] = (),
         clock: Callable[[], float] = time.monotonic,
         on_discard: Callable[[Group, str], None] | None = None,
         staleness_rule: horizon.StalenessRule = "episode",
@@ -145,7 +126,7 @@ class Buffer:
         self.max_staleness = max_staleness
         self.staleness_rule = staleness_rule
         self.max_episode_staleness = max_episode_staleness
-        self.filters = [(f, FILTERS[f]) if isinstance(f, str) else (f.__name__, f) for f in filters]
+        self.filters = [_named(f) for f in filters]
         self.stats = BufferStats()
         self._clock = clock
         self._on_discard = on_discard
@@ -304,3 +285,12 @@ class Buffer:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+def _named(spec: str | GroupFilter | NamedFilter) -> NamedFilter:
+    """(name, filter) for a built-in name, a (name, filter) pair or a bare callable."""
+    if isinstance(spec, str):
+        return spec, FILTERS[spec]
+    if isinstance(spec, tuple):
+        return spec
+    return spec.__name__, spec

@@ -36,7 +36,8 @@ import msgspec
 
 from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
-from streamrl.queues.buffer import Buffer, GroupFilter
+from streamrl.queues.buffer import Buffer
+from streamrl.queues.filters import GroupFilter, NamedFilter
 from streamrl.queues.protocol import Report
 from streamrl.queues.transport import StreamReceiver
 from streamrl.types import Group, PartialGroup
@@ -94,10 +95,11 @@ class Intake:
         batch_size: int,
         max_staleness: int,
         capacity: int,
-        filters: Iterable[str | GroupFilter] = (),
+        filters: Iterable[str | GroupFilter | NamedFilter] = (),
         start_version: int = 0,
         staleness_rule: str = "episode",
         max_episode_staleness: int = 0,
+        groups_per_step: int = 0,
     ) -> None:
         self.admission = Admission(
             batch_size=batch_size,
@@ -105,6 +107,7 @@ class Intake:
             capacity=capacity,
             start_version=start_version,
             num_buffered=lambda: len(self.buffer),
+            groups_per_step=groups_per_step,
         )
         self.buffer = Buffer(
             capacity=capacity,

@@ -10,7 +10,8 @@ One training call (`train_mini_batch`):
     forward_backward_func (no pipelining / 1F1B)  ── per micro-batch on the last stage:
         vocab-parallel logprobs (+ entropy) ─► loss_fn(mb, logprobs, entropy)
         loss × num_local_micro_batches × dp_size      (see `train_mini_batch`)
-    finalize_model_grads (DDP all-reduce, tied-embedding sync) ─► optimizer.step()
+    finalize_model_grads (DDP all-reduce, tied-embedding sync)
+        ─► every param group's lr = streamrl.schedules.lr_at(updates so far) ─► optimizer.step()
     metrics: summed on the last stage, all-reduced over DP, sent to rank 0
 
 Gradient scale: the loop's losses are already divided by mini-batch totals,
@@ -18,6 +19,11 @@ so the wanted gradient is the plain SUM over all micro-batches of all DP
 replicas. Megatron divides each returned loss by the local number of
 micro-batches and DDP averages over DP ranks; `train_mini_batch` multiplies
 both back, so the result is exactly that sum.
+
+Learning rate: streamrl's schedule (`streamrl.schedules`, the torch backend's too), set
+on the optimizer's param groups before each step; Megatron's OptimizerParamScheduler is
+not used (its warmup ramps by n / W from 0, ours by (n + 1) / W). The count of updates is
+saved with the optimizer (`optimizer/schedule.json`), so a resume continues the schedule.
 
 Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
 0 of DP replica 0) that yields that stage's tensors under HF names with global
@@ -27,6 +33,7 @@ layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import tempfile
@@ -104,11 +111,23 @@ class MegatronBackend:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         need_reference: bool = False,
+        reference_path: str | None = None,
+        lr_schedule: dict[str, Any] | None = None,
         seed: int = 0,
     ) -> None:
         from transformers import AutoConfig
 
+        from streamrl.schedules import lr_at
+
         self.cfg = cfg
+        schedule = lr_schedule or {
+            "lr": cfg.lr, "warmup_steps": 0, "decay_style": "constant", "decay_steps": 0,
+            "min_lr": 0.0,
+        }  # fmt: skip
+        lr_at(0, **schedule)  # checked once, here
+        self._lr_at = functools.partial(lr_at, **schedule)
+        self.num_updates = 0
+        """Optimizer steps taken (the schedule's position; saved and restored)."""
         self.algorithm_cfg = algorithm_cfg
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -139,7 +158,7 @@ class MegatronBackend:
             self.ddp, self.optimizer = self._wrap_for_training(self.model)
             self.reference = None
             if need_reference:
-                self.reference = self._build_model(hf_state).eval().requires_grad_(False)
+                self.reference = self._build_reference(hf_state, reference_path, seed=seed)
         del hf_state
 
     # ------------------------------------------------------------ roles
@@ -175,6 +194,19 @@ class MegatronBackend:
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
         routing.install(model, self.shape, replay=self.routing_replay)
+        return model
+
+    def _build_reference(
+        self, hf_state: convert.HFCheckpoint, reference_path: str | None, *, seed: int
+    ) -> torch.nn.Module:
+        """The frozen KL reference, from `reference_path` (the run's initial model on a
+        resume) or, when that is None, from the policy's own weights."""
+        holder = None
+        if reference_path is not None and reference_path != str(self.model_dir):
+            reference_dir, holder = resolve_model_dir(reference_path, seed=seed)
+            hf_state = convert.HFCheckpoint(reference_dir)
+        model = self._build_model(hf_state).eval().requires_grad_(False)
+        del holder
         return model
 
     def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -392,6 +424,9 @@ class MegatronBackend:
         if control is not None:
             control.reset()
         self.ddp.train()
+        lr = self._lr_at(self.num_updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         with self._megatron():
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -399,9 +434,10 @@ class MegatronBackend:
             succeeded, grad_norm, _ = self.optimizer.step()
         if not succeeded:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        self.num_updates += 1
         metrics = self._reduce_metrics(store)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = lr
         if control is not None:
             metrics.update(control.collect(self.device))
         return metrics
@@ -473,6 +509,9 @@ class MegatronBackend:
                 if (self.model_dir / name).exists():
                     shutil.copy(self.model_dir / name, path / name)
             (path / "optimizer" / "layout.json").write_text(json.dumps(self._layout_record()))
+            (path / "optimizer" / "schedule.json").write_text(
+                json.dumps({"num_updates": self.num_updates})
+            )
         dist.barrier()
 
     @torch.no_grad()
@@ -491,6 +530,9 @@ class MegatronBackend:
             checkpoint.load_optimizer(
                 self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
             )
+        schedule = path / "optimizer" / "schedule.json"
+        if schedule.exists():  # absent in checkpoints written before the schedule was saved
+            self.num_updates = int(json.loads(schedule.read_text())["num_updates"])
         dist.barrier()
 
     def _shard_name(self, stage: int) -> str:
