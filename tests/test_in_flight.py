@@ -15,6 +15,7 @@ from streamrl.data import PromptSource
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.models import load_tokenizer
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.tasks.synthetic import confidence_reward, generate_scored
 from streamrl.types import PartialGroup
 
 pytestmark = pytest.mark.anyio
@@ -22,14 +23,16 @@ pytestmark = pytest.mark.anyio
 BUDGET = 200
 
 
-def worker(source, sender, engines, tokenizer, **kwargs) -> RolloutWorker:
+def worker(
+    source, sender, engines, tokenizer, generate_fn=single_turn.generate, **kwargs
+) -> RolloutWorker:
     return RolloutWorker(
         worker_id="rollout-test",
         source=source,
         sender=sender,
         engines=engines,
         tokenizer=tokenizer,
-        generate_fn=single_turn.generate,
+        generate_fn=generate_fn,
         reward_fn=lambda inp: 1.0,
         n_samples_per_prompt=2,
         sampling_params={"max_new_tokens": BUDGET, "ignore_eos": True, "temperature": 1.0},
@@ -80,7 +83,8 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
             assert all(0 < len(s.output_ids) < BUDGET and not s.finish_reason for s in partial)
             assert all(len(s.logprobs) == len(s.versions) == len(s.output_ids) for s in partial)
 
-            # A new process continues them before any new prompt.
+            # A new process continues them before any new prompt, with a generate function
+            # that scores its one completion itself (`finish` runs on a continued sample).
             groups.clear()
             receiver = StreamReceiver(
                 "tcp://127.0.0.1:0", credits=UnlimitedCredits(2), on_group=groups.append
@@ -90,7 +94,9 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                 sender = StreamSender(address, sender_id="rollout-test-2")
                 await tg.start(sender.run)
                 source = PromptSource(str(data), tokenizer=tokenizer, seed=0)
-                second = worker(source, sender, engine_set, tokenizer, resume=saved)
+                second = worker(
+                    source, sender, engine_set, tokenizer, generate_scored, resume=saved
+                )
                 tg.start_soon(second.run)
                 with anyio.fail_after(120):
                     while len(groups) < 2:
@@ -103,5 +109,6 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
             assert len(sample.response_ids) == BUDGET
             assert list(sample.response_ids[: len(kept.output_ids)]) == kept.output_ids
             assert list(sample.logprobs[: len(kept.logprobs)]) == pytest.approx(kept.logprobs)
+            assert sample.reward == pytest.approx(confidence_reward(list(sample.logprobs)))
     assert second.counters.resumed_samples == 4
     assert second.counters.resumed_tokens == sum(len(s.output_ids) for s in partial)

@@ -487,11 +487,16 @@ def run(out_path: Path) -> dict:
                 report[name] = {"error": traceback.format_exc()}
             report["sections_s"][name] = round(time.perf_counter() - section_start, 1)
             free()
+            _write(out_path, report)  # after every section: a run cut short keeps what it has
     report["total_s"] = round(time.perf_counter() - started, 1)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2, default=str))
+    _write(out_path, report)
     print(json.dumps(report, default=str))
     return report
+
+
+def _write(out_path: Path, report: dict) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2, default=str))
 
 
 def main() -> None:

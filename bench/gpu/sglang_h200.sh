@@ -6,6 +6,8 @@
 #   bench/gpu/sglang_h200.sh conformance OUT   carry .sgl .whl: the conformance suite against
 #                                              SGLang on a tiny random Qwen3, then
 #                                              `streamrl bench pause` (in_place, abort, retract)
+#   bench/gpu/sglang_h200.sh checkpoint OUT   carry .sgl .whl: `streamrl bench checkpoint` with
+#                                              SGLang + Megatron on a random Qwen2-0.5B shape
 #   bench/gpu/sglang_h200.sh stash OUT         carry .gguf/part.aa: keep it in /tmp
 #   bench/gpu/sglang_h200.sh learn OUT         carry .gguf/part.ab: join the GGUF, convert it
 #                                              to a Hugging Face directory, and
@@ -69,6 +71,19 @@ conformance)
   kill "$server"
   wait "$server" 2>/dev/null
   tail -20 "$OUT/sglang_tiny.log"
+  ;;
+checkpoint)
+  sglang_env
+  python3 -c "from streamrl.models import save_random_model; save_random_model('qwen2-0.5b', '/tmp/qwen2-0.5b')"
+  timeout "${CHECKPOINT_TIMEOUT_S:-420}" python3 -m streamrl bench checkpoint \
+    bench/configs/gpu_sglang_checkpoint.toml --steps 12 --every 4 --work-dir /tmp/bench-checkpoint \
+    --run-log-level info --json "$OUT/checkpoint_sglang_h200x1.json"
+  status=$?
+  for name in without with; do
+    tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/checkpoint_sglang_h200x1_$name.log.txt" 2>/dev/null
+    cp "/tmp/bench-checkpoint/$name/metrics.jsonl" "$OUT/checkpoint_sglang_h200x1_${name}_metrics.jsonl" 2>/dev/null
+  done
+  exit $status
   ;;
 stash)
   cp .gguf/part.aa /tmp/smollm2.gguf.aa && ls -la /tmp/smollm2.gguf.aa

@@ -242,6 +242,7 @@ class RolloutWorker:
     ) -> list[tuple[Trajectory, str | None]]:
         """A group saved in flight: each sample continued from its tokens (`in_flight`)."""
         results: list = [None] * self.n_samples_per_prompt
+        finish = getattr(self.generate_fn, "finish", None)
 
         async def one(sample: PartialSample) -> None:
             context = self._context(f"{prompt.seq}-{sample.index}", prompt, sample.index)
@@ -252,6 +253,8 @@ class RolloutWorker:
                 return
             trajectory = Trajectory()
             trajectory.add_completion(completion)
+            if finish is not None:  # what the generate function does after its one turn
+                trajectory = finish(context, trajectory)
             results[sample.index] = (trajectory, None)
 
         async with anyio.create_task_group() as tg:

@@ -87,6 +87,8 @@ async def generate_scored_group(ctx: GenerateContext, prompt: Any, n: int) -> li
 
 
 generate_scored.for_group = generate_scored_group
+generate_scored.resumable = True  # one completion, then `score`: a saved sample continues
+generate_scored.finish = score
 
 
 def vowel_fraction(inp: RewardInput) -> float:
