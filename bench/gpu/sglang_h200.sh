@@ -76,7 +76,7 @@ checkpoint)
   sglang_env
   python3 -c "from streamrl.models import save_random_model; save_random_model('qwen2-0.5b', '/tmp/qwen2-0.5b')"
   timeout "${CHECKPOINT_TIMEOUT_S:-420}" python3 -m streamrl bench checkpoint \
-    bench/configs/gpu_sglang_checkpoint.toml --steps 12 --every 4 --work-dir /tmp/bench-checkpoint \
+    bench/configs/gpu_sglang_checkpoint.toml --steps "${CHECKPOINT_STEPS:-12}" --every "${CHECKPOINT_EVERY:-4}" --work-dir /tmp/bench-checkpoint \
     --run-log-level info --json "$OUT/checkpoint_sglang_h200x1.json"
   status=$?
   for name in without with; do
