@@ -89,8 +89,10 @@ def test_a_resumed_turn_keeps_the_routing_of_its_last_engine_call():
     from streamrl.agents.api import Completion, Trajectory
 
     completion = Completion()
-    completion.extend(parse_result(_payload(np.zeros((4, 4)), 3, [7, 8])))  # aborted part
-    completion.extend(parse_result(_payload(np.ones((6, 4)), 5, [9, 10])))  # the resumed call
+    aborted = parse_result(_payload(np.zeros((4, 4)), 3, [7, 8]))
+    completion.extend(aborted, [0] * len(aborted.output_ids), is_exact=True)
+    resumed = parse_result(_payload(np.ones((6, 4)), 5, [9, 10]))  # the resumed call
+    completion.extend(resumed, [1] * len(resumed.output_ids), is_exact=True)
     trajectory = Trajectory()
     trajectory.add_completion(completion)
     assert trajectory.routed_experts.shape == (6, 4) and (trajectory.routed_experts == 1).all()

@@ -18,6 +18,7 @@ set -uo pipefail
 PART=${1:?usage: sglang_h200.sh conformance|stash|learn OUT}
 OUT=$(mkdir -p "${2:?usage: sglang_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
+# Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from this machine: the device copy's .git may be stale.
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 

@@ -40,6 +40,10 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> str:
+    """HEAD (with `-dirty` for uncommitted changes), or `STREAMRL_COMMIT` when set: a copy
+    of the tree on another machine may carry a stale `.git`."""
+    if os.environ.get("STREAMRL_COMMIT"):
+        return os.environ["STREAMRL_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
