@@ -83,7 +83,7 @@ def _import_callable(spec: str, key: str) -> None:
 
 
 def _load_filters(cfg: RunConfig) -> None:
-    from streamrl.queues.filters import load_filters
+    from streamrl.mains.filters import load_filters
 
     load_filters(
         cfg.buffer.filters,

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamrl.mains.filters import load_filters
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
-from streamrl.queues.filters import load_filters
 from streamrl.types import FinishReason, Group, Sample
 
 

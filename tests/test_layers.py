@@ -25,7 +25,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the weight wire, from both ends
     "streamrl.weights": (),
     # the stream and the buffer: the wire types (and import_object, for user filters)
-    "streamrl.queues": ("streamrl.types", "streamrl.utils"),
+    "streamrl.queues": ("streamrl.types",),
     # the embedded engine: nothing of the trainer
     "streamrl.engine": ("streamrl.models", "streamrl.weights"),
     # the trainer's side of the engines

@@ -164,7 +164,7 @@ class Trainer:
         """Import the filters (and check the W&B package) before anything starts: a
         ConfigError names the key."""
         from streamrl.config import ConfigError
-        from streamrl.queues.filters import load_filters
+        from streamrl.mains.filters import load_filters
 
         buffer = self.cfg.buffer
         try:
