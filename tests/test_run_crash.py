@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from test_run import start_run, streamrl_run, write_config
+from test_run import streamrl_run, write_config
 from test_run_recovery import seqs_of, steps_done
 
 from streamrl.metrics import read_metrics
@@ -40,7 +40,6 @@ def test_three_kills_and_resumes_keep_every_prompt_trained_once_within_the_bound
     checkpoints = out / "checkpoints"
     for kill in range(3):
         args = ["--set", LONGER] + (["--resume"] if kill else [])
-        process = start_run(config) if not args[2:] and False else None
         process = _start(config, args)
         target = len(steps_done(out)) + rng.randint(1, 3)
         deadline = time.monotonic() + 300

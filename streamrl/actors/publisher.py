@@ -102,6 +102,7 @@ class PublishRecord:
             "weights/bytes": self.num_bytes,
             "weights/gb_per_s": self.gb_per_s,
             "weights/num_engines": self.num_engines,
+            "weights/ok": self.ok,
         }
 
 
