@@ -284,7 +284,7 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
         process.kill()
     assert summary["engine_restarts"][victim["url"]] == 1
     assert (victim["url"], "down", "exited") in [
-        (e["engine"], e["event"], e.get("reason")) for e in events(out)
+        (e.get("engine"), e["event"], e.get("reason")) for e in events(out)
     ]
     assert set(summary["engine_versions"].values()) == {steps}
 
