@@ -245,3 +245,19 @@ def test_a_killed_learner_actor_stops_the_run_naming_its_node_and_a_resume_on_an
         assert streamrl_processes(str(tmp_path)) == []
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_the_same_dp2_config_runs_with_the_local_launcher_changing_only_that_key(tmp_path):
+    """The ray_* keys (a cluster address that nothing answers, custom resources) go unread."""
+    config_path = megatron_dp2_config(tmp_path, "10.0.0.1:6379", steps=2)
+    result = streamrl_run(config_path, "--set", "cluster.launcher=local")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {2}
+    assert not (out / "ray.json").exists()
+    assert [r["rank"] for r in rank_nodes(out)] == [0, 1]
+    assert (
+        "learner rank 1 of 2 joined 127.0.0.1:" in (out / "logs" / "learner-rank1.log").read_text()
+    )

@@ -59,6 +59,7 @@ from streamrl.launch.placement import (
     rank_order,
     split_tp_groups,
 )
+from streamrl.mains.follower import NODE_IP_ENV
 from streamrl.mains.trainer import RunError
 from streamrl.process import ChildProcess, free_port, spawn
 
@@ -123,12 +124,17 @@ class ProcessHost:
         self, argv: list[str], env: dict[str, str], log_path: str | None, cwd: str
     ) -> int:
         """Start `argv` (again, after an exit); returns its pid. `CUDA_VISIBLE_DEVICES` is
-        the actor's GPUs (empty without); `cwd` is used where it exists on this node."""
+        the actor's GPUs (empty without), `STREAMRL_NODE_IP` this node's IP; `cwd` is used
+        where it exists on this node."""
         import ray
 
         if self.child is not None and self.child.is_alive():
             raise RuntimeError(f"{self.name} still runs as pid {self.child.pid}")
-        env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids())}
+        env = {
+            **env,
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids()),
+            NODE_IP_ENV: ray.util.get_node_ip_address(),
+        }
         # Spawned from the actor's event-loop thread, which lives as long as the actor.
         self.child = spawn(
             self.name,

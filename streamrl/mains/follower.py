@@ -24,6 +24,8 @@ from streamrl.config import load_config
 log = logging.getLogger(__name__)
 
 SPEC_FILE = "learner.json"
+NODE_IP_ENV = "STREAMRL_NODE_IP"
+"""Set by the Ray launcher for each process it starts: the IP of the node it runs on."""
 
 
 class LearnerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,7 +70,10 @@ def follower_command(args) -> int:
         cfg, spec.model_path, device, dtype, reference_path=spec.reference_path or None
     )
     try:
-        follow(backend, make_loss_fn(cfg))
+        # A pipeline stage's publisher is reached at this node's IP under Ray (other ranks
+        # and engines may be on other nodes), else where rank 0's weight group listens.
+        stage_host = os.environ.get(NODE_IP_ENV) or cfg.weights.master_address
+        follow(backend, make_loss_fn(cfg), stage_host=stage_host)
     finally:
         shutdown()
     return 0
