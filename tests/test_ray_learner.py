@@ -51,6 +51,10 @@ def megatron_dp2_config(tmp_path: Path, address: str, *, steps: int, save_interv
     return path
 
 
+WORKER_ENV = {"NCCL_SOCKET_IFNAME": "streamrl-test0"}
+"""Set at the worker's `ray start` (what the runbook says to do on each node); gloo ignores it."""
+
+
 def two_node_cluster():
     """Head: the driver (rank 0), the engine and the rollout; worker: learner rank 1."""
     from ray.cluster_utils import Cluster
@@ -58,7 +62,7 @@ def two_node_cluster():
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"engine_node": 2}}
     )
-    worker = cluster.add_node(num_cpus=1, resources={"learner_node": 1})
+    worker = cluster.add_node(num_cpus=1, resources={"learner_node": 1}, env_vars=WORKER_ENV)
     cluster.wait_for_nodes()
     return cluster, worker
 
@@ -178,6 +182,8 @@ def test_megatron_at_dp2_trains_with_one_rank_on_each_of_two_ray_nodes(tmp_path)
         steps = 3
         process = start_run(megatron_dp2_config(tmp_path, cluster.address, steps=steps))
         try:
+            wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
+            environ = Path(f"/proc/{rank_nodes(out)[1]['pid']}/environ").read_bytes().split(b"\0")
             summary = check_finished_run(process, out, steps)
         finally:
             process.kill()
@@ -190,6 +196,10 @@ def test_megatron_at_dp2_trains_with_one_rank_on_each_of_two_ray_nodes(tmp_path)
         assert placed["learner_ranks"][1]["node_id"] == ranks[1]["node_id"]
         assert placed["nodes"]["engine-0"]["node_id"] == ranks[0]["node_id"]  # engine_node
         assert placed["learner_bundles"] == [{"CPU": 1.0, "learner_node": 1.0}]
+        # The rank's environment is its node's (set at `ray start`), plus its own place.
+        assert b"NCCL_SOCKET_IFNAME=streamrl-test0" in environ
+        assert f"STREAMRL_NODE_IP={ranks[1]['node_ip']}".encode() in environ
+        assert b"RANK=1" in environ and b"WORLD_SIZE=2" in environ
         rank1_log = (out / "logs" / "learner-rank1.log").read_text()
         assert f"learner rank 1 of 2 joined {placed['driver']['node_ip']}:" in rank1_log
         assert f"(streamrl from {WORKTREE / 'streamrl'})" in rank1_log  # this checkout's code
