@@ -1,5 +1,6 @@
 """Rank 0's side of learner ranks 1..N-1 (`streamrl.mains.ranks`), whichever launcher
-starts them: a rank that exits before the rendezvous fails the start at once, naming it."""
+starts them: a rank that exits before the rendezvous fails the start at once, naming it;
+such an error raised inside task groups is what `streamrl run` prints."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def test_a_rank_that_exits_before_the_rendezvous_fails_the_start_at_once_naming_
     assert "cannot read learner.json" in message  # the tail of its log
     events = (tmp_path / "events.jsonl").read_text()
     assert '"event": "ranks_started"' in events
+
+
+def test_a_known_error_inside_task_groups_is_what_streamrl_run_reports():
+    from streamrl.launch.run import _first_known
+
+    lost = RankLost("learner rank 1 (Ray node n1 at 10.0.0.2, pid 7) exited with code -9")
+    nested = ExceptionGroup("outer", [ValueError("noise"), ExceptionGroup("inner", [lost])])
+    assert _first_known(nested) is lost
+    assert _first_known(ExceptionGroup("only noise", [ValueError("x")])) is None

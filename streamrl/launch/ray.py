@@ -299,8 +299,8 @@ class RaySpawner:
                 *learner_bundles(cfg, on_gpu=False),
             ]
             num_cpus = int(sum(bundle["CPU"] for bundle in needed))
-            # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave the
-            # learner's out, or Ray could hand an engine the learner's GPU.
+            # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave rank
+            # 0's out (this process trains on it), or Ray could hand it to a rank or engine.
             with environ_set("CUDA_VISIBLE_DEVICES", gpus_for_own_instance(cfg)):
                 ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
                     address="local",
@@ -357,6 +357,15 @@ class RaySpawner:
         self.learner_bundles = learner_bundles(cfg, on_gpu=learner_on_gpu(cfg))
         if not self.learner_bundles:
             return
+        wanted_gpus = sum(bundle.get("GPU", 0) for bundle in self.learner_bundles)
+        has_gpus = ray.cluster_resources().get("GPU", 0)
+        if self.is_own_instance and wanted_gpus > has_gpus:
+            raise RayLaunchError(
+                f"learner ranks 1..{len(self.learner_bundles)} need {wanted_gpus:g} GPUs "
+                f"(learner.num_gpus - 1: rank 0 is this process, on its own GPU) and the Ray "
+                f"instance started here has {has_gpus:g}; join a cluster with "
+                f"cluster.ray_address"
+            )
         pinned = num_pinned_ranks(cfg)
         selectors = [
             {NODE_ID_LABEL_KEY: self.driver["node_id"]} if index < pinned else {}
