@@ -190,6 +190,7 @@ def test_megatron_at_dp2_trains_with_one_rank_on_each_of_two_ray_nodes(tmp_path)
         assert set(summary["engine_versions"].values()) == {steps}
         ranks = rank_nodes(out)
         print("learner ranks:", json.dumps(ranks))
+        print("summary:", {k: summary[k] for k in ("steps", "accounting_ok", "engine_versions")})
         assert [r["rank"] for r in ranks] == [0, 1]
         assert ranks[0]["node_id"] != ranks[1]["node_id"]
         placed = json.loads((out / "ray.json").read_text())
@@ -230,7 +231,7 @@ def test_a_killed_learner_actor_stops_the_run_naming_its_node_and_a_resume_on_an
         finally:
             process.kill()
         message = stderr[stderr.index("streamrl: learner rank 1") :]
-        print(message[:400])
+        print(message.split("Last lines")[0])
         assert f"Ray node {victim['node_id']} at {victim['node_ip']}" in message
         latest = sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1]
         assert f"The last checkpoint is {out / 'checkpoints' / latest} (step " in message
@@ -248,6 +249,7 @@ def test_a_killed_learner_actor_stops_the_run_naming_its_node_and_a_resume_on_an
         assert summary["accounting_ok"] and summary["steps"] == steps
         assert set(summary["engine_versions"].values()) == {steps}
         ranks = rank_nodes(out)
+        print("resumed:", json.dumps(ranks), {k: summary[k] for k in ("steps", "accounting_ok")})
         assert ranks[1]["node_id"] not in (victim["node_id"], ranks[0]["node_id"])
         resumed = [r["step"] for r in step_records(out)]
         assert resumed[-1] == steps and int(latest.removeprefix("step_")) + 1 in resumed
