@@ -133,7 +133,12 @@ class Spawner(Protocol):
 
     def reachable(self, host: str) -> str:
         """The address to bind on this machine for something configured at `host` that
-        other components must reach (buffer, router, weight-update master)."""
+        other components must reach (buffer, router, weight-update master, learner
+        rendezvous)."""
+        ...
+
+    def placement_here(self) -> dict[str, str]:
+        """Where this process runs, as `ProcessHandle.placement` gives it (empty: here)."""
         ...
 
     def address(self, name: str, host: str) -> tuple[str, int]:
@@ -163,6 +168,9 @@ class LocalSpawner:
 
     def reachable(self, host: str) -> str:
         return host
+
+    def placement_here(self) -> dict[str, str]:
+        return {}
 
     def address(self, name: str, host: str) -> tuple[str, int]:
         return host, free_port(host)

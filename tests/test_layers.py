@@ -23,7 +23,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "streamrl.config": ("streamrl.placement",),
     "streamrl.rewards": ("streamrl.utils",),
     # the weight wire, from both ends
-    "streamrl.weights": (),
+    "streamrl.weights": ("streamrl.process",),  # free_port for a stage's rendezvous
     # the stream and the buffer: the wire types (and import_object, for user filters)
     "streamrl.queues": ("streamrl.types",),
     # the embedded engine: nothing of the trainer

@@ -150,7 +150,7 @@ class RecordingEngine:
 
 
 class RecordingStages:
-    """Stands in for RemoteStages at PP=2: stage 1 holds two buckets."""
+    """Stands in for RemoteStages at PP=2: stage 1 holds two buckets, on another node."""
 
     def __init__(self) -> None:
         self.requests: list[Host | Send | Drop] = []
@@ -166,6 +166,10 @@ class RecordingStages:
     async def request(self, stage: int, request) -> None:
         assert stage == 1
         self.requests.append(request)
+
+    async def rendezvous(self, stage: int) -> tuple[str, int]:
+        assert stage == 1
+        return "10.0.0.2", 29500  # the stage's node: what its group's members are told
 
     def close(self) -> None:
         self.closed = True
@@ -218,6 +222,8 @@ async def test_the_version_is_tagged_only_on_the_last_bucket_of_the_last_stage(m
     assert [u["weight_version"] for u in updates] == [None, None, 7]
     (host, *sends) = stages.requests
     assert host.group_name == stage1 and host.world_size == 3
+    assert (host.master_address, host.master_port) == ("10.0.0.2", 29500)
+    assert [(c["master_address"], c["master_port"]) for _, c in calls[1:2]] == [("10.0.0.2", 29500)]
     assert sends == [Send(stage1, 7, 0), Send(stage1, 7, 1)]
     other = engines[1].calls  # the same calls, at its own rank in both groups
     assert [(name, call.get("group_name")) for name, call in other] == [

@@ -74,19 +74,22 @@ class UpdateGroups:
     ) -> UpdateGroup:
         """A new group over `engines` whose rank 0 is this process (stage 0) or stage's rank."""
         name = f"streamrl-{uuid.uuid4().hex[:8]}" + (f"-stage{stage}" if stage else "")
-        port = free_port(self.master_address)
+        if stage:  # hosted by the stage's rank, maybe on another node
+            address, port = await self.stages.rendezvous(stage)
+        else:
+            address, port = self.master_address, free_port(self.master_address)
         handle = None
 
         async def host() -> None:
             nonlocal handle
             if stage:
-                request = Host(name, self.master_address, port, layout.world_size, self.transport)
+                request = Host(name, address, port, layout.world_size, self.transport)
                 await self.stages.request(stage, request)
                 return
             # Abandoned if an engine's join fails (it died before joining): the rendezvous
             # would otherwise hold this update until it times out.
             handle = await join_in_daemon_thread(
-                master_address=self.master_address,
+                master_address=address,
                 master_port=port,
                 rank=0,
                 world_size=layout.world_size,
@@ -99,7 +102,7 @@ class UpdateGroups:
             for engine, rank_offset in zip(engines, layout.rank_offsets, strict=True):
                 tg.start_soon(
                     lambda e=engine, r=rank_offset: e.init_weights_update_group(
-                        master_address=self.master_address,
+                        master_address=address,
                         master_port=port,
                         rank_offset=r,
                         world_size=layout.world_size,

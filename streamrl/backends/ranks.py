@@ -176,12 +176,13 @@ class Leader:
         announce(Command(Op.STOP))
 
 
-def follow(backend: LearnerBackend, loss_fn: LossFn) -> None:
+def follow(backend: LearnerBackend, loss_fn: LossFn, *, stage_host: str = "127.0.0.1") -> None:
     """Ranks > 0: mirror rank 0's calls until it says stop.
 
     The publisher of a pipeline stage > 0 also serves that stage's broadcasts
-    (a `StageServer` thread) for as long as it follows."""
-    stage = _stage_server(backend)
+    (a `StageServer` thread, reached at `stage_host`: this machine's address that rank 0
+    and the engines reach) for as long as it follows."""
+    stage = _stage_server(backend, stage_host)
     try:
         _follow(backend, loss_fn, stage)
     finally:
@@ -189,13 +190,13 @@ def follow(backend: LearnerBackend, loss_fn: LossFn) -> None:
             stage.close()
 
 
-def _stage_server(backend: LearnerBackend):
+def _stage_server(backend: LearnerBackend, host: str):
     layout = getattr(backend, "layout", None)
     if layout is None or layout.pp_rank == 0 or not backend.is_publisher:
         return None
     from streamrl.weights.stages import StageServer
 
-    stage = StageServer(layout.pp_rank, backend.device)
+    stage = StageServer(layout.pp_rank, backend.device, host=host)
     stage.start()
     return stage
 

@@ -10,7 +10,9 @@ the real micro-batches (the others pass `[]`). Typical use by `streamrl run`:
     backend = MegatronBackend(...)
 
 or start all N ranks as children (`ranks=None`) and let the child with
-`RANK=0` talk to the buffer. A rank learns its place from the environment
+`RANK=0` talk to the buffer. `spawn` decides where a rank runs: a child here
+(`streamrl.process.spawn`, the default) or a process a Ray actor starts on its
+node (`RaySpawner.spawn`, with `master_addr` this node's IP). A rank learns its place from the environment
 (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, the same
 names torchrun uses), so `init_distributed()` with no arguments works in a
 child. Readiness is the rendezvous itself: `init_process_group` returns on a
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.process import ChildProcess, ProcessDied, free_port, spawn
+from streamrl.process import ProcessDied, ProcessHandle, free_port, spawn
+
+SpawnFn = Callable[..., ProcessHandle]
+"""`spawn(name, argv, *, log_path, env)`: `streamrl.process.spawn` or a Spawner's `spawn`."""
 
 
 def rank_env(
@@ -45,10 +50,20 @@ def rank_env(
 class RankGroup:
     """Learner rank processes started by `start_ranks`."""
 
-    processes: list[ChildProcess]
+    processes: list[ProcessHandle]
+    """Ranks in order of `ranks` (1..N-1 when rank 0 is the caller)."""
     master_addr: str
     master_port: int
     world_size: int
+    ranks: list[int]
+
+    def lost(self) -> tuple[int, ProcessHandle, int] | None:
+        """(rank, process, exit code) of the first rank that has exited, or None."""
+        for rank, child in zip(self.ranks, self.processes, strict=True):
+            code = child.poll()
+            if code is not None:
+                return rank, child, code
+        return None
 
     def wait(self, timeout_s: float) -> None:
         """Wait for every rank to exit; raise with the log tail of the first that failed."""
@@ -60,9 +75,7 @@ class RankGroup:
         while pending:
             for child in list(pending):
                 try:
-                    code = child.popen.wait(
-                        timeout=max(0.05, min(1.0, deadline - time.monotonic()))
-                    )
+                    code = child.wait(max(0.05, min(1.0, deadline - time.monotonic())))
                 except subprocess.TimeoutExpired:
                     if time.monotonic() > deadline:
                         self.stop()
@@ -92,25 +105,33 @@ def start_ranks(
     master_port: int = 0,
     env: Mapping[str, str] | None = None,
     name: str = "learner",
+    spawn_fn: SpawnFn = spawn,
 ) -> RankGroup:
-    """Start `argv` once per rank in `ranks` (default: all), each with its rank environment.
+    """Start `argv` once per rank in `ranks` (default: all), each with its rank environment,
+    as the process `{name}-rank{R}` of `spawn_fn`.
 
     `master_port` 0 picks a free port. With rank 0 left out, the caller joins
     as rank 0 through `init_distributed(rank=0, ...)` with this group's port."""
     port = master_port or free_port(master_addr)
+    ranks = list(range(world_size) if ranks is None else ranks)
     processes = []
-    for rank in range(world_size) if ranks is None else ranks:
-        child_env = dict(env or {})
-        child_env.update(rank_env(rank, world_size, master_addr=master_addr, master_port=port))
-        processes.append(
-            spawn(
-                f"{name}-rank{rank}",
-                argv,
-                log_path=Path(log_dir) / f"{name}-rank{rank}.log",
-                env=child_env,
+    try:
+        for rank in ranks:
+            child_env = dict(env or {})
+            child_env.update(rank_env(rank, world_size, master_addr=master_addr, master_port=port))
+            processes.append(
+                spawn_fn(
+                    f"{name}-rank{rank}",
+                    argv,
+                    log_path=Path(log_dir) / f"{name}-rank{rank}.log",
+                    env=child_env,
+                )
             )
-        )
-    return RankGroup(processes, master_addr, port, world_size)
+    except BaseException:
+        for child in processes:
+            child.stop(timeout_s=5.0)
+        raise
+    return RankGroup(processes, master_addr, port, world_size, ranks)
 
 
 def init_distributed(

@@ -389,9 +389,9 @@ class WeightsConfig(_Section):
 
 class ClusterConfig(_Section):
     launcher: Literal["local", "ray"] = "local"
-    """`local` runs every component as a subprocess of `streamrl run`; `ray` runs engines and
-    the rollout process in Ray actors, placed by one placement group (docs/ray.md). The
-    learner stays in `streamrl run` either way."""
+    """`local` runs every component as a subprocess of `streamrl run`; `ray` runs engines, the
+    rollout process and learner ranks 1..N-1 in Ray actors (docs/ray.md). Learner rank 0 (the
+    buffer, the weight publisher, the engine fleet) is `streamrl run` itself either way."""
     ray_address: str = ""
     """Ray cluster to join (`ray.init(address=...)`, e.g. `auto` or `10.0.0.1:6379`); empty
     starts a Ray instance on this machine for the run and shuts it down at the end."""
@@ -399,13 +399,30 @@ class ClusterConfig(_Section):
     """How Ray places the bundles (one per engine, one for rollout) over nodes: `PACK` fills
     few nodes, `SPREAD` spreads them, both best effort; the `STRICT_` forms insist (the run
     fails after `engine.startup_timeout_s` when Ray cannot place them so)."""
+    ray_engine_resources: dict[str, PositiveFloat] = {}
+    """Custom Ray resources added to every engine bundle, e.g. `{engine_node = 1}` to keep
+    engines on nodes started with `ray start --resources='{"engine_node": 8}'`; empty adds
+    none (engines go wherever GPUs, or CPUs, are free)."""
+    ray_learner_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = (
+        "PACK"
+    )
+    """How Ray places the bundles of learner ranks 1..N-1 (one per rank, a placement group
+    of their own) over nodes; same meanings as `ray_placement_strategy`. Ranks are numbered
+    node by node (the node of `streamrl run`, which is rank 0, first), so PACK keeps each
+    tensor-parallel group on one node and spreads data and pipeline parallelism over nodes."""
+    ray_learner_cpus_per_rank: PositiveInt = 1
+    """CPUs in each learner rank's bundle (`{"GPU": 1, "CPU": k}` on GPUs, `{"CPU": k}` on CPU)."""
+    ray_learner_resources: dict[str, PositiveFloat] = {}
+    """Custom Ray resources added to every learner rank's bundle, e.g. `{learner_node = 1}`
+    for nodes started with `--resources='{"learner_node": 8}'`; empty adds none."""
     engine_gpus: list[int] = []
     """CUDA devices for engines (engine i gets entries [i * tp_size, (i + 1) * tp_size)); empty
     means GPUs 0.. (shared with the learner: an embedded engine then takes weights by CUDA IPC
     handle, since NCCL refuses two ranks on one GPU; SGLang engines need their own GPUs unless
     weights.transport = "ipc"). Local launcher only: with `ray`, Ray assigns the GPUs."""
     learner_gpus: list[int] = []
-    """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1."""
+    """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1. With `ray`, only the
+    first is read (rank 0's, on the node of `streamrl run`): Ray gives the other ranks theirs."""
 
 
 class TrainConfig(_Section):

@@ -1,12 +1,22 @@
-"""`cluster.launcher = "ray"`: engines and the rollout process placed by Ray.
+"""`cluster.launcher = "ray"`: engines, the rollout process and learner ranks placed by Ray.
 
     streamrl run (this process: learner rank 0, buffer, publisher, engine fleet, router)
       │  ray.init(cluster.ray_address), or a Ray instance of its own for the run
-      │  one placement group, strategy cluster.ray_placement_strategy:
+      │  learner placement group (Megatron, learner.num_gpus = N > 1), strategy
+      │  cluster.ray_learner_placement_strategy: one bundle per rank 1..N-1,
+      │    {"GPU": 1, "CPU": k} (or {"CPU": k} on CPU); ranks 1..TP-1 on this node
+      │  engine placement group, strategy cluster.ray_placement_strategy:
       │    bundle i < num_engines   {"GPU": engine.tp_size, "CPU": 1}  (or {"CPU": 1} on CPU)
       │    last bundle              {"CPU": 1}
+      ├── ProcessHost "learner-rankR" ──► `streamrl _learner`, rank R, on its node
       ├── ProcessHost "engine-i" in bundle i ──► `streamrl engine serve` / SGLang, on its node
       └── ProcessHost "rollout" in the last ──► `streamrl _rollout`, on its node
+
+Learner ranks are numbered node by node once Ray has placed their bundles (this
+node first: `streamrl.launch.placement.rank_order`), so each tensor-parallel group
+is on one node and data and pipeline parallelism span nodes; a placement that
+splits a TP group is refused. Their rendezvous master is rank 0: this node's IP
+and a port free here.
 
 A `ProcessHost` is a small async actor that runs one component as its child
 process: the same argv as the local launcher, with `CUDA_VISIBLE_DEVICES` set
@@ -27,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -41,10 +52,18 @@ from streamrl.launch.placement import (
     engines_use_gpus,
     environ_set,
     gpus_for_own_instance,
+    learner_bundles,
+    learner_on_gpu,
+    num_pinned_ranks,
     placement_bundles,
+    rank_order,
+    split_tp_groups,
 )
+from streamrl.mains.follower import NODE_IP_ENV
 from streamrl.mains.trainer import RunError
 from streamrl.process import ChildProcess, free_port, spawn
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LOST_EXIT_CODE = -int(signal.SIGKILL)
@@ -105,12 +124,17 @@ class ProcessHost:
         self, argv: list[str], env: dict[str, str], log_path: str | None, cwd: str
     ) -> int:
         """Start `argv` (again, after an exit); returns its pid. `CUDA_VISIBLE_DEVICES` is
-        the actor's GPUs (empty without); `cwd` is used where it exists on this node."""
+        the actor's GPUs (empty without), `STREAMRL_NODE_IP` this node's IP; `cwd` is used
+        where it exists on this node."""
         import ray
 
         if self.child is not None and self.child.is_alive():
             raise RuntimeError(f"{self.name} still runs as pid {self.child.pid}")
-        env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids())}
+        env = {
+            **env,
+            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids()),
+            NODE_IP_ENV: ray.util.get_node_ip_address(),
+        }
         # Spawned from the actor's event-loop thread, which lives as long as the actor.
         self.child = spawn(
             self.name,
@@ -237,6 +261,10 @@ class RaySpawner:
         self.run_dir = run_dir
         self.is_own_instance = False
         self.placement_group = None
+        self.learner_group = None
+        self.learner_bundles: list[dict[str, float]] = []
+        self.driver: dict[str, Any] = {}
+        """This process's node (learner rank 0's): node id and IP, pid."""
         self.hosts: dict[str, Any] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.processes: dict[str, dict[str, Any]] = {}
@@ -266,13 +294,17 @@ class RaySpawner:
         if address:
             ray.init(address=address)
         else:
-            needed = placement_bundles(cfg, engines_on_gpu=False)
-            # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave the
-            # learner's out, or Ray could hand an engine the learner's GPU.
+            needed = [
+                *placement_bundles(cfg, engines_on_gpu=False).values(),
+                *learner_bundles(cfg, on_gpu=False),
+            ]
+            num_cpus = int(sum(bundle["CPU"] for bundle in needed))
+            # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave rank
+            # 0's out (this process trains on it), or Ray could hand it to a rank or engine.
             with environ_set("CUDA_VISIBLE_DEVICES", gpus_for_own_instance(cfg)):
                 ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
                     address="local",
-                    num_cpus=max(os.cpu_count() or 1, len(needed)),
+                    num_cpus=max(os.cpu_count() or 1, num_cpus),
                     include_dashboard=False,
                 )
         if is_main:
@@ -282,8 +314,13 @@ class RaySpawner:
     def _place(self, cfg: RunConfig) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.driver = {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+        self._place_learner(cfg)  # first: the learner is the part that cannot shrink
         total = ray.cluster_resources()
         on_gpu = engines_use_gpus(cfg, cluster_has_gpus=total.get("GPU", 0) > 0)
         self.bundles = placement_bundles(cfg, engines_on_gpu=on_gpu)
@@ -298,41 +335,109 @@ class RaySpawner:
         self.placement_group = placement_group(
             list(self.bundles.values()), strategy=self.strategy, name=f"streamrl-{os.getpid()}"
         )
-        try:
-            ray.get(self.placement_group.ready(), timeout=cfg.engine.startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RayLaunchError(
-                f"Ray could not place the bundles {list(self.bundles.values())} with strategy "
-                f"{self.strategy} (cluster.ray_placement_strategy) within "
-                f"{cfg.engine.startup_timeout_s:.0f} s (engine.startup_timeout_s); the cluster "
-                f"has {ray.cluster_resources()}, of which {ray.available_resources()} is free"
-            ) from None
-        actor = ray.remote(ProcessHost)
-        for index, (name, bundle) in enumerate(self.bundles.items()):
-            self.hosts[name] = actor.options(
-                num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=index
-                ),
-            ).remote(name)
-        found = ray.get([host.node.remote() for host in self.hosts.values()], timeout=600)
-        self.nodes = dict(zip(self.hosts, found, strict=True))
+        _wait_placed(
+            self.placement_group,
+            list(self.bundles.values()),
+            f"{self.strategy} (cluster.ray_placement_strategy)",
+            cfg.engine.startup_timeout_s,
+        )
+        hosts = _start_hosts(self.placement_group, list(self.bundles.values()), list(self.bundles))
+        found = ray.get([host.node.remote() for host in hosts], timeout=600)
+        self.hosts.update(zip(self.bundles, hosts, strict=True))
+        self.nodes.update(zip(self.bundles, found, strict=True))
         self._record()
+
+    def _place_learner(self, cfg: RunConfig) -> None:
+        """Learner ranks 1..N-1: one bundle each, ranks 1..TP-1 on this node; the hosts are
+        named `learner-rankR` in rank order (`rank_order`). RayLaunchError when a
+        tensor-parallel group would span nodes."""
+        import ray
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
+
+        self.learner_bundles = learner_bundles(cfg, on_gpu=learner_on_gpu(cfg))
+        if not self.learner_bundles:
+            return
+        wanted_gpus = sum(bundle.get("GPU", 0) for bundle in self.learner_bundles)
+        has_gpus = ray.cluster_resources().get("GPU", 0)
+        if self.is_own_instance and wanted_gpus > has_gpus:
+            raise RayLaunchError(
+                f"learner ranks 1..{len(self.learner_bundles)} need {wanted_gpus:g} GPUs "
+                f"(learner.num_gpus - 1: rank 0 is this process, on its own GPU) and the Ray "
+                f"instance started here has {has_gpus:g}; join a cluster with "
+                f"cluster.ray_address"
+            )
+        pinned = num_pinned_ranks(cfg)
+        selectors = [
+            {NODE_ID_LABEL_KEY: self.driver["node_id"]} if index < pinned else {}
+            for index in range(len(self.learner_bundles))
+        ]
+        strategy = cfg.cluster.ray_learner_placement_strategy
+        self.learner_group = placement_group(
+            self.learner_bundles,
+            strategy=strategy,
+            name=f"streamrl-learner-{os.getpid()}",
+            bundle_label_selector=selectors if pinned else None,
+        )
+        _wait_placed(
+            self.learner_group,
+            self.learner_bundles,
+            f"{strategy} (cluster.ray_learner_placement_strategy; ranks 1..{pinned} on the "
+            f"node of streamrl run, {self.driver['node_ip']})"
+            if pinned
+            else f"{strategy} (cluster.ray_learner_placement_strategy)",
+            cfg.engine.startup_timeout_s,
+        )
+        names = [f"learner-bundle{index}" for index in range(len(self.learner_bundles))]
+        hosts = _start_hosts(self.learner_group, self.learner_bundles, names)
+        found = ray.get([host.node.remote() for host in hosts], timeout=600)
+        order = rank_order([node["node_id"] for node in found], self.driver["node_id"])
+        for rank, index in enumerate(order, start=1):
+            self.hosts[f"learner-rank{rank}"] = hosts[index]
+            self.nodes[f"learner-rank{rank}"] = {**found[index], "bundle": index}
+        rank_nodes = [self.driver["node_id"]]
+        rank_nodes += [found[index]["node_id"] for index in order]
+        problems = split_tp_groups(rank_nodes, cfg.learner.megatron.tensor_parallel_size)
+        self._record()
+        if problems:
+            raise RayLaunchError(
+                f"Ray placed learner ranks so that a tensor-parallel group (learner.megatron."
+                f"tensor_parallel_size = {cfg.learner.megatron.tensor_parallel_size}) spans "
+                f"nodes: {'; '.join(problems)}. Give each node a multiple of TP learner GPUs "
+                f"(ray start --num-gpus), or set cluster.ray_learner_placement_strategy = "
+                f"'STRICT_PACK' when the learner fits one node"
+            )
+        for rank, node in enumerate(rank_nodes):
+            log.info("learner rank %d on Ray node %s", rank, node)
+
+    @property
+    def learner_ranks(self) -> list[dict[str, Any]]:
+        """Rank r's node (id, IP), in rank order; rank 0 is this process."""
+        placed = [
+            self.nodes[f"learner-rank{rank}"] for rank in range(1, len(self.learner_bundles) + 1)
+        ]
+        ranks = [{"node_id": self.driver["node_id"], "node_ip": self.driver["node_ip"]}]
+        ranks += [{"node_id": node["node_id"], "node_ip": node["node_ip"]} for node in placed]
+        return [{"rank": rank, **node} for rank, node in enumerate(ranks)]
 
     def _record(self) -> None:
         """`run_dir/ray.json`: strategy, bundles, and where each component's process runs."""
         state = {
             "strategy": self.strategy,
             "own_instance": self.is_own_instance,
+            "driver": self.driver,
             "bundles": self.bundles,
+            "learner_bundles": self.learner_bundles,
+            "learner_ranks": self.learner_ranks if self.learner_bundles else [],
             "nodes": self.nodes,
             "processes": self.processes,
         }
         (self.run_dir / "ray.json").write_text(json.dumps(state, indent=2) + "\n")
 
     # ---------------------------------------------------------------- Spawner
+
+    def placement_here(self) -> dict[str, Any]:
+        """This process's Ray node (learner rank 0's), as `RayProcess.placement` gives it."""
+        return {"node_id": self.driver["node_id"], "node_ip": self.driver["node_ip"]}
 
     def reachable(self, host: str) -> str:
         """This machine's IP in place of a loopback address (other nodes cannot reach that)."""
@@ -386,9 +491,44 @@ class RaySpawner:
         for host in self.hosts.values():
             ray.kill(host)
         self.hosts.clear()
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+        for group in (self.placement_group, self.learner_group):
+            if group is not None:
+                remove_placement_group(group)
+        self.placement_group = self.learner_group = None
         ray.shutdown()
+
+
+def _wait_placed(group, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> None:
+    """Wait until Ray has reserved `group`; RayLaunchError with what was asked and what is free."""
+    import ray
+
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RayLaunchError(
+            f"Ray could not place the bundles {bundles} with strategy {strategy} within "
+            f"{timeout_s:.0f} s (engine.startup_timeout_s); the cluster has "
+            f"{ray.cluster_resources()}, of which {ray.available_resources()} is free"
+        ) from None
+
+
+def _start_hosts(group, bundles: list[dict[str, float]], names: list[str]) -> list:
+    """One ProcessHost actor in each bundle of `group` (not restarted: a lost one fails its
+    component, which is then the supervisor's or the trainer's to handle)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor = ray.remote(ProcessHost)
+    return [
+        actor.options(
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=index
+            ),
+        ).remote(name)
+        for index, (name, bundle) in enumerate(zip(names, bundles, strict=True))
+    ]

@@ -6,8 +6,8 @@
                  ─► exit 0 done, 1 failed (the reason on stderr), 130 interrupted
 
 With `cluster.launcher = "local"` every process is a child of this one (they die
-with it: PDEATHSIG); with `"ray"` the engines and the rollout process run in Ray
-actors (`streamrl.launch.ray`). Either way the trainer stops every process it
+with it: PDEATHSIG); with `"ray"` the engines, the rollout process and learner
+ranks 1..N-1 run in Ray actors (`streamrl.launch.ray`). Either way the trainer stops every process it
 started, also on Ctrl-C, SIGTERM or a failure.
 """
 
@@ -41,8 +41,14 @@ def run_command(args) -> int:
     except KeyboardInterrupt:
         print("streamrl: interrupted; every process stopped", file=sys.stderr)
         return 130
-    except (RunError, ProcessDied, TimeoutError, ConfigError, AccountingError) as exc:
+    except KNOWN_ERRORS as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:  # from a task group: the first known error is the cause
+        known = _first_known(group)
+        if known is None:
+            raise
+        print(f"streamrl: {known}", file=sys.stderr)
         return 1
     print(
         f"streamrl: done: {summary['steps']} steps, version {summary['version']}, "
@@ -50,6 +56,21 @@ def run_command(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+KNOWN_ERRORS = (RunError, ProcessDied, TimeoutError, ConfigError, AccountingError)
+"""Errors whose message says what went wrong: printed without a traceback (exit 1)."""
+
+
+def _first_known(group: BaseExceptionGroup) -> BaseException | None:
+    for inner in group.exceptions:
+        if isinstance(inner, BaseExceptionGroup):
+            found = _first_known(inner)
+            if found is not None:
+                return found
+        elif isinstance(inner, KNOWN_ERRORS):
+            return inner
+    return None
 
 
 def _raise_interrupt(signum, frame) -> None:

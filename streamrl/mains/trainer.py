@@ -7,7 +7,8 @@ processes it starts.
       WeightPublisher   snapshot ─► pause/broadcast/continue ──┼──► engines (`streamrl engine
       EngineSupervisor  health checks, restarts, router         │    serve` or SGLang), router
                                                                └── learner ranks 1..N-1
-                                                                   (`streamrl _learner`)
+                                                                   (`streamrl _learner`,
+                                                                   streamrl.mains.ranks)
 
 `Trainer.run()` prepares the run directory (or resumes from its newest
 checkpoint), starts the learner ranks and the engines while the learner loads
@@ -40,7 +41,7 @@ from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
 from streamrl.mains.rollout import RolloutSpec, start_rollout
 from streamrl.metrics import MetricsWriter
-from streamrl.process import LocalSpawner, ProcessHandle, Spawner, free_port, streamrl_argv
+from streamrl.process import LocalSpawner, ProcessHandle, Spawner
 from streamrl.queues.intake import IntakeState
 from streamrl.types import make_decoder, make_encoder
 
@@ -80,7 +81,19 @@ class Trainer:
         self.spawner.close()
 
     async def run(self) -> dict[str, Any]:
-        """Train to `train.steps`; returns the summary (see the module docstring)."""
+        """Train to `train.steps`; returns the summary (see the module docstring). A learner
+        rank that dies stops the run with RankLost (its node, the checkpoint to resume)."""
+        from streamrl.mains.ranks import rank_lost_error
+
+        try:
+            return await self._run()
+        except Exception as exc:
+            lost = await rank_lost_error(self.ranks, self.run_dir, exc)
+            if lost is not None:
+                raise lost from exc
+            raise
+
+    async def _run(self) -> dict[str, Any]:
         from streamrl.backends.build import learner_devices
 
         state, model_path, resume_from = self.prepare()
@@ -233,35 +246,17 @@ class Trainer:
         return self._initial_model()
 
     def start_learner_ranks(self, model_path: str, device) -> None:
-        """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1); this process is rank 0."""
+        """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1), through the spawner:
+        children here, or Ray actors on their nodes; this process is rank 0
+        (`streamrl.mains.ranks`)."""
         if self.cfg.learner.backend != "megatron":
             return
-        from streamrl.backends.rendezvous import init_distributed, start_ranks
+        from streamrl.mains.ranks import start_learner_ranks
 
-        world_size = self.cfg.learner.num_gpus
         write_learner_spec(
             self.run_dir, LearnerSpec(model_path=model_path, reference_path=self.reference_path)
         )
-        env = {}
-        if self.cfg.cluster.learner_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cfg.cluster.learner_gpus))
-        port = free_port()
-        if world_size > 1:
-            self.ranks = start_ranks(
-                streamrl_argv(
-                    "--log-level",
-                    self.cfg.logging.level,
-                    "_learner",
-                    "--run-dir",
-                    str(self.run_dir),
-                ),
-                world_size=world_size,
-                ranks=range(1, world_size),
-                log_dir=self.run_dir / "logs",
-                env=env,
-            )
-            port = self.ranks.master_port
-        init_distributed(rank=0, world_size=world_size, master_port=port, device=device.type)
+        self.ranks = start_learner_ranks(self.cfg, self.run_dir, self.spawner, device)
         if device.type == "cuda":
             import torch
 
@@ -379,6 +374,10 @@ class Trainer:
                 tg.start_soon(supervisor.monitor, publisher or _InitialWeights())
             watch = anyio.CancelScope()
             tg.start_soon(rollout.keep_alive, watch)
+            if self.ranks is not None:
+                from streamrl.mains.ranks import watch_ranks
+
+                tg.start_soon(watch_ranks, self.ranks, self.run_dir)
             await loop.run()
             is_saved = cfg.train.save_interval and loop.state.step % cfg.train.save_interval == 0
             if loop.backend is not None and not is_saved:

@@ -12,7 +12,8 @@ and broadcast, when rank 0 tells them to:
       announce SNAPSHOT v ──default group──────►   hf_weights() -> staging buckets (version v)
       StagePlan of stage s ◄──default group─────   bucket names, dtypes, shapes; control address
     behind the next training step (ZeroMQ DEALER -> REP, one request at a time per stage):
-      Host(group, port) + engines' init calls ─►   host the stage's group as its rank 0
+      Rendezvous ──────────────────────────────►   its host and a port free there
+      Host(group, host:port) + engines' init ──►   host the stage's group as its rank 0
       Send(group, v, i) + engines' update calls ►   broadcast bucket i of version v
       Drop(group) ─────────────────────────────►   destroy the group (engine set changed)
 
@@ -21,10 +22,11 @@ failed), so rank 0 sees an engine that died mid-update as a failed request.
 The serving thread runs next to the follower's training loop and touches only
 the stage's own weight-update group, never the learner's groups.
 
-Everything runs on one machine for `streamrl run`: the control socket binds
-to 127.0.0.1, and rank 0 picks each stage group's rendezvous address (its own
-`master_address`) and a free port there, which the stage rank then hosts;
-stage ranks on other hosts would need their own address here.
+The stage publisher's `host` is the address of its own machine that rank 0 and
+the engines reach: its Ray node's IP when Ray placed it (`STREAMRL_NODE_IP`),
+else `weights.master_address` (the follower decides, `streamrl.mains.follower`).
+Its control socket binds there, and each stage group's rendezvous is there too,
+on a port the stage found free (`Rendezvous`), so stages on other nodes work.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from streamrl.process import free_port
 from streamrl.weights.digest import digest
 from streamrl.weights.group import (
     broadcast_flat,
@@ -100,12 +103,20 @@ class Drop(msgspec.Struct, frozen=True, tag=True):
     group_name: str
 
 
-StageRequest = Host | Send | Drop
+class Rendezvous(msgspec.Struct, frozen=True, tag=True):
+    """Answer the stage's host and a port free there, for the next group it will `Host`."""
+
+
+StageRequest = Host | Send | Drop | Rendezvous
 
 
 class StageReply(msgspec.Struct, frozen=True):
     is_ok: bool
     message: str = ""
+    host: str = ""
+    """`Rendezvous`: the stage's host (where its groups' rendezvous listens)."""
+    port: int = 0
+    """`Rendezvous`: a port free on `host` a moment ago."""
 
 
 @dataclass
@@ -124,6 +135,7 @@ class StageServer:
     def __init__(self, stage: int, device: torch.device, host: str = "127.0.0.1") -> None:
         self.stage = stage
         self.device = device
+        self.host = host
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -212,6 +224,8 @@ class StageServer:
             self._socket.send_multipart([*request_id, self._encoder.encode(reply)])
 
     def _handle(self, request: StageRequest) -> StageReply:
+        if isinstance(request, Rendezvous):
+            return StageReply(True, host=self.host, port=free_port(self.host))
         if isinstance(request, Host):
             if request.group_name in self._groups:
                 return StageReply(False, f"stage {self.stage} already holds {request.group_name}")
@@ -285,7 +299,12 @@ class RemoteStages:
             self._addresses[plan.stage] = plan.address
         return plans
 
-    async def request(self, stage: int, request: StageRequest) -> None:
+    async def rendezvous(self, stage: int) -> tuple[str, int]:
+        """Where `stage` will host its next group: its host and a port free there."""
+        reply = await self.request(stage, Rendezvous())
+        return reply.host, reply.port
+
+    async def request(self, stage: int, request: StageRequest) -> StageReply:
         """Send `request` to `stage`'s publisher and wait for its answer; RuntimeError if it
         failed. Needs a plan of that stage first (its address).
 
@@ -303,6 +322,7 @@ class RemoteStages:
         reply = self._decoder.decode(payload)
         if not reply.is_ok:
             raise RuntimeError(f"pipeline stage {stage}: {reply.message}")
+        return reply
 
     def _socket(self, stage: int) -> zmq.asyncio.Socket:
         if stage not in self._addresses:
