@@ -163,7 +163,7 @@ class Trainer:
         return state, str(latest), latest
 
     def _load_user_code(self) -> None:
-        """Import the filters (and check the W&B package) before anything starts: a
+        """Import the filters (and check the W&B and peft packages) before anything starts: a
         ConfigError names the key."""
         from streamrl.config import ConfigError
         from streamrl.queues.filters import load_filters
@@ -177,13 +177,18 @@ class Trainer:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.cfg.logging.wandb:
-            import importlib.util
+        import importlib.util
 
-            if importlib.util.find_spec("wandb") is None:
-                raise ConfigError(
-                    "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
-                )
+        if self.cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
+            )
+        lora_with_peft = self.cfg.learner.lora.is_enabled and self.cfg.learner.backend == "torch"
+        if lora_with_peft and importlib.util.find_spec("peft") is None:
+            raise ConfigError(
+                "learner.lora with learner.backend = 'torch' needs the peft package: "
+                "pip install 'streamrl[lora]'"
+            )
 
     def metrics_writer(self) -> MetricsWriter:
         logging_cfg = self.cfg.logging

@@ -23,14 +23,15 @@ every element once.
 A base row of a fused linear keeps, on every TP rank, the HF row it had at TP = 1
 (`convert.shard` of row indices), so B's local rows are read off that map and B's shards
 gather back by concatenation. A starts as torch's default for linears (uniform within
-1/sqrt(in)) from a generator seeded by the run seed and the adapter's index, the same
-at every TP size; B starts at zero.
+1/sqrt(in)) from a generator seeded by the run seed and the adapter's HF module name, the
+same at every TP and PP layout; B starts at zero.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -281,13 +282,15 @@ def install(
     modules = dict(model.named_modules())
     reference = next(model.parameters())
     attached = []
-    for index, plan in enumerate(plans):
+    for plan in plans:
         linear = modules[plan.megatron]
         adapters = LoraAdapters(
             plan, rank=rank, scaling=scaling, tp_rank=tp_rank, tp_size=tp_size,
             sequence_parallel=sequence_parallel, dtype=reference.dtype, device=reference.device,
         )  # fmt: skip
-        adapters.init_fresh(torch.Generator().manual_seed(seed * 1_000_003 + index))
+        # Seeded by the HF module's name: the same A at every TP and PP layout.
+        stream = zlib.crc32(plan.modules[0].encode())
+        adapters.init_fresh(torch.Generator().manual_seed(seed * 1_000_003 + stream))
         linear.lora = adapters
         linear.register_forward_hook(_add_delta)
         attached.append(adapters)
