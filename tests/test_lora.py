@@ -301,6 +301,72 @@ def test_an_engine_started_with_an_adapter_serves_the_trained_policy(tiny_model_
     assert torch.allclose(_live(core.runner, f"{module}.weight"), base + delta, atol=1e-5)
 
 
+# ---------------------------------------------------------------- publishing to a real engine
+
+
+def _policy_logprobs(backend: TorchBackend, prompt: list[int], output_ids: list[int]) -> list:
+    """log p(output_ids[i] | prompt + output_ids[:i]) under the learner's adapted model."""
+    ids = torch.tensor([prompt + output_ids])
+    with torch.no_grad():
+        logits = backend.model(input_ids=ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(output_ids))
+    return logprobs[positions, torch.tensor(output_ids)].tolist()
+
+
+@pytest.mark.anyio
+async def test_published_adapters_reach_a_real_engine_and_each_replaces_the_last(
+    tiny_model_dir, tmp_path
+):
+    import anyio
+    from engine_helpers import running_engines
+
+    from streamrl.actors.publisher import WeightPublisher
+    from streamrl.fleet.client import EngineClient
+
+    backend = _backend(tiny_model_dir)
+    backend.model.eval()
+    prompt = [1, 504, 3458, 314, 253]
+
+    async def on_published(version: int) -> None:
+        pass
+
+    async def one_gpu(engines) -> list[int]:
+        return [1] * len(engines)
+
+    seen = []
+    with running_engines(tiny_model_dir, tmp_path, extra_args=["--weight-version", "0"]) as (
+        engine,
+    ):
+        async with EngineClient(engine.url, timeout_s=120) as client:
+            publisher = WeightPublisher(
+                weights=backend.hf_weights,
+                members=lambda: [client],
+                on_published=on_published,
+                gpu_counts=one_gpu,
+            )
+            async with anyio.create_task_group() as tasks:
+                await tasks.start(publisher.run)
+                for version in (1, 2):
+                    _train(backend, 1)
+                    backend.model.eval()
+                    with anyio.fail_after(120):
+                        await publisher.publish(version)
+                        await publisher.wait_idle()
+                    result = await client.generate(
+                        prompt, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+                    )
+                    expected = _policy_logprobs(backend, prompt, result.output_ids)
+                    seen.append((result, expected))
+                tasks.cancel_scope.cancel()
+    for version, (result, expected) in enumerate(seen, start=1):
+        assert result.versions == [version] * 8
+        assert max(abs(a - b) for a, b in zip(result.logprobs, expected, strict=True)) < 1e-4
+    adapter_bytes = sum(t.numel() * t.element_size() for _, t in backend.hf_weights())
+    assert [record.num_bytes for record in publisher.records] == [adapter_bytes] * 2
+    assert all(record.ok for record in publisher.records)
+
+
 # ---------------------------------------------------------------- config
 
 
