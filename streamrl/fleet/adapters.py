@@ -38,20 +38,13 @@ from pathlib import Path
 import anyio
 import torch
 
-from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.fleet.client import EngineClient, EngineError, adapter_name
 from streamrl.weights import adapters
 
 log = logging.getLogger(__name__)
 
-ADAPTER_PREFIX = "streamrl-v"
-"""Adapter names are this prefix and the weight version they carry."""
 KEEP_VERSIONS = 2
 """Adapters loaded per engine: the newest and the one before (see the module docstring)."""
-
-
-def adapter_name(version: int) -> str | None:
-    """The adapter that carries `version`'s weights; None for version 0, the base model."""
-    return f"{ADAPTER_PREFIX}{version}" if version > 0 else None
 
 
 def sglang_lora_args(

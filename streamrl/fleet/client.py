@@ -19,6 +19,13 @@ from streamrl.fleet.results import GenerateResult, parse_result, parse_version
 from streamrl.weights.layout import engine_gpu_count
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+ADAPTER_PREFIX = "streamrl-v"
+"""An engine that serves LoRA adapters by name (SGLang) holds version v's as `streamrl-v<v>`."""
+
+
+def adapter_name(version: int) -> str | None:
+    """The served name of the adapter that carries `version`; None for version 0, the base."""
+    return f"{ADAPTER_PREFIX}{version}" if version > 0 else None
 
 
 class EngineError(RuntimeError):
@@ -163,8 +170,6 @@ class EngineClient:
         """(version, adapter name) a `/generate` runs with (None, None without a route)."""
         if self.adapter_version is None:
             return None, None
-        from streamrl.fleet.adapters import adapter_name
-
         version = self.adapter_version()
         return version, adapter_name(version)
 
