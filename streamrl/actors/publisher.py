@@ -19,6 +19,11 @@ one rank per GPU, from 1 + (GPUs of the engines before it); see
 `streamrl.weights.layout`. It is rebuilt whenever the set of engines changes (an engine restarted),
 and a rebuilt group is brought to the current version at once (`resync`).
 
+With LoRA the weights are the adapters (`streamrl.weights.adapters`): the same buckets,
+tags and digests, and embedded engines merge them into the base weights they keep. SGLang
+engines instead load each version's adapters from a peft directory (`adapter_push`,
+`streamrl.fleet.adapters`), with no weight-update group.
+
 With pipeline parallelism (`stages`) every stage has its own group over the
 same engines: stage 0's is this process's, stage s's is hosted by stage s's
 publisher rank, which snapshots and broadcasts its own layers when told
@@ -39,6 +44,7 @@ import anyio
 import torch
 
 from streamrl.actors.update_groups import UpdateGroup, UpdateGroups
+from streamrl.fleet.adapters import SGLangAdapterPush
 from streamrl.fleet.client import EngineClient, EngineError, engine_gpu_counts
 from streamrl.weights.digest import digest
 from streamrl.weights.group import (
@@ -127,6 +133,9 @@ class WeightPublisher:
     """Weight-group ranks (GPUs) of each engine; by default each engine's `/server_info` tp_size."""
     stages: RemoteStages | None = None
     """Pipeline stages 1..PP-1, which publish their own layers; None without PP."""
+    adapter_push: SGLangAdapterPush | None = None
+    """LoRA on SGLang engines: the snapshot (adapters only) goes out as a peft directory
+    that each engine loads (`streamrl.fleet.adapters`), not over a group; None otherwise."""
     records: list[PublishRecord] = field(default_factory=list)
     num_digest_mismatches: int = 0
     """Buckets an engine received corrupted (and refused), over the run."""
@@ -265,6 +274,9 @@ class WeightPublisher:
         return self.transport == IPC
 
     async def _send(self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord):
+        if self.adapter_push is not None:
+            await self._push_adapter_files(snapshot, engines, record)
+            return
         if self.by_reference and snapshot.stages:
             raise RuntimeError("weights by reference (ipc) cannot carry pipeline stages")
         groups, gpu_counts = [], []
@@ -291,6 +303,23 @@ class WeightPublisher:
         finally:
             await _each(engines, lambda e: e.continue_generation())
             record.engine_pause_s = time.perf_counter() - paused_at
+
+    async def _push_adapter_files(
+        self, snapshot: Snapshot, engines: list[EngineClient], record: PublishRecord
+    ) -> None:
+        """The snapshot's adapters written as `version`'s peft directory, then loaded by
+        every engine inside one pause (`SGLangAdapterPush.push`, which tags the version)."""
+        if snapshot.stages:
+            raise RuntimeError("adapters as files come from one pipeline stage only")
+        tensors = [
+            pair
+            for bucket in snapshot.buckets
+            for pair in zip(bucket.names, bucket.layout.unpack(bucket.flat), strict=True)
+        ]
+        path = await anyio.to_thread.run_sync(self.adapter_push.write, snapshot.version, tensors)
+        started = time.perf_counter()
+        await self.adapter_push.push(engines, snapshot.version, path)
+        record.broadcast_s = record.engine_pause_s = time.perf_counter() - started
 
     async def _send_bucket(
         self,

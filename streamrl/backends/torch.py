@@ -1,5 +1,10 @@
 """`learner.backend = "torch"`: any Hugging Face causal LM, AdamW, one process.
 
+With `learner.lora` the model is a peft `PeftModel` (`streamrl.backends.peft_adapters`):
+the base is frozen in the compute dtype, AdamW holds only the float32 adapters, the KL
+reference is the base with the adapters off, checkpoints hold peft's adapter directory and
+`hf_weights` yields only the adapters.
+
 Precision: the trained weights are fp32 (the master copy) whatever `learner.dtype`
 says; with `bfloat16` (the CUDA default) the forward and backward run under bf16
 autocast, so an update far below bf16's resolution (1e-8 on a weight of 0.02) still
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from streamrl import algorithms
+from streamrl.backends import peft_adapters
 from streamrl.backends.base import LossFn, MicroBatch
 from streamrl.config import LearnerConfig
 
@@ -59,24 +65,33 @@ class TorchBackend:
         torch.manual_seed(seed)
         self.device = device
         self.dtype = dtype
+        self.lora = cfg.lora if cfg.lora.is_enabled else None
+        # LoRA's frozen base needs no master copy: it is held in the compute dtype.
         self.model, self.tokenizer = load_model(
-            model_path, device=str(device), dtype=torch.float32, seed=seed
+            model_path, device=str(device), dtype=dtype if self.lora else torch.float32, seed=seed
         )
-        self.model.train()
         self.model.config.use_cache = False
-        for parameter in self.model.parameters():
-            parameter.requires_grad_(True)
+        if self.lora is not None:
+            self.model = peft_adapters.add_adapters(self.model, self.lora)
+            self.adapter_spec = peft_adapters.spec_of(self.lora, model_path)
+        else:
+            self.model.requires_grad_(True)
+        self.model.train()
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.lora is not None:  # the frozen embedding's output must carry a grad
+                self.model.enable_input_require_grads()
         self.reference = None
-        if need_reference:
+        if need_reference and self.lora is None:  # with LoRA: the base, adapters off
             self.reference, _ = load_model(
                 reference_path or model_path, device=str(device), dtype=dtype, seed=seed
             )
             self.reference.eval().requires_grad_(False)
+        self.need_reference = need_reference
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_clip = cfg.grad_clip
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trained,
             lr=lr_schedule["lr"] if lr_schedule else cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -142,16 +157,21 @@ class TorchBackend:
     def compute_logprobs(
         self, micro_batches: list[MicroBatch], *, temperature: float, reference: bool = False
     ) -> list[torch.Tensor]:
-        model = self.reference if reference else self.model
-        if model is None:
+        if reference and not self.need_reference:
             raise RuntimeError("no reference model: it is built only when kl_loss_coef > 0")
+        model, adapters_off = self.model, contextlib.nullcontext()
+        if reference and self.lora is not None:
+            adapters_off = peft_adapters.base_only(self.model)
+        elif reference:
+            model = self.reference
         was_training = model.training
         model.eval()
         try:
-            return [
-                self._forward(model, mb, temperature, False)[1].float().cpu()
-                for mb in micro_batches
-            ]
+            with adapters_off:
+                return [
+                    self._forward(model, mb, temperature, False)[1].float().cpu()
+                    for mb in micro_batches
+                ]
         finally:
             model.train(was_training)
 
@@ -174,7 +194,7 @@ class TorchBackend:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, max_norm)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate of this update
         self.optimizer.step()
         self.scheduler.step()
@@ -184,8 +204,13 @@ class TorchBackend:
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors under its names (a tied head appears once, as the
         embedding; MoE experts one by one, as SGLang loads them: `models.checkpoint_views`),
-        in the compute dtype: a bf16 copy of each fp32 master weight on CUDA."""
+        in the compute dtype: a bf16 copy of each fp32 master weight on CUDA. With LoRA only
+        the adapters, as the wire carries them (`streamrl.weights.adapters`)."""
         from streamrl.models import checkpoint_views
+
+        if self.lora is not None:
+            yield from peft_adapters.wire_tensors(self.model, self.dtype)
+            return
 
         tied = {
             name
@@ -197,13 +222,17 @@ class TorchBackend:
                 yield name, tensor.detach().to(self.dtype)
 
     def save(self, path: Path) -> None:
-        """`path` becomes a Hugging Face model directory (fp32 master weights) plus
-        `optimizer.pt` (optimizer and LR schedule) and, with a critic, `critic/`."""
+        """`path` becomes a Hugging Face model directory (fp32 master weights; with LoRA,
+        peft's adapter directory instead) plus `optimizer.pt` (optimizer and LR schedule)
+        and, with a critic, `critic/`."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
+        if self.lora is not None:
+            peft_adapters.save_adapter(self.model, path, self.adapter_spec)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         torch.save(
             {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
@@ -213,6 +242,20 @@ class TorchBackend:
             self.critic.save(path / CRITIC_DIR)
 
     def load(self, path: Path) -> None:
+        if self.lora is not None:
+            peft_adapters.load_adapter(self.model, path, self.adapter_spec)
+        else:
+            self._load_weights(path)
+        state = torch.load(path / "optimizer.pt", map_location=self.device)
+        if "optimizer" not in state:  # written before the LR schedule was saved with it
+            state = {"optimizer": state, "scheduler": None}
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            self.critic.load(path / CRITIC_DIR)
+
+    def _load_weights(self, path: Path) -> None:
         from safetensors.torch import load_file
 
         state = {}
@@ -224,11 +267,3 @@ class TorchBackend:
             raise ValueError(
                 f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        state = torch.load(path / "optimizer.pt", map_location=self.device)
-        if "optimizer" not in state:  # written before the LR schedule was saved with it
-            state = {"optimizer": state, "scheduler": None}
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.critic is not None:
-            self.critic.load(path / CRITIC_DIR)

@@ -2,7 +2,7 @@
 
 streamrl bench staleness CONFIG --eta 0,1,2,4,8 --steps N [--corrections ...] [--json PATH]
 streamrl bench sync-vs-async CONFIG [--eta K] --steps N [--json PATH]
-streamrl bench weight-sync --shape qwen2-0.5b --engines 1..N [--json PATH]
+streamrl bench weight-sync --shape qwen2-0.5b --engines 1..N [--lora-rank 0,16] [--json PATH]
 streamrl bench collective [--backend nccl] [--json PATH]
 streamrl bench transport [--json PATH]
 streamrl bench checkpoint CONFIG --every K --steps N [--json PATH]
@@ -126,6 +126,17 @@ def _weight_sync(commands) -> None:
     )
     parser.add_argument(
         "--peak-from", default="", help="take the link's peak from a `bench collective` JSON"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        default="0",
+        help="comma-separated LoRA ranks: publish rank-r adapters (engines merge them) instead "
+        "of the full weights; 0 is the full push, e.g. '0,16' measures both",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        help="comma-separated linears that get adapters (with --lora-rank)",
     )
     parser.add_argument("--work-dir", default="runs/bench/weight-sync")
     parser.add_argument("--json", default="", help="write the result (and a PNG) here")

@@ -1,8 +1,10 @@
 """`streamrl bench weight-sync`: what one weight update costs, for 1..N real engines.
 
-For each engine count n: start n embedded engines (`streamrl engine serve`
-processes, on GPUs 1..n with NCCL or on the CPU with gloo) holding a random
-model of `--shape`; hold the same shape's weights in this process (the
+For each LoRA rank r of `--lora-rank` (0, the default, is the full weights; r > 0 publishes
+random rank-r adapters of `--lora-targets`, which the engines merge into their base
+weights, as a LoRA run's updates do) and each engine count n: start n embedded engines
+(`streamrl engine serve` processes, on GPUs 1..n with NCCL or on the CPU with gloo)
+holding a random model of `--shape`; hold the same shape's weights in this process (the
 learner's side, on `--learner-gpu` or the CPU); publish `1 + --repeats` versions
 through the real `WeightPublisher` over the weight-update group, one after the
 other. The first publish builds the group (its rendezvous is reported apart);
@@ -82,8 +84,10 @@ def weight_sync_command(args: argparse.Namespace) -> int:
         save_random_model(args.shape, model_dir, seed=0)
     if learner_device.type == "cuda":
         torch.cuda.set_device(learner_device)
-    weights = _learner_weights(model_dir, learner_device, dtype)
-    num_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    full_weights = _learner_weights(model_dir, learner_device, dtype)
+    full_bytes = sum(t.numel() * t.element_size() for _, t in full_weights)
+    lora_ranks = [int(part) for part in args.lora_rank.split(",") if part.strip()]
+    targets = tuple(part for part in args.lora_targets.split(",") if part.strip())
     setup = {
         "shape": args.shape,
         "device": str(device),
@@ -96,20 +100,28 @@ def weight_sync_command(args: argparse.Namespace) -> int:
         "load_requests": args.load_requests,
         "learner_device": str(learner_device),
         "engine_gpus": engine_gpus,
-        "num_tensors": len(weights),
-        "bytes": num_bytes,
+        "num_tensors": len(full_weights),
+        "bytes": full_bytes,
+        "lora_ranks": lora_ranks,
+        "lora_targets": list(targets),
     }
     rows = []
-    for count in counts:
-        row = anyio.run(_measure, args, setup, model_dir, weights, count, work_dir)
-        rows.append(row)
-        print(
-            f"  {count} engine(s): publish {row['publish_s_mean'] * 1e3:,.1f} ms, stall "
-            f"{row['learner_stall_s_mean'] * 1e3:,.1f} ms, pause "
-            f"{row['engine_pause_s_mean'] * 1e3:,.1f} ms, {row['gb_per_s_mean']:.2f} GB/s",
-            file=sys.stderr,
-            flush=True,
-        )
+    for rank in lora_ranks:
+        weights = full_weights if rank == 0 else adapter_weights(full_weights, rank, targets)
+        num_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+        for count in counts:
+            row = anyio.run(_measure, args, setup, model_dir, weights, count, work_dir, num_bytes)
+            row.update(lora_rank=rank, bytes=num_bytes, num_tensors=len(weights))
+            rows.append(row)
+            what = f"rank-{rank} adapters" if rank else "full weights"
+            print(
+                f"  {what}, {num_bytes / 1e6:,.1f} MB, {count} engine(s): publish "
+                f"{row['publish_s_mean'] * 1e3:,.1f} ms, stall "
+                f"{row['learner_stall_s_mean'] * 1e3:,.1f} ms, pause "
+                f"{row['engine_pause_s_mean'] * 1e3:,.1f} ms, {row['gb_per_s_mean']:.2f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
     result: dict[str, Any] = {"setup": setup, "engines": rows}
     if args.peak or args.peak_from:
         from streamrl.bench.collective import measure_peak, peak_gib_per_s
@@ -123,11 +135,18 @@ def weight_sync_command(args: argparse.Namespace) -> int:
         result["peak_broadcast_gb_per_s"] = max(peak_gib_per_s(p) for p in peaks) * 2**30 / GB
     last = rows[-1]
     line = (
-        f"weight-sync ({args.shape}, {num_bytes / GB:.2f} GB, {backend}): "
+        f"weight-sync ({args.shape}, {last['bytes'] / GB:.3f} GB, {backend}): "
         f"{last['gb_per_s_mean']:.2f} GB/s to {last['num_engines']} engine(s), "
         f"pause {last['engine_pause_s_mean'] * 1e3:,.0f} ms, "
         f"stall {last['learner_stall_s_mean'] * 1e3:,.0f} ms"
     )
+    if len(lora_ranks) > 1 or lora_ranks != [0]:
+        line += "; publish " + ", ".join(
+            f"{'full' if row['lora_rank'] == 0 else 'rank ' + str(row['lora_rank'])} "
+            f"{row['publish_s_mean'] * 1e3:,.1f} ms ({row['bytes'] / 1e6:,.1f} MB)"
+            for row in rows
+            if row["num_engines"] == last["num_engines"]
+        )
     if "peak_broadcast_gb_per_s" in result:
         line += f"; link peak {result['peak_broadcast_gb_per_s']:.2f} GB/s"
     print(line)
@@ -143,6 +162,30 @@ def weight_sync_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def adapter_weights(
+    full: list[tuple[str, Any]], rank: int, targets: tuple[str, ...], *, seed: int = 0
+) -> list[tuple[str, Any]]:
+    """Random rank-`rank` LoRA adapters of the `targets` linears of `full` (HF names), as a
+    LoRA learner publishes them (`streamrl.weights.adapters`): what the engines merge."""
+    import torch
+
+    from streamrl.weights.adapters import LORA_A, LORA_B
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for name, tensor in full:
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+            continue
+        rows, cols = tensor.shape
+        for suffix, shape in ((LORA_A, (rank, cols)), (LORA_B, (rows, rank))):
+            values = torch.randn(shape, generator=generator) * 0.01
+            out.append((module + suffix, values.to(device=tensor.device, dtype=tensor.dtype)))
+    if not out:
+        raise ValueError(f"--lora-targets {','.join(targets)} match no linear of the model")
+    return out
+
+
 def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
     """The model's parameters under HF names (a tied head once, as the embedding), as a
     learner backend's `hf_weights` yields them."""
@@ -152,7 +195,9 @@ def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
     return [(name, parameter.detach()) for name, parameter in model.named_parameters()]
 
 
-async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) -> dict[str, Any]:
+async def _measure(
+    args, setup, model_dir, weights, count: int, work_dir: Path, num_bytes: int
+) -> dict[str, Any]:
     from streamrl.actors.publisher import WeightPublisher
     from streamrl.fleet.client import EngineClient
 
@@ -224,13 +269,13 @@ async def _measure(args, setup, model_dir, weights, count: int, work_dir: Path) 
         "snapshot_s_mean": mean("weights/snapshot_s"),
         "engine_pause_s_mean": mean("weights/engine_pause_s"),
         "broadcast_s_mean": mean("weights/broadcast_s"),
-        "gb_per_s_mean": setup["bytes"] / mean("weights/broadcast_s") / GB,
+        "gb_per_s_mean": num_bytes / mean("weights/broadcast_s") / GB,
         "median": {
             "publish_s": median("publish_s"),
             "learner_stall_s": median("weights/learner_stall_s"),
             "engine_pause_s": median("weights/engine_pause_s"),
             "broadcast_s": median("weights/broadcast_s"),
-            "gb_per_s": setup["bytes"] / median("weights/broadcast_s") / GB,
+            "gb_per_s": num_bytes / median("weights/broadcast_s") / GB,
         },
         "samples": samples,
     }
@@ -305,15 +350,21 @@ def _stop_engines(engines) -> None:
 
 def plot_weight_sync(result: dict[str, Any], axes) -> None:
     time_ax, rate_ax = axes
-    rows = result["engines"]
+    all_rows = result["engines"]
+    ranks = sorted({row.get("lora_rank", 0) for row in all_rows})
+    for rank in ranks:  # one set of lines per LoRA rank (0: the full weights)
+        rows = [row for row in all_rows if row.get("lora_rank", 0) == rank]
+        counts = [row["num_engines"] for row in rows]
+        suffix = f" (rank-{rank} adapters)" if rank else ""
+        for key, label in (
+            ("publish_s_mean", "publish latency"),
+            ("engine_pause_s_mean", "engine pause"),
+            ("broadcast_s_mean", "broadcast"),
+            ("learner_stall_s_mean", "learner stall"),
+        ):
+            time_ax.plot(counts, [row[key] * 1e3 for row in rows], "o-", label=label + suffix)
+    rows = [row for row in all_rows if row.get("lora_rank", 0) == ranks[0]]
     counts = [row["num_engines"] for row in rows]
-    for key, label in (
-        ("publish_s_mean", "publish latency"),
-        ("engine_pause_s_mean", "engine pause"),
-        ("broadcast_s_mean", "broadcast"),
-        ("learner_stall_s_mean", "learner stall"),
-    ):
-        time_ax.plot(counts, [row[key] * 1e3 for row in rows], "o-", label=label)
     time_ax.set_xticks(counts)
     time_ax.set_xlabel("engines")
     time_ax.set_ylabel("ms per update")

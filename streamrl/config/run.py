@@ -220,6 +220,28 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
     if len(set(names)) != len(names):
         problems.append(f"eval.datasets names must be unique, got {names}")
     problems += _recipe_problems(cfg)
+    problems += _lora_problems(cfg)
+    return problems
+
+
+def _lora_problems(cfg: RunConfig) -> list[str]:
+    """What LoRA (`learner.lora`) cannot be combined with."""
+    lora = cfg.learner.lora
+    if not lora.is_enabled:
+        return []
+    problems = []
+    if cfg.learner.backend == "megatron" and lora.dropout > 0:
+        problems.append(
+            f"learner.lora.dropout = {lora.dropout} needs learner.backend = 'torch': the "
+            f"megatron backend's adapters have no dropout (its masks would differ between "
+            f"tensor-parallel ranks)"
+        )
+    if cfg.engine.backend == "sglang" and cfg.learner.megatron.pipeline_parallel_size > 1:
+        problems.append(
+            "learner.lora with engine.backend = 'sglang' needs "
+            "learner.megatron.pipeline_parallel_size = 1: SGLang loads each version's adapter "
+            "as one peft directory, written by the first stage's publisher"
+        )
     return problems
 
 

@@ -321,6 +321,52 @@ class CriticConfig(_Section):
     the policy's schedule shape (warmup, decay) scaled to this peak."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Hugging Face linear layers of a Llama/Qwen-style decoder layer that can get adapters
+(GLM-4's fused `gate_up_proj` too)."""
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA, arXiv 2106.09685; docs/lora.md) instead of full fine-tuning:
+    the base weights stay frozen, the optimizer and checkpoints hold only the adapters, the
+    KL reference is the base itself (adapters off: no second model), and weight updates
+    carry only the adapters."""
+
+    rank: NonNegInt = 0
+    """r, the adapters' rank; 0 turns LoRA off (full fine-tuning)."""
+    alpha: PositiveFloat = 16.0
+    """LoRA's alpha: an adapter's update B @ A is scaled by alpha / rank."""
+    dropout: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on each adapter's input while training; 0 turns it off.
+    The torch backend only (the megatron backend refuses it)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers (Hugging Face module names, the last component) that get an adapter in
+    every decoder layer: any of q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (gate_up_proj for GLM-4)."""
+
+    @property
+    def is_enabled(self) -> bool:
+        """rank > 0."""
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        if not self.is_enabled:
+            return
+        if not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name at least one linear layer")
+        known = (*LORA_TARGETS, "gate_up_proj")
+        for index, name in enumerate(self.target_modules):
+            if name not in known:
+                raise ValueError(
+                    f"learner.lora.target_modules[{index}] = {name!r} is not one of "
+                    f"{', '.join(known)}"
+                )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(
+                f"learner.lora.target_modules = {self.target_modules} names a layer twice"
+            )
+
+
 class LearnerConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -361,6 +407,7 @@ class LearnerConfig(_Section):
     """torch threads of a CPU learner; 0 leaves torch's default."""
     megatron: MegatronConfig = MegatronConfig()
     critic: CriticConfig = CriticConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 class WeightsConfig(_Section):

@@ -106,6 +106,11 @@ class EngineCore:
             compile_elementwise=compile_elementwise,
             seed=options.seed,
         )
+        if options.lora_adapter:  # a resumed LoRA run: the base plus its checkpoint's adapter
+            from streamrl.weights.adapters import read_wire_tensors
+
+            adapter = read_wire_tensors(options.lora_adapter)
+            self.runner.load_weights(self.runner.plan_weights(adapter))
         self.max_seq_len = max_seq_len = options.max_seq_len
         self.scheduler = Scheduler(
             self.runner,
@@ -304,7 +309,8 @@ class EngineCore:
     async def update_weights(
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: str
     ) -> None:
-        """Copy HF-named full tensors into the live weights at a step boundary, then set ``version``.
+        """Copy HF-named full tensors (or merge LoRA adapter pairs: `runner.adapters`) into the
+        live weights at a step boundary, then set ``version``.
 
         Every name and shape is checked first: ValueError and nothing copied if one is wrong."""
         plan = self.runner.plan_weights(list(tensors))

@@ -52,6 +52,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     seed: Annotated[int, Meta(description="seed for random models and sampling")] = 0
     weight_version: Annotated[str, Meta(description="the version the weights start at")] = "default"
     num_threads: Annotated[int, Meta(ge=0, description="torch CPU threads (0: default)")] = 0
+    lora_adapter: Annotated[
+        str, Meta(description="peft adapter directory merged into the weights at start")
+    ] = ""
 
     @property
     def compile_elementwise(self) -> bool | None:

@@ -74,6 +74,12 @@ class EngineSet:
         for client in [*self.engines, *([self.router] if self.router else [])]:
             client.limits = limits
 
+    def route_to_adapters(self, version: Callable[[], int]) -> None:
+        """Every `/generate` names the LoRA adapter of `version()` (SGLang with a LoRA run:
+        `streamrl.fleet.adapters`), and its tokens carry that version."""
+        for client in [*self.engines, *([self.router] if self.router else [])]:
+            client.adapter_version = version
+
     async def read_limits(self, *, vocab_size: int, model_max: int) -> RequestLimits:
         """The limits of these engines: `vocab_size` (the model's embedding rows) and the
         smallest context length any engine reports (`model_max` where none does)."""

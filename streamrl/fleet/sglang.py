@@ -7,7 +7,9 @@ run; then nothing is launched and nothing here needs SGLang installed.
     engine i:  CUDA_VISIBLE_DEVICES = its tp_size devices (`layout.engine_gpu_ids`)
                python -m sglang.launch_server --model-path M --host H --port P
                    --tp-size T --mem-fraction-static F --weight-version V
-                   --random-seed S [--tokenizer-path K] [--dtype D] ENGINE.EXTRA_ARGS...
+                   --random-seed S [--tokenizer-path K] [--dtype D]
+                   [--enable-lora --max-lora-rank R --lora-target-modules M... [--lora-paths
+                    streamrl-vV=DIR]]  ENGINE.EXTRA_ARGS...
 
 Flag names are SGLang's `ServerArgs` fields (`python/sglang/srt/server_args.py`:
 model_path, host, port, tp_size, mem_fraction_static, weight_version,
@@ -166,11 +168,15 @@ def check_extra_args(extra_args: Sequence[str]) -> None:
             )
 
 
-def sglang_argv_factory(cfg: RunConfig, model_path: str, version: int) -> ServerArgv:
+def sglang_argv_factory(
+    cfg: RunConfig, model_path: str, version: int, *, lora_adapter: str = ""
+) -> ServerArgv:
     """(index, host, port) -> (argv, env) that start SGLang engine `index` on `host:port`.
 
     Validates the GPU assignment and `engine.extra_args` once, here (ConfigError). With
-    `engine.urls` set the engines are attached, and calling the factory is an error."""
+    `engine.urls` set the engines are attached, and calling the factory is an error. With
+    `learner.lora` LoRA is on (`streamrl.fleet.adapters.sglang_lora_args`), and
+    `lora_adapter` (a resumed run's checkpoint) is loaded as `version`'s adapter."""
     engine = cfg.engine
     if _is_attached(cfg):
 
@@ -201,6 +207,13 @@ def sglang_argv_factory(cfg: RunConfig, model_path: str, version: int) -> Server
             args += ["--dtype", engine.dtype]
         if cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay:
             args.append("--enable-return-routed-experts")
+        lora = cfg.learner.lora
+        if lora.is_enabled:
+            from streamrl.fleet.adapters import sglang_lora_args
+
+            args += sglang_lora_args(
+                lora.rank, lora.target_modules, start_adapter=lora_adapter, version=version
+            )
         args += list(engine.extra_args)
         return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[index]))}
 

@@ -109,6 +109,8 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
     )
     engines = EngineSet(spec.engine_urls, router_url=spec.router_url or None)
     engines.set_limits(await _request_limits(engines, spec.model_path))
+    if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
+        engines.route_to_adapters(lambda: sender.version)  # the adapter of each version
     generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
     worker = RolloutWorker(
         worker_id="rollout-0",

@@ -171,10 +171,12 @@ class Trainer:
             self.async_state = make_decoder(IntakeState).decode(data)
         if (latest / checkpoint.RNG_FILE).exists():
             checkpoint.restore_rng((latest / checkpoint.RNG_FILE).read_bytes())
+        if self.cfg.learner.lora.is_enabled:  # the checkpoint holds only the adapters
+            return state, self._initial_model(), latest
         return state, str(latest), latest
 
     def _load_user_code(self) -> None:
-        """Import the filters (and check the W&B package) before anything starts: a
+        """Import the filters (and check the W&B and peft packages) before anything starts: a
         ConfigError names the key."""
         from streamrl.config import ConfigError
         from streamrl.mains.filters import load_filters
@@ -188,13 +190,18 @@ class Trainer:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.cfg.logging.wandb:
-            import importlib.util
+        import importlib.util
 
-            if importlib.util.find_spec("wandb") is None:
-                raise ConfigError(
-                    "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
-                )
+        if self.cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
+            )
+        lora_with_peft = self.cfg.learner.lora.is_enabled and self.cfg.learner.backend == "torch"
+        if lora_with_peft and importlib.util.find_spec("peft") is None:
+            raise ConfigError(
+                "learner.lora with learner.backend = 'torch' needs the peft package: "
+                "pip install 'streamrl[lora]'"
+            )
 
     def metrics_writer(self) -> MetricsWriter:
         logging_cfg = self.cfg.logging
@@ -277,12 +284,22 @@ class Trainer:
             self.supervisor = EngineSupervisor(
                 self.cfg,
                 run_dir=self.run_dir,
-                engine_argv=engine_argv_factory(self.cfg, model_path, version),
+                engine_argv=engine_argv_factory(
+                    self.cfg, model_path, version, lora_adapter=self._start_adapter()
+                ),
                 spawner=self.spawner,
             )
             self.supervisor.start()  # in the main thread: children die with the thread that forks
             backend = await anyio.to_thread.run_sync(backend_future.result)
         return self.lead(backend)
+
+    def _start_adapter(self) -> str:
+        """The peft adapter engines load at start: a resumed LoRA run's checkpoint (whose
+        version they are tagged with), else none."""
+        _, _, resume_from = self.prepare()
+        if not self.cfg.learner.lora.is_enabled or resume_from is None:
+            return ""
+        return str(resume_from)
 
     def lead(self, backend):
         """With learner ranks > 0, rank 0's calls go through a Leader that they follow."""
@@ -328,6 +345,7 @@ class Trainer:
                 master_address=self.spawner.reachable(cfg.weights.master_address),
                 staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",
                 stages=self._remote_stages(transport),
+                adapter_push=self._adapter_push(),
             )
         loop = LearnerLoop(
             cfg,
@@ -341,6 +359,22 @@ class Trainer:
             writer=self.rollout_writer(),
         )
         return intake, publisher, loop
+
+    def _adapter_push(self):
+        """LoRA on SGLang engines: adapters travel as peft directories under
+        run_dir/adapters (`streamrl.fleet.adapters`); None otherwise (tensors on the wire)."""
+        lora = self.cfg.learner.lora
+        if not lora.is_enabled or self.cfg.engine.backend != "sglang":
+            return None
+        from streamrl.fleet.adapters import SGLangAdapterPush
+
+        return SGLangAdapterPush(
+            directory=self.run_dir / "adapters",
+            rank=lora.rank,
+            target_modules=tuple(lora.target_modules),
+            base_model=self.reference_path,
+            pause_mode=self.cfg.pause_mode,
+        )
 
     def rollout_writer(self):
         """The writer of each step's groups (rollout_only, or train.save_rollouts), or None."""

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from streamrl.backends.base import LossFn, MicroBatch
 from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel, routing
+from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.backends.megatron.model import (
@@ -53,6 +54,7 @@ from streamrl.backends.megatron.model import (
     learner_shape,
     padded_for_sequence_parallel,
 )
+from streamrl.weights import adapters
 
 _COPIED_FILES = (
     "config.json",
@@ -142,6 +144,7 @@ class MegatronBackend:
             seed=seed,
             ep_size=mcfg.expert_model_parallel_size,
         )
+        self.model_path = model_path
         self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = learner_shape(self.hf_config, mcfg)
@@ -152,12 +155,17 @@ class MegatronBackend:
                 "algorithm.routing_replay with learner.gradient_checkpointing needs "
                 "pipeline_parallel_size = 1 (a recompute would replay a later micro-batch)"
             )
+        self.lora = cfg.lora if cfg.lora.is_enabled else None
+        if self.lora is not None:
+            megatron_lora.check_supported(self.shape)
+        self.need_reference = need_reference
         hf_state = convert.HFCheckpoint(self.model_dir)
         with self._megatron():
             self.model = self._build_model(hf_state)
+            self.adapters = self._install_adapters(seed) if self.lora is not None else []
             self.ddp, self.optimizer = self._wrap_for_training(self.model)
             self.reference = None
-            if need_reference:
+            if need_reference and self.lora is None:  # with LoRA: the base, adapters off
                 self.reference = self._build_reference(hf_state, reference_path, seed=seed)
         del hf_state
 
@@ -191,10 +199,33 @@ class MegatronBackend:
             sequence_parallel=mcfg.sequence_parallel,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
             options=mcfg,
+            allow_transformer_engine=not self.cfg.lora.is_enabled,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
         routing.install(model, self.shape, replay=self.routing_replay)
         return model
+
+    def _install_adapters(self, seed: int) -> list[megatron_lora.LoraAdapters]:
+        """Freeze the base and attach fresh adapters to this stage's planned linears."""
+        layout = self.layout
+        plans = megatron_lora.adapter_plans(
+            self.shape, tuple(self.lora.target_modules), tp_rank=layout.tp_rank,
+            tp_size=layout.tp_size, pp_rank=layout.pp_rank, pp_size=layout.pp_size,
+        )  # fmt: skip
+        return megatron_lora.install(
+            self.model, plans, rank=self.lora.rank, scaling=self.adapter_spec.scaling,
+            tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+            sequence_parallel=self.model.config.sequence_parallel, seed=seed,
+        )  # fmt: skip
+
+    @property
+    def adapter_spec(self) -> adapters.AdapterSpec:
+        """`learner.lora` as peft's adapter config over this model."""
+        lora = self.lora
+        return adapters.AdapterSpec(
+            rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules), base_model=self.model_path,
+        )  # fmt: skip
 
     def _build_reference(
         self, hf_state: convert.HFCheckpoint, reference_path: str | None, *, seed: int
@@ -344,7 +375,7 @@ class MegatronBackend:
         self, micro_batches: list[MicroBatch], *, temperature: float, reference: bool = False
     ) -> list[torch.Tensor]:
         """[B, T] float32 CPU log-probabilities per micro-batch, on rank 0 (others get [])."""
-        if reference and self.reference is None:
+        if reference and not self.need_reference:
             raise RuntimeError(
                 "compute_logprobs(reference=True) but the backend was built without need_reference"
             )
@@ -358,11 +389,15 @@ class MegatronBackend:
             )
             return logits.new_zeros(()), {"logprobs": logprobs}
 
-        model = self.reference if reference else self.ddp
+        model, adapters_off = self.ddp, contextlib.nullcontext()
+        if reference and self.lora is not None:
+            adapters_off = megatron_lora.disabled(self.adapters)
+        elif reference:
+            model = self.reference
         was_training = model.training
         model.eval()
         try:
-            with self._megatron():
+            with self._megatron(), adapters_off:
                 store = self._run_schedule(model, work, loss_for, forward_only=True)
         finally:
             model.train(was_training)
@@ -478,8 +513,28 @@ class MegatronBackend:
         expert parallelism the EP ranks holding the other experts, take part in
         gathers and yield nothing; other replicas return at once: `export.py`).
         Tensors are in the training dtype on the learner device; treat them as
-        read-only and consume them before the next training step."""
-        yield from export.stage_hf_weights(self.model, self.shape, self.layout)
+        read-only and consume them before the next training step. With LoRA only this
+        stage's adapters, as the wire carries them (`streamrl.weights.adapters`)."""
+        if self.lora is None:
+            yield from export.stage_hf_weights(self.model, self.shape, self.layout)
+            return
+        scaling = self.adapter_spec.scaling
+        for module, lora_a, lora_b in self._full_adapters():
+            yield module + adapters.LORA_A, lora_a
+            yield module + adapters.LORA_B, lora_b * scaling
+
+    def _full_adapters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(HF module, full A, full B unscaled) of this stage's adapters, on its publisher."""
+        layout = self.layout
+        if layout.dp_rank != 0:
+            return
+        yield from megatron_lora.full_parts(
+            self.adapters,
+            tp_group=parallel.tp_group() if layout.tp_size > 1 else None,
+            tp_size=layout.tp_size,
+            publisher=layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_rank),
+            is_publisher=self.is_publisher,
+        )
 
     # ------------------------------------------------------------ checkpoints
 
@@ -493,7 +548,17 @@ class MegatronBackend:
             (path / "optimizer").mkdir(parents=True, exist_ok=True)
         dist.barrier()
         shard_names = [self._shard_name(stage) for stage in range(layout.pp_size)]
-        tensors = {name: tensor.to("cpu") for name, tensor in self.hf_weights()}
+        if self.lora is not None:
+            shard_names = [
+                f"adapter-stage{stage:05d}.safetensors" for stage in range(layout.pp_size)
+            ]
+            tensors = {
+                adapters.PEFT_PREFIX + module + suffix: tensor.to("cpu")
+                for module, lora_a, lora_b in self._full_adapters()
+                for suffix, tensor in ((adapters.LORA_A, lora_a), (adapters.LORA_B, lora_b))
+            }
+        else:
+            tensors = {name: tensor.to("cpu") for name, tensor in self.hf_weights()}
         if self.is_publisher:
             convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
         del tensors
@@ -503,9 +568,19 @@ class MegatronBackend:
             )
         dist.barrier()
         if layout.rank == 0:
-            if layout.pp_size > 1:
+            if self.lora is not None:  # one peft adapter directory from the stages' parts
+                parts = [path / name for name in shard_names]
+                merged = {
+                    k: v for part in parts for k, v in convert.read_hf_state_file(part).items()
+                }
+                adapters.write_peft_adapter(path, merged, self.adapter_spec)
+                for part in parts:
+                    part.unlink()
+            elif layout.pp_size > 1:
                 convert.write_hf_index(path, shard_names)
             for name in _COPIED_FILES:
+                if self.lora is not None and name in ("config.json", "generation_config.json"):
+                    continue  # an adapter directory, not a model
                 if (self.model_dir / name).exists():
                     shutil.copy(self.model_dir / name, path / name)
             (path / "optimizer" / "layout.json").write_text(json.dumps(self._layout_record()))
@@ -523,10 +598,13 @@ class MegatronBackend:
             raise ValueError(
                 f"{path}: saved with layout {record}, this run is {self._layout_record()}"
             )
-        hf_state = convert.HFCheckpoint(path)
         layout = self.layout
         with self._megatron():
-            convert.load_into_model(self.model, hf_state, self.shape, **layout.shard)
+            if self.lora is not None:
+                self._load_adapters(path)
+            else:
+                hf_state = convert.HFCheckpoint(path)
+                convert.load_into_model(self.model, hf_state, self.shape, **layout.shard)
             checkpoint.load_optimizer(
                 self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
             )
@@ -534,6 +612,26 @@ class MegatronBackend:
         if schedule.exists():  # absent in checkpoints written before the schedule was saved
             self.num_updates = int(json.loads(schedule.read_text())["num_updates"])
         dist.barrier()
+
+    def _load_adapters(self, path: Path) -> None:
+        """This rank's adapter shards from the peft adapter directory `path`."""
+        saved, tensors = adapters.read_peft_adapter(path)
+        mine = self.adapter_spec
+        if (saved.rank, saved.alpha, sorted(saved.target_modules)) != (
+            mine.rank, mine.alpha, sorted(mine.target_modules),
+        ):  # fmt: skip
+            raise ValueError(
+                f"{path}: an adapter of rank {saved.rank}, alpha {saved.alpha}, "
+                f"modules {saved.target_modules}; learner.lora differs"
+            )
+        for adapter in self.adapters:
+            names = [adapters.PEFT_PREFIX + module for module in adapter.plan.modules]
+            missing = [n for n in names if n + adapters.LORA_A not in tensors]
+            if missing:
+                raise ValueError(f"{path}: no adapter for {missing[0]}")
+            adapter.load_full(
+                [(tensors[n + adapters.LORA_A], tensors[n + adapters.LORA_B]) for n in names]
+            )
 
     def _shard_name(self, stage: int) -> str:
         pp = self.layout.pp_size

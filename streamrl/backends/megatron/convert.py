@@ -329,6 +329,13 @@ def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return {name: checkpoint[name] for name in checkpoint}
 
 
+def read_hf_state_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
 def write_hf_shard(
     tensors: Mapping[str, torch.Tensor], path: str | Path, *, metadata: Mapping[str, str] = ()
 ) -> None:

@@ -299,11 +299,14 @@ def build_gpt_model(
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
     options: Any = None,
+    allow_transformer_engine: bool = True,
 ) -> Any:
     """One pipeline stage of the GPTModel for `hf_config`, uninitialised, on `device`.
 
     `options` is the MegatronConfig (MoE keys; its expert_model_parallel_size must be the
-    one Megatron's groups were built with). Load weights with `convert.load_into_model`."""
+    one Megatron's groups were built with). Load weights with `convert.load_into_model`.
+    `allow_transformer_engine = False` keeps the local spec (LoRA's adapters hook its
+    linears, which TE's spec fuses with the norms before them)."""
     from megatron.core.models.gpt import GPTModel
 
     shape = learner_shape(hf_config, options)
@@ -312,7 +315,12 @@ def build_gpt_model(
     if shape.num_layers % pp_size:
         raise ValueError(f"{shape.num_layers} layers do not split evenly over {pp_size} stages")
     plain = shape.moe is None and shape.mla is None and not shape.post_norms
-    use_te = transformer_engine_available() and device.type == "cuda" and plain
+    use_te = (
+        allow_transformer_engine
+        and transformer_engine_available()
+        and device.type == "cuda"
+        and plain
+    )
     # Megatron refuses to train MoE layers at TP > 1 without sequence parallelism.
     # MLA's duplicated down-projections (see build_layer_spec) are right only with it too.
     needs_sequence_parallel = shape.moe is not None or shape.mla is not None

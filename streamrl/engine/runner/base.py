@@ -56,7 +56,8 @@ class Runner(Protocol):
         ...
 
     def plan_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> list:
-        """Validate HF-named tensors (ValueError on unknown name or shape); copy nothing."""
+        """Validate HF-named tensors, full or LoRA adapter pairs (ValueError on an unknown name
+        or shape); copy nothing."""
         ...
 
     def load_weights(self, plan: list) -> None:

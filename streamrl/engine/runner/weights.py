@@ -14,7 +14,9 @@ from collections.abc import Iterable
 
 import torch
 
+from streamrl.engine.runner import adapters
 from streamrl.engine.runner.decoder import CompactModel
+from streamrl.weights.adapters import split_adapters
 
 # Buffers some checkpoints carry that the compact model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -87,13 +89,29 @@ def missing_names(targets: dict, names: Iterable[str], *, tied: bool) -> list[st
 
 class InPlaceWeights:
     """Runner mixin: plan copies of Hugging Face tensors onto `self.targets`, then apply them
-    in place (the engine thread calls `load_weights` between steps)."""
+    in place (the engine thread calls `load_weights` between steps). LoRA adapter pairs in
+    an update are merged into the kept base weights (`streamrl.engine.runner.adapters`)."""
 
     def plan_weights(self, tensors) -> list:
-        return plan_copies(self.targets, tensors)
+        full, pairs = split_adapters(tensors)
+        plan: list = plan_copies(self.targets, full)
+        replaced = [name for name, _ in full if name in self.adapter_bases]
+        if replaced:
+            plan.append(adapters.ForgetBase(replaced))
+        return plan + adapters.plan_merges(self.targets, pairs)
+
+    @property
+    def adapter_bases(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> its base weight, for every module an adapter was merged into."""
+        if not hasattr(self, "_adapter_bases"):
+            self._adapter_bases: dict[str, torch.Tensor] = {}
+        return self._adapter_bases
 
     @torch.no_grad()
     def load_weights(self, plan: list) -> None:
-        copy_planned(plan)
+        copy_planned([entry for entry in plan if isinstance(entry, tuple)])
+        for entry in plan:
+            if not isinstance(entry, tuple):
+                entry.apply(self.adapter_bases)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
