@@ -523,7 +523,13 @@ class RolloutKeeper:
                 code,
                 self.num_restarts,
             )
-            _event(self.trainer.run_dir, "rollout_restarted", code=code, restart=self.num_restarts)
+            _event(
+                self.trainer.run_dir,
+                "rollout_restarted",
+                code=code,
+                restart=self.num_restarts,
+                log_tail=child.log_tail(),  # why it died, kept beside the event
+            )
             self.trainer.children.remove(child)
             self.start()
 
