@@ -162,8 +162,10 @@ def test_lora_at_tp2_trains_like_tp1_on_the_same_seed(runs, layout):
     for name in ("nll", "entropy", "grad_norm"):
         expected = [step[name] for step in tp1["steps"]]
         got = [step[name] for step in tp2["steps"]]
-        print(f"{layout} {name}: tp1 {expected} vs {got}, max relative difference "
-              f"{max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(expected, got)):.2e}")
+        print(
+            f"{layout} {name}: tp1 {expected} vs {got}, max relative difference "
+            f"{max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(expected, got, strict=True)):.2e}"
+        )
         assert got == pytest.approx(expected, rel=1e-5), name
     for one, two in zip(tp1["trained"], tp2["trained"], strict=True):
         assert (one - two).abs().max() <= 1e-4
