@@ -52,6 +52,14 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     seed: Annotated[int, Meta(description="seed for random models and sampling")] = 0
     weight_version: Annotated[str, Meta(description="the version the weights start at")] = "default"
     num_threads: Annotated[int, Meta(ge=0, description="torch CPU threads (0: default)")] = 0
+    switch_interval_ms: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Python's GIL switch interval in the server process (Python's own is 5): "
+            "the longest the engine thread waits for the GIL while the HTTP thread works",
+        ),
+    ] = 0.5
 
     @property
     def compile_elementwise(self) -> bool | None:
