@@ -290,6 +290,36 @@ def test_weight_sync_with_lora_ranks_publishes_adapters_that_engines_merge(tmp_p
     assert lora["gb_per_s_mean"] > 0 and "rank 4" in result.stdout
 
 
+def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_path):
+    out = tmp_path / "e.json"
+    result = _bench("engine", "--device", "cpu", "--dtype", "float32", "--shape", "qwen3-tiny",
+                    "--requests", "2,6", "--prompt-tokens", "16", "--max-new-tokens", "8",
+                    "--repeats", "1", "--ttft-probes", "2", "--work-dir", str(tmp_path / "work"),
+                    "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["config"]["device"] == "cpu" and record["config"]["requests"] == [2, 6]
+    assert record["config"]["max_new_tokens"] == 8 and record["machine"]
+    engines = record["result"]["engines"]
+    if "sglang" not in engines:
+        assert "import sglang" in record["result"]["skipped"]["sglang"]
+    assert "--max-batch-size" in engines["embedded"]["argv"]
+    for name in ("embedded", "in-process"):
+        for count in (2, 6):
+            cell = engines[name]["counts"][str(count)]
+            measured = cell["median_round"]
+            assert cell["tokens_per_s"] > 0, (name, count)
+            assert measured["generated_tokens"] == count * 8 and measured["num_errors"] == 0
+            assert measured["num_short"] == 0 and measured["num_without_logprobs"] == 0
+    for count in (2, 6):
+        cell = engines["embedded"]["counts"][str(count)]
+        assert 0 < cell["ttft_s_median"] <= cell["median_round"]["latency_s_max"]
+        assert cell["median_round"]["engine_generated_tokens"] == count * 8
+    ratio = record["result"]["ratios"]["embedded_over_in-process"]
+    assert set(ratio) == {"2", "6"} and all(value > 0 for value in ratio.values())
+    assert (tmp_path / "e.png").stat().st_size > 0
+
+
 SMOKE_SETS = ["--set", "rollout.batch_size=2", "--set", "rollout.sampling.max_new_tokens=8"]
 
 

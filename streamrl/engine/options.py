@@ -55,6 +55,14 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     lora_adapter: Annotated[
         str, Meta(description="peft adapter directory merged into the weights at start")
     ] = ""
+    switch_interval_ms: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="Python's GIL switch interval in the server process (Python's own is 5): "
+            "the longest the engine thread waits for the GIL while the HTTP thread works",
+        ),
+    ] = 0.5
 
     @property
     def compile_elementwise(self) -> bool | None:

@@ -14,11 +14,15 @@ SGLang's response object. The choices where SGLang leaves room:
   `"{rid}-{j}"` and, with `sampling_seed` s, seed s + j (so samples differ).
 - Unknown `sampling_params` keys are a 400 (as SGLang 0.5.23); unknown
   top-level keys are ignored (sglang-router adds `model`, `return_bytes`, ...).
+- `stream: true` (one prompt, n = 1 only) answers server-sent events, each the
+  whole response so far (cumulative, SGLang's default), `finish_reason` null
+  until the last, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
 import uuid
 from collections.abc import Container
@@ -60,7 +64,7 @@ class SamplingBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
     logit_bias: dict | None = None
-    stream_interval: int | None = None
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None  # tokens per streamed event
     custom_params: Any = None
     # Known to SGLang but changing what is sampled: refused unless null.
     json_schema: Any = None
@@ -74,13 +78,21 @@ _SAMPLING_DEFAULTS = dict(
     zip(SamplingBody.__struct_fields__, SamplingBody.__struct_defaults__, strict=True)
 )
 _IGNORED_PARAMS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
-_IGNORED_PARAMS += ("stream_interval", "custom_params")
+_IGNORED_PARAMS += ("custom_params",)
 _UNSUPPORTED_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 _TEXT_FLAGS = ("n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 class BadRequest(Exception):
     """A client error: answered with 400 and `{"error": {"message": ...}}`."""
+
+
+def sse_event(payload: Any) -> bytes:
+    """One server-sent event holding `payload` as JSON."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
@@ -108,6 +120,8 @@ async def read_json(request: web.Request) -> dict:
 
 def version_spans(versions: list[str]) -> list[dict]:
     """Per-token versions -> `[{version, start, end}]`, `end` exclusive, in token order."""
+    if versions and versions[0] == versions[-1] and versions.count(versions[0]) == len(versions):
+        return [{"version": versions[0], "start": 0, "end": len(versions)}]  # the common case
     spans: list[dict] = []
     for index, version in enumerate(versions):
         if spans and spans[-1]["version"] == version:
@@ -130,6 +144,10 @@ class GenerateCall:
     spaces_between_special_tokens: bool
     no_stop_trim: bool
     return_routed_experts: bool = False
+    stream: bool = False
+    stream_interval: int = 1
+    """A streamed call sends an event at the first output token and then every this many
+    (SGLang's rule: after token k when k % interval == 1, every token at 1), and at the end."""
 
 
 def parse_generate(
@@ -139,8 +157,6 @@ def parse_generate(
 
     `in_flight` holds the rids the server runs now (a duplicate is refused); `warned`
     collects the ignored sampling keys already logged once."""
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by the embedded engine")
     prompts, is_single = _prompts(body, tokenizer)
     per_prompt, flags = sampling_params(body.get("sampling_params"), len(prompts), warned)
     rid = body.get("rid")
@@ -165,7 +181,11 @@ def parse_generate(
         spaces_between_special_tokens=flags["spaces_between_special_tokens"],
         no_stop_trim=flags["no_stop_trim"],
         return_routed_experts=bool(body.get("return_routed_experts", False)),
+        stream=bool(body.get("stream", False)),
+        stream_interval=flags["stream_interval"],
     )
+    if call.stream and not call.is_single:
+        raise BadRequest("stream=true needs one prompt with n = 1 in the embedded engine")
     for prompt, base_rid, kwargs in zip(prompts, base_rids, per_prompt, strict=True):
         for j in range(num_samples):
             sample = dict(kwargs)
@@ -193,6 +213,9 @@ def sampling_params(raw: Any, num_prompts: int, warned: set[str]) -> tuple[list[
     flags = [{key: values.pop(key) for key in _TEXT_FLAGS} for values in parsed]
     if any(f != flags[0] for f in flags):
         raise BadRequest("n and the text options must agree across a batch")
+    flags[0]["stream_interval"] = parsed[0].pop("stream_interval") or 1
+    for values in parsed[1:]:
+        values.pop("stream_interval")
     for values in parsed:
         for key in (*_IGNORED_PARAMS, *_UNSUPPORTED_PARAMS):
             values.pop(key)
@@ -231,7 +254,14 @@ def _prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
         if not isinstance(ids, list) or not ids:
             raise BadRequest("input_ids must be a non-empty list")
         is_single = not isinstance(ids[0], list)
-        prompts = [ids] if is_single else ids
+        try:  # msgspec checks every id in C (bools and floats are not ints)
+            prompts = (
+                [msgspec.convert(ids, list[int])] if is_single else msgspec.convert(ids, _BATCH)
+            )
+        except msgspec.ValidationError:
+            raise BadRequest(
+                "input_ids must hold integers (one list, or one list per prompt)"
+            ) from None
     elif body.get("text") is not None:
         text = body["text"]
         is_single = isinstance(text, str)
@@ -241,25 +271,71 @@ def _prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
         prompts = [tokenizer.encode(t) for t in texts]
     else:
         raise BadRequest("either text or input_ids must be given")
-    for prompt in prompts:
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRequest("every prompt must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise BadRequest("input_ids must hold integers")
+    if not all(prompts):
+        raise BadRequest("every prompt must be a non-empty list of token ids")
     return prompts, is_single
 
 
+_BATCH = list[list[int]]
+
+
+class TextDecoder:
+    """`tokenizer.decode(ids, ...)` for output text, through the Rust tokenizer directly when
+    that is what `decode` would do anyway (a fast tokenizer with no clean-up pass): the
+    Python wrapper's per-token type checks cost four times the decode itself."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._rust = _plain_rust_backend(tokenizer)
+
+    def __call__(
+        self, ids: list[int], *, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> str:
+        if self._rust is not None:  # fast tokenizers ignore spaces_between_special_tokens
+            return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+
+
+def _plain_rust_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer under `tokenizer` when its `decode` is transformers' own fast one
+    (no subclass override, no clean-up pass), else None."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or backend is None:
+        return None
+    cls, base = type(tokenizer), PreTrainedTokenizerFast
+    if cls.decode is not base.decode or cls._decode is not base._decode:
+        return None
+    return None if tokenizer.clean_up_tokenization_spaces else backend
+
+
 def render_result(
-    call: GenerateCall, output: Output, *, tokenizer: Any, weight_version: str, latency_s: float
+    call: GenerateCall,
+    output: Output,
+    *,
+    decode: TextDecoder,
+    weight_version: str,
+    latency_s: float,
 ) -> dict:
-    """One core `Output` as SGLang's `/generate` response object."""
-    output_ids = list(output.output_ids)
-    finish = dict(output.finish_reason)
-    matched = finish.get("matched")
+    """One core `Output` as SGLang's `/generate` response object (`finish_reason` None: a
+    streamed response still running)."""
+    output_ids = output.output_ids
+    finish = output.finish_reason
+    matched = finish.get("matched") if finish else None
     text_ids = output_ids
-    if finish.get("type") == "stop" and isinstance(matched, int) and not call.no_stop_trim:
+    if (
+        finish
+        and finish.get("type") == "stop"
+        and isinstance(matched, int)
+        and not call.no_stop_trim
+    ):
         text_ids = output_ids[:-1]
-    text = tokenizer.decode(
+    text = decode(
         text_ids,
         skip_special_tokens=call.skip_special_tokens,
         spaces_between_special_tokens=call.spaces_between_special_tokens,
@@ -268,7 +344,7 @@ def render_result(
         cut = text.find(matched)
         if cut >= 0:
             text = text[:cut]
-    versions = list(output.versions)
+    versions = output.versions
     meta = {
         "id": output.rid,
         "finish_reason": finish,
@@ -280,14 +356,16 @@ def render_result(
         "e2e_latency": latency_s,
     }
     if call.return_logprob:
-        meta["output_token_logprobs"] = [
-            [float(lp), int(t), None] for lp, t in zip(output.logprobs, output_ids, strict=True)
-        ]
+        # [logprob, token_id, null] per token; tuples encode as JSON arrays.
+        meta["output_token_logprobs"] = list(zip(output.logprobs, output_ids, _NONES, strict=False))
     if call.return_routed_experts and output.routed_experts is not None:
         # SGLang's layout: base64 of little-endian int32 [prompt + output - 1, layers, top_k].
         routed = output.routed_experts.astype("<i4", copy=False).tobytes()
         meta["routed_experts"] = base64.b64encode(routed).decode("ascii")
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+_NONES = itertools.repeat(None)
 
 
 def aborted_before_start(rid: str, num_prompt_tokens: int) -> Output:

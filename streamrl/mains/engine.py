@@ -34,7 +34,21 @@ def serve_command(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(options))
+    # The engine thread and the HTTP thread share the GIL: after a device step the engine
+    # thread must get it back at once, not after Python's default 5 ms.
+    sys.setswitchinterval(options.switch_interval_ms / 1e3)
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(serve(options))
+
+
+def event_loop_factory():
+    """uvloop's event loop when it is installed (its transports and cross-thread wake-ups
+    are C code), else asyncio's; None means asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def serve(options: EngineOptions) -> int:

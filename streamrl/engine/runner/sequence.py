@@ -38,6 +38,9 @@ class Sequence:
     stop_checker: StopStringChecker | None = None
     return_routed_experts: bool = False
     routed_experts: list[Any] | None = None  # per fed token: [layers, top_k] expert ids (hf runner)
+    on_token: Callable[[int, float, str], None] | None = None
+    """Called on the engine thread with (token, logprob, version) after each output token
+    (streamed requests); must not block."""
 
     @property
     def tokens(self) -> list[int]:

@@ -1,0 +1,404 @@
+"""`streamrl bench engine`: the embedded engine against SGLang, on SGLang's own protocol.
+
+The load (issue 21): N requests sent at once through HTTP `/generate`, one prompt
+per call (as the rollout worker sends them), each `--prompt-tokens` random token
+ids asking for `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and
+`return_logprob`. The model is a random `--shape` saved by
+`streamrl.models.save_random_model` (SmolLM2's tokenizer), or `--model DIR`.
+
+Engines, one after the other on the same device (each started, waited for on
+`/health`, warmed up, measured at every count of `--requests`, stopped); `auto`
+runs embedded, sglang, in-process, and records an engine it leaves out, with why,
+under `skipped`:
+
+- `embedded`: `streamrl engine serve` (its flags: `--max-batch-size` the largest
+  count, `--max-seq-len` prompt + new tokens + 64, then `--embedded-args`);
+- `in-process`: the same `EngineOptions` as an `EngineCore` in this process, all N
+  requests in one `await generate(...)`: the rate the HTTP path is compared with;
+- `sglang`: `python -m sglang.launch_server` with `--sglang-args` (auto: only
+  when `import sglang` can find the package).
+
+Per (engine, count), over `--repeats` rounds with fresh prompts each (no prefix
+cache can help): tokens/s = completion tokens of all N responses / wall time
+from the first send to the last answer; time to first token from
+`--ttft-probes` of the N requests (spread over the send order) that stream
+(server-sent events; TTFT = client time from send to the first event holding
+an output token; the rest do not stream, so the load stays the non-streaming
+one); GPU busy share over the window (`streamrl.bench.gpu_monitor`, absent on
+CPU); for the embedded engine its own busy clock and token counter
+(`/get_load`: `engine_busy_share`, plotted in place of GPU busy when no GPU is
+seen). One progress line per phase goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from streamrl.bench.gpu_monitor import GpuMonitor
+from streamrl.bench.load import measure_http, measure_in_process, prompts_for
+from streamrl.bench.results import write_result
+
+ENGINES = ("embedded", "sglang", "in-process")
+"""`auto`'s order: in-process last, as its device memory is this process's own."""
+SEQ_LEN_MARGIN = 64
+"""KV room per sequence beyond prompt + new tokens (the embedded engine's --max-seq-len)."""
+
+
+def progress(message: str) -> None:
+    print(f"[bench engine {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def engine_command(args: argparse.Namespace) -> int:
+    counts = [int(part) for part in args.requests.split(",") if part.strip()]
+    if not counts or min(counts) <= 0:
+        print(
+            f"error: --requests must list positive counts, got {args.requests!r}", file=sys.stderr
+        )
+        return 2
+    try:
+        engines, skipped = _engines(args.engines)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name, why in skipped.items():
+        progress(f"[{name}] skipped: {why}")
+    work_dir = Path(args.work_dir).resolve()
+    model = args.model or str(_random_model(args.shape, work_dir))
+    args.vocab_size = _vocab_size(model)
+    result: dict[str, Any] = {"model": model, "engines": {}, "skipped": skipped}
+    with GpuMonitor() as gpus:
+        for name in engines:
+            progress(f"[{name}] start")
+            try:
+                result["engines"][name] = _bench_one(name, model, counts, args, work_dir, gpus)
+            except Exception as exc:  # one engine failing leaves the others' figures
+                progress(f"[{name}] failed: {type(exc).__name__}: {exc}")
+                result["engines"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            if args.json:
+                _write(args, counts, result)
+    result["ratios"] = ratios(result["engines"], counts)
+    for line in summary_lines(result, counts):
+        print(line)
+    if args.json:
+        _write(args, counts, result)
+    failed = [name for name, row in result["engines"].items() if "error" in row]
+    return 1 if failed else 0
+
+
+def _engines(spec: str) -> tuple[list[str], dict[str, str]]:
+    """The engines to run, and those `auto` leaves out with why."""
+    from streamrl.fleet.sglang import sglang_available
+
+    no_sglang = f"`import sglang` finds no package in {sys.executable}"
+    if spec == "auto":
+        if sglang_available():
+            return list(ENGINES), {}
+        return [name for name in ENGINES if name != "sglang"], {"sglang": no_sglang}
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    unknown = [name for name in names if name not in ENGINES]
+    if unknown or not names:
+        raise ValueError(f"--engines: unknown {unknown}; use auto or some of {list(ENGINES)}")
+    if "sglang" in names and not sglang_available():
+        raise ValueError(f"--engines names sglang, but {no_sglang}")
+    return names, {}
+
+
+def _random_model(shape: str, work_dir: Path) -> Path:
+    """`work_dir/model-SHAPE`, written once (seed 0) and reused by later runs."""
+    from streamrl.models import save_random_model
+
+    out = work_dir / f"model-{shape}"
+    done = out / ".complete"
+    if not done.exists():
+        progress(f"writing random {shape} weights to {out}")
+        save_random_model(shape, out, seed=0)
+        done.touch()
+    return out
+
+
+def _vocab_size(model: str) -> int:
+    from streamrl.models import model_config
+
+    return int(model_config(model).vocab_size)
+
+
+def embedded_options(model: str, counts: list[int], args: argparse.Namespace):
+    """The `EngineOptions` both embedded variants run with: the bench's defaults, then
+    `--embedded-args` (any `streamrl engine serve` flag) on top."""
+    from streamrl.engine.options import EngineOptions
+
+    parser = argparse.ArgumentParser(prog="--embedded-args", add_help=False)
+    EngineOptions.add_arguments(parser)
+    argv = ["--model", model, "--device", args.device, "--dtype", args.dtype]
+    argv += ["--max-batch-size", str(max(counts))]
+    argv += ["--max-seq-len", str(args.prompt_tokens + args.max_new_tokens + SEQ_LEN_MARGIN)]
+    argv += shlex.split(args.embedded_args)
+    return EngineOptions.from_namespace(parser.parse_args(argv))
+
+
+def _bench_one(name, model, counts, args, work_dir: Path, gpus: GpuMonitor) -> dict[str, Any]:
+    started = time.monotonic()
+    if name == "in-process":
+        return asyncio.run(_in_process(model, counts, args, gpus, started))
+    with _server(name, model, counts, args, work_dir) as (url, argv):
+        row = {"start_s": round(time.monotonic() - started, 1), "url": url, "argv": argv}
+        progress(f"[{name}] ready after {row['start_s']} s")
+        row.update(asyncio.run(_over_http(name, url, counts, args, gpus)))
+    return row
+
+
+@contextmanager
+def _server(name, model, counts, args, work_dir: Path) -> Iterator[tuple[str, list[str]]]:
+    from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
+
+    port = free_port()
+    if name == "embedded":
+        options = embedded_options(model, counts, args)
+        argv = streamrl_argv("engine", "serve", *options.to_argv(), "--port", str(port))
+    else:
+        argv = sglang_argv(model, port, max(counts), args)
+    log_path = work_dir / f"{name}.log"
+    log_path.unlink(missing_ok=True)
+    progress(f"[{name}] {shlex.join(argv)} (log {log_path})")
+    process = spawn(f"bench-{name}", argv, log_path=log_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ready(url, timeout_s=args.start_timeout_s, process=process)
+        yield url, argv
+    finally:
+        process.stop(timeout_s=30)
+
+
+def sglang_argv(model: str, port: int, max_requests: int, args: argparse.Namespace) -> list[str]:
+    """`python -m sglang.launch_server` for the bench: ServerArgs flag names, then
+    `--sglang-args` (later flags win in SGLang's argparse)."""
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16"
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--random-seed", "0"]
+    argv += ["--max-running-requests", str(max_requests)]
+    return argv + shlex.split(args.sglang_args)
+
+
+async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any]:
+    if args.warmup_new_tokens > 0:
+        progress(f"[{name}] warm-up: {max(counts)} requests x {args.warmup_new_tokens} tokens")
+        await measure_http(
+            url,
+            prompts_for(max(counts), args.prompt_tokens, seed=1, vocab_size=args.vocab_size),
+            max_new_tokens=args.warmup_new_tokens,
+            num_probes=0,
+        )
+    rows = {}
+    for count in counts:
+        rounds = []
+        for repeat in range(args.repeats):
+            prompts = prompts_for(
+                count,
+                args.prompt_tokens,
+                seed=1000 * count + repeat + 2,
+                vocab_size=args.vocab_size,
+            )
+            before = await _load(url)
+            t0 = time.monotonic()
+            measured = await measure_http(
+                url, prompts, max_new_tokens=args.max_new_tokens, num_probes=args.ttft_probes
+            )
+            measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+            after = await _load(url)
+            if before is not None and after is not None:
+                measured["engine_busy_share"] = (after["busy_s"] - before["busy_s"]) / measured[
+                    "wall_s"
+                ]
+                measured["engine_generated_tokens"] = (
+                    after["generated_tokens"] - before["generated_tokens"]
+                )
+            rounds.append(measured)
+            progress(f"[{name}] {count} requests, round {repeat + 1}: {round_line(measured)}")
+        rows[str(count)] = summarise(rounds)
+    return {"counts": rows}
+
+
+async def _load(url: str) -> dict | None:
+    """The embedded engine's busy clock and token counter; None for servers without them."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(f"{url}/get_load")
+    if response.status_code != 200:
+        return None
+    body = response.json()
+    load = body[0] if isinstance(body, list) and body else body
+    if not isinstance(load, dict) or "busy_s" not in load or "generated_tokens" not in load:
+        return None
+    return load
+
+
+async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> dict[str, Any]:
+    from streamrl.engine.core import EngineCore
+
+    options = embedded_options(model, counts, args)
+    core = await asyncio.to_thread(EngineCore, options)
+    core.start()
+    row: dict[str, Any] = {
+        "start_s": round(time.monotonic() - started, 1),
+        "options": options.to_argv(),
+        "counts": {},
+    }
+    progress(f"[in-process] ready after {row['start_s']} s")
+    try:
+        if args.warmup_new_tokens > 0:
+            progress(f"[in-process] warm-up: {max(counts)} x {args.warmup_new_tokens} tokens")
+            warm = prompts_for(max(counts), args.prompt_tokens, seed=1, vocab_size=args.vocab_size)
+            await measure_in_process(core, warm, max_new_tokens=args.warmup_new_tokens)
+        for count in counts:
+            rounds = []
+            for repeat in range(args.repeats):
+                prompts = prompts_for(
+                    count,
+                    args.prompt_tokens,
+                    seed=1000 * count + repeat + 2,
+                    vocab_size=args.vocab_size,
+                )
+                t0 = time.monotonic()
+                measured = await measure_in_process(
+                    core, prompts, max_new_tokens=args.max_new_tokens
+                )
+                measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+                rounds.append(measured)
+                progress(
+                    f"[in-process] {count} requests, round {repeat + 1}: {round_line(measured)}"
+                )
+            row["counts"][str(count)] = summarise(rounds)
+    finally:
+        core.shutdown()
+        del core
+        _free_device_memory()
+    return row
+
+
+def _free_device_memory() -> None:
+    """Give the in-process engine's cached device memory back (a server started after it
+    sizes its KV cache from what is free)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def round_line(measured: dict[str, Any]) -> str:
+    ttft = measured.get("ttft_s_median")
+    line = f"{measured['tokens_per_s']:,.0f} tok/s over {measured['wall_s']:.2f} s"
+    if ttft is not None:
+        line += f", TTFT median {ttft * 1e3:.0f} ms"
+    if measured.get("gpu_busy"):
+        line += f", GPU busy {next(iter(measured['gpu_busy'].values())):.0%}"
+    return line
+
+
+def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median round's figures (by tokens/s) beside every round's."""
+    ordered = sorted(rounds, key=lambda r: r["tokens_per_s"])
+    median = ordered[(len(ordered) - 1) // 2]
+    return {
+        "tokens_per_s": median["tokens_per_s"],
+        "tokens_per_s_all": [r["tokens_per_s"] for r in rounds],
+        "ttft_s_median": median.get("ttft_s_median"),
+        "gpu_busy": median.get("gpu_busy") or None,
+        "engine_busy_share": median.get("engine_busy_share"),
+        "median_round": median,
+    }
+
+
+def ratios(engines: dict[str, dict], counts: list[int]) -> dict[str, dict[str, float]]:
+    """embedded / sglang and embedded / in-process tokens/s per count, where both ran."""
+
+    def rate(name: str, count: int) -> float | None:
+        row = engines.get(name, {}).get("counts", {}).get(str(count))
+        return row["tokens_per_s"] if row else None
+
+    out: dict[str, dict[str, float]] = {}
+    for other in ("sglang", "in-process"):
+        for count in counts:
+            ours, theirs = rate("embedded", count), rate(other, count)
+            if ours is not None and theirs:
+                out.setdefault(f"embedded_over_{other}", {})[str(count)] = round(ours / theirs, 3)
+    return out
+
+
+def summary_lines(result: dict[str, Any], counts: list[int]) -> list[str]:
+    lines = []
+    for name, row in result["engines"].items():
+        if "error" in row:
+            lines.append(f"{name}: failed: {row['error']}")
+            continue
+        cells = []
+        for count in counts:
+            cell = row["counts"][str(count)]
+            ttft = cell["ttft_s_median"]
+            cells.append(
+                f"{count}: {cell['tokens_per_s']:,.0f} tok/s"
+                + (f" (TTFT {ttft * 1e3:.0f} ms)" if ttft is not None else "")
+            )
+        lines.append(f"{name}: " + "; ".join(cells))
+    for key, by_count in result.get("ratios", {}).items():
+        lines.append(f"{key}: " + ", ".join(f"{c}: {v:.2f}x" for c, v in by_count.items()))
+    return lines
+
+
+def _write(args: argparse.Namespace, counts: list[int], result: dict[str, Any]) -> None:
+    import torch  # noqa: F401 - machine_info reports the GPUs torch sees
+
+    config = {
+        key: getattr(args, key)
+        for key in (
+            "shape", "model", "engines", "device", "dtype", "prompt_tokens", "max_new_tokens",
+            "ttft_probes", "repeats", "warmup_new_tokens", "embedded_args", "sglang_args",
+        )
+    }  # fmt: skip
+    config["requests"] = counts
+    write_result(
+        args.json, bench="engine", config=config, result=result, plot=plot_engine, num_panels=3
+    )
+
+
+def plot_engine(result: dict[str, Any], axes) -> None:
+    engines = {n: r for n, r in result["engines"].items() if "counts" in r}
+    counts = sorted({int(c) for row in engines.values() for c in row["counts"]})
+    has_gpu = any(
+        cell.get("gpu_busy") for row in engines.values() for cell in row["counts"].values()
+    )
+    panels = (
+        ("tokens_per_s", "generated tokens/s", 1.0),
+        ("ttft_s_median", "time to first token, median (ms)", 1e3),
+        ("gpu_busy", "GPU busy share", 1.0)
+        if has_gpu
+        else ("engine_busy_share", "engine thread busy share (no GPU seen)", 1.0),
+    )
+    width = 0.8 / max(1, len(engines))
+    for ax, (key, label, scale) in zip(axes, panels, strict=True):
+        for index, (name, row) in enumerate(engines.items()):
+            values = []
+            for count in counts:
+                cell = row["counts"].get(str(count), {})
+                value = cell.get(key)
+                if isinstance(value, dict):  # GPU busy per GPU index: the first GPU
+                    value = next(iter(value.values()), None)
+                values.append(float("nan") if value is None else value * scale)
+            ax.bar([i + index * width for i in range(len(counts))], values, width, label=name)
+        ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(counts))])
+        ax.set_xticklabels([str(c) for c in counts])
+        ax.set_xlabel("requests sent at once")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    axes[0].set_title("Decode throughput through /generate")

@@ -1,0 +1,178 @@
+"""The load of `streamrl bench engine`: N generate requests at once, and what each took.
+
+`measure_http` sends one `/generate` call per prompt, all at once, over one
+aiohttp session with no connection limit (the client must not be what limits
+the rate); `num_probes` of them, spread evenly over the send order, stream
+(server-sent events) so that their time to first token can be seen from the
+client. `measure_in_process` hands the same prompts to an `EngineCore` in one
+call. Both return the same figures: tokens, wall time, tokens/s, per-request
+latency and (HTTP, probes) time to first token, with counts of anything wrong
+(a non-200 answer, a response without logprobs, fewer tokens than asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import msgspec
+
+PROMPT_TOKEN_RANGE = (10, 30000)
+"""Prompt token ids are drawn from here (below the model's vocabulary size if it is smaller):
+inside SmolLM2's vocabulary and every random shape's."""
+
+
+def prompts_for(
+    count: int, length: int, *, seed: int, vocab_size: int | None = None
+) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, the same for a seed on every machine."""
+    import numpy as np
+
+    low, high = PROMPT_TOKEN_RANGE
+    if vocab_size is not None:
+        high = min(high, vocab_size)
+    return np.random.default_rng(seed).integers(low, high, (count, length)).tolist()
+
+
+def request_body(prompt: list[int], max_new_tokens: int, *, stream: bool = False) -> bytes:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        },
+        "return_logprob": True,
+    }
+    if stream:  # events at the first token and at the end only (SGLang's stream_interval rule)
+        body["stream"] = True
+        body["sampling_params"]["stream_interval"] = max(1, max_new_tokens)
+    return msgspec.json.encode(body)
+
+
+def probe_indices(count: int, num_probes: int) -> set[int]:
+    """`num_probes` request indices spread evenly over 0..count-1 (first and last included)."""
+    num_probes = min(num_probes, count)
+    if num_probes <= 0:
+        return set()
+    if num_probes == 1:
+        return {0}
+    return {round(i * (count - 1) / (num_probes - 1)) for i in range(num_probes)}
+
+
+async def measure_http(
+    url: str, prompts: list[list[int]], *, max_new_tokens: int, num_probes: int
+) -> dict[str, Any]:
+    import aiohttp
+
+    probes = probe_indices(len(prompts), num_probes)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        started = time.perf_counter()
+        calls = [
+            _stream_one(session, url, prompt, max_new_tokens, started)
+            if index in probes
+            else _one(session, url, prompt, max_new_tokens, started)
+            for index, prompt in enumerate(prompts)
+        ]
+        answers = await asyncio.gather(*calls)
+        wall_s = time.perf_counter() - started
+    return figures(answers, wall_s, max_new_tokens)
+
+
+async def _one(session, url: str, prompt, max_new_tokens: int, started: float) -> dict:
+    async with session.post(
+        f"{url}/generate",
+        data=request_body(prompt, max_new_tokens),
+        headers={"Content-Type": "application/json"},
+    ) as response:
+        raw = await response.read()
+        done_s = time.perf_counter() - started
+        if response.status != 200:
+            return {"error": f"HTTP {response.status}: {raw[:200]!r}", "latency_s": done_s}
+    return _answer(msgspec.json.decode(raw), done_s)
+
+
+async def _stream_one(session, url: str, prompt, max_new_tokens: int, started: float) -> dict:
+    first_token_s = None
+    last = None
+    async with session.post(
+        f"{url}/generate",
+        data=request_body(prompt, max_new_tokens, stream=True),
+        headers={"Content-Type": "application/json"},
+    ) as response:
+        if response.status != 200:
+            raw = await response.read()
+            return {"error": f"HTTP {response.status}: {raw[:200]!r}"}
+        async for line in response.content:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            last = msgspec.json.decode(payload)
+            if first_token_s is None and _num_tokens(last) > 0:
+                first_token_s = time.perf_counter() - started
+        done_s = time.perf_counter() - started
+    if last is None:
+        return {"error": "the stream ended without an event"}
+    answer = _answer(last, done_s)
+    answer["ttft_s"] = first_token_s
+    return answer
+
+
+def _num_tokens(result: dict) -> int:
+    meta = result.get("meta_info") or {}
+    count = meta.get("completion_tokens")
+    return int(count) if count is not None else len(result.get("output_ids") or ())
+
+
+def _answer(result: dict, latency_s: float) -> dict:
+    meta = result.get("meta_info") or {}
+    return {
+        "tokens": _num_tokens(result),
+        "num_logprobs": len(meta.get("output_token_logprobs") or ()),
+        "latency_s": latency_s,
+    }
+
+
+async def measure_in_process(core, prompts: list[list[int]], *, max_new_tokens: int) -> dict:
+    """All prompts in one `EngineCore.generate` call (no HTTP, no JSON)."""
+    from streamrl.engine.core import Request, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
+    requests = [Request(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    started = time.perf_counter()
+    outputs = await core.generate(requests)
+    wall_s = time.perf_counter() - started
+    answers = [
+        {"tokens": len(o.output_ids), "num_logprobs": len(o.logprobs), "latency_s": wall_s}
+        for o in outputs
+    ]
+    return figures(answers, wall_s, max_new_tokens)
+
+
+def figures(answers: list[dict], wall_s: float, max_new_tokens: int) -> dict[str, Any]:
+    """Tokens/s over the wall time, latency and TTFT medians, and what went wrong."""
+    good = [a for a in answers if "error" not in a]
+    tokens = sum(a["tokens"] for a in good)
+    ttfts = [a["ttft_s"] for a in good if a.get("ttft_s") is not None]
+    latencies = [a["latency_s"] for a in good]
+    errors = [a["error"] for a in answers if "error" in a]
+    return {
+        "requests": len(answers),
+        "generated_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "latency_s_median": statistics.median(latencies) if latencies else None,
+        "latency_s_max": max(latencies) if latencies else None,
+        "ttft_s_median": statistics.median(ttfts) if ttfts else None,
+        "ttft_s_all": ttfts,
+        "num_errors": len(errors),
+        "errors": errors[:5],
+        "num_short": sum(a["tokens"] < max_new_tokens for a in good),
+        "num_without_logprobs": sum(a["num_logprobs"] != a["tokens"] for a in good),
+    }
