@@ -1,6 +1,6 @@
 """`streamrl bench engine`: the embedded engine against SGLang, on SGLang's own protocol.
 
-The load (issue 21): N requests sent at once through HTTP `/generate`, one prompt
+The load: N requests sent at once through HTTP `/generate`, one prompt
 per call (as the rollout worker sends them), each `--prompt-tokens` random token
 ids asking for `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and
 `return_logprob`. The model is a random `--shape` saved by
