@@ -146,11 +146,7 @@ class Gateway:
         tokenizer = session.ctx.tokenizer
         if not flags["stream"]:
             return _json(openai_api.chat_response(reply, flags, tokenizer))
-        stream = await sse.open_stream(request)
-        for chunk in openai_api.chat_chunks(reply, flags, tokenizer):
-            await sse.send(stream, chunk)
-        await sse.send(stream, "[DONE]")
-        return stream
+        return await _openai_stream(request, openai_api.chat_chunks(reply, flags, tokenizer))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -162,11 +158,8 @@ class Gateway:
         tokenizer = session.ctx.tokenizer
         if not flags["stream"]:
             return _json(openai_api.completion_response(reply, flags, tokenizer, text.prompt))
-        stream = await sse.open_stream(request)
-        for chunk in openai_api.completion_chunks(reply, flags, tokenizer, text.prompt):
-            await sse.send(stream, chunk)
-        await sse.send(stream, "[DONE]")
-        return stream
+        chunks = openai_api.completion_chunks(reply, flags, tokenizer, text.prompt)
+        return await _openai_stream(request, chunks)
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -181,6 +174,15 @@ class Gateway:
         for event, data in anthropic_api.message_events(reply, flags, session.ctx.tokenizer):
             await sse.send(stream, data, event=event)
         return stream
+
+
+async def _openai_stream(request: web.Request, chunks) -> web.StreamResponse:
+    """OpenAI's server-sent events: one `data:` event per chunk, then `data: [DONE]`."""
+    stream = await sse.open_stream(request)
+    for chunk in chunks:
+        await sse.send(stream, chunk)
+    await sse.send(stream, "[DONE]")
+    return stream
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
