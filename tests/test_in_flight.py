@@ -9,10 +9,12 @@ import msgspec
 import pytest
 from engine_helpers import running_engines
 
+from streamrl.actors.in_flight import InFlight
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
 from streamrl.data import PromptSource
-from streamrl.fleet.engine_set import EngineSet
+from streamrl.fleet.client import EngineError
+from streamrl.fleet.engine_set import EngineSet, EngineSetError
 from streamrl.models import load_tokenizer
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
 from streamrl.tasks.synthetic import confidence_reward, generate_scored
@@ -112,3 +114,20 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
             assert sample.reward == pytest.approx(confidence_reward(list(sample.logprobs)))
     assert second.counters.resumed_samples == 4
     assert second.counters.resumed_tokens == sum(len(s.output_ids) for s in partial)
+
+
+class _OneEngineLoading:
+    """An engine set whose second engine is restarting (a fake: the test is of InFlight)."""
+
+    async def abort_all(self) -> None:
+        loading = EngineError("http://b", "/abort_request", 503, "the engine is still loading")
+        raise EngineSetError("abort_all", {"http://b": loading}, 2)
+
+
+async def test_a_snapshot_goes_on_when_an_engine_is_restarting():
+    """A restarting engine answers 503 to abort: it holds no call, so the snapshot is taken
+    (once this killed the rollout process during an engine restart)."""
+    in_flight = InFlight(resumable=True)
+    in_flight.started(3)
+    groups, cost = await in_flight.snapshot(_OneEngineLoading(), 2)
+    assert [group.prompt_seq for group in groups] == [3] and cost["complete"]

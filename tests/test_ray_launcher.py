@@ -286,6 +286,10 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
     assert (victim["url"], "down", "exited") in [
         (e.get("engine"), e["event"], e.get("reason")) for e in events(out)
     ]
+    # The engine's restart must not take the rollout process with it (it once did: the
+    # snapshot's abort met the restarting engine's 503).
+    rollout_deaths = [e for e in events(out) if e["event"] == "rollout_restarted"]
+    assert not rollout_deaths, rollout_deaths[0]["log_tail"]
     assert set(summary["engine_versions"].values()) == {steps}
 
     engines = json.loads((out / "engines.json").read_text())

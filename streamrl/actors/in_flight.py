@@ -15,13 +15,17 @@ continued from tokens: its groups are generated again from their prompts, and co
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import anyio
 
 from streamrl.agents.api import Completion, GenerateContext, Hold
+from streamrl.fleet.engine_set import EngineSetError
 from streamrl.types import FinishReason, PartialGroup, PartialSample
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 60.0
 """A snapshot whose calls have not all parked by then reports no partial samples (their
@@ -64,7 +68,12 @@ class InFlight:
         self.hold.close()
         try:
             with anyio.move_on_after(SNAPSHOT_TIMEOUT_S) as timeout:
-                await engines.abort_all()
+                try:
+                    await engines.abort_all()
+                except EngineSetError as exc:
+                    # An engine that is down or still loading holds no call to stop: the
+                    # calls it had fail, are retried, and park at the closed hold too.
+                    log.warning("snapshot: %s; waiting for their calls to park", exc)
                 await self.hold.wait_parked()
             complete = not timeout.cancelled_caught
             groups = [
