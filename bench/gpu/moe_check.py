@@ -63,6 +63,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from megatron_check import micro_batches  # noqa: E402  (bench/gpu/: the same seeded batches)
+
 PEAK_BF16_FLOPS = 989e12
 TIMED_STEPS = 3
 YARN = {
@@ -145,37 +147,6 @@ def save_random(config, directory: Path, seed: int = 0) -> Path:
     del model
     free()
     return directory
-
-
-def micro_batches(vocab: int, *, rows: int, seq_len: int, count: int, seed: int, padded: bool):
-    from streamrl.backends.base import MicroBatch
-
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [
-        [int(torch.randint(seq_len // 4, seq_len + 1, (1,), generator=generator)) if padded
-         else seq_len for _ in range(rows)]
-        for _ in range(count)
-    ]  # fmt: skip
-    total = float(sum(length - 1 for row in lengths for length in row))
-    out = []
-    for row_lengths in lengths:
-        attention = torch.zeros(rows, seq_len, dtype=torch.int64)
-        for row, length in enumerate(row_lengths):
-            attention[row, :length] = 1
-        loss_mask = attention.float()
-        loss_mask[:, 0] = 0
-        out.append(
-            MicroBatch(
-                input_ids=torch.randint(0, vocab, (rows, seq_len), generator=generator) * attention,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=torch.zeros(rows, seq_len),
-                sample_indices=list(range(rows)),
-                num_tokens_in_mini_batch=total,
-                num_sequences_in_mini_batch=rows * count,
-            )
-        )
-    return out
 
 
 def nll_loss(micro_batch, logprobs, entropy):
