@@ -63,7 +63,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_check import micro_batches  # noqa: E402  (bench/gpu/: the same seeded batches)
+import megatron_check  # noqa: E402  (bench/gpu/: shared helpers)
+from megatron_check import micro_batches  # noqa: E402  (the same seeded batches)
 
 PEAK_BF16_FLOPS = 989e12
 TIMED_STEPS = 3
@@ -411,19 +412,10 @@ def routing_replay_section(work_dir: Path) -> dict:
 
 
 def environment() -> dict:
-    info = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "peak_bf16_flops": PEAK_BF16_FLOPS,
-        "mfu_note": "6 * active parameters * tokens/s / 989e12 (H100/H200 dense bf16 peak)",
-        "grouped_mm": hasattr(torch, "_grouped_mm"),
-    }
-    for module in ("transformers", "megatron.core", "transformer_engine"):
-        try:
-            info[module] = __import__(module, fromlist=["__version__"]).__version__
-        except Exception as exc:
-            info[module] = f"unavailable ({type(exc).__name__})"
+    """megatron_check's (versions, GPUs, the bf16 peak), with what MoE MFU counts."""
+    info = megatron_check.environment()
+    info["mfu_note"] = "6 * active parameters * tokens/s / 989e12 (H100/H200 dense bf16 peak)"
+    info["grouped_mm"] = hasattr(torch, "_grouped_mm")
     return info
 
 
