@@ -252,8 +252,8 @@ def wait_http_ready(
             )
         try:
             response = httpx.get(url + path, timeout=5.0)
-            if response.status_code == 200:
-                return
+            if response.status_code == 200 and (process is None or process.is_alive()):
+                return  # (a 200 after `process` died came from whoever took its port)
             last_error = f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             last_error = type(exc).__name__

@@ -312,7 +312,10 @@ async def test_pause_abort_aborts_everything_and_new_requests_wait_for_resume(ti
                 [Request("q", [1, 2], SamplingParams(max_new_tokens=4, ignore_eos=True))]
             )
         )
-        await asyncio.sleep(0.05)
+        for _ in range(30000):  # readiness: the request reaches the paused engine's queue
+            if engine.num_waiting:
+                break
+            await asyncio.sleep(0.001)
         assert not queued.done() and engine.num_waiting == 1
         engine.resume()
         (later,) = await queued

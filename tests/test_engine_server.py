@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import anyio
 import httpx
 import pytest
@@ -338,3 +341,18 @@ def test_the_server_loop_is_uvloop_when_installed_and_asyncio_otherwise(monkeypa
     assert event_loop_factory() is uvloop.new_event_loop
     monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` raises ImportError
     assert event_loop_factory() is None
+
+
+def test_stop_signals_that_keep_coming_through_the_shutdown_leave_exit_code_0(
+    tiny_model_dir, tmp_path
+):
+    """A launcher's stop() after its first SIGTERM, or a user's repeated Ctrl-C, must not
+    kill the engine with the signal's default action at any moment of its shutdown."""
+    with running_engines(tiny_model_dir, tmp_path) as engines:  # it asserts exit code 0
+        process = engines[0].process
+        deadline = time.monotonic() + 60
+        while process.is_alive():  # before, during and after the event loop's shutdown
+            assert time.monotonic() < deadline, "the engine did not stop within 60 s"
+            process.signal(signal.SIGTERM)
+            process.signal(signal.SIGINT)
+    assert process.popen.returncode == 0

@@ -7,7 +7,7 @@ import json
 import anyio
 import msgspec
 import pytest
-from engine_helpers import running_engines
+from engine_helpers import engine_load, running_engines
 
 from streamrl.actors.in_flight import InFlight
 from streamrl.actors.rollout import RolloutWorker
@@ -72,7 +72,10 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                 with anyio.fail_after(60):  # readiness: both groups are decoding
                     while len(first.in_flight.hold.active) < 4:
                         await anyio.sleep(0.02)
-                    await anyio.sleep(0.3)
+                    url = engines[0].url  # and two decode steps of all four after that
+                    tokens = engine_load(url)["generated_tokens"]
+                    while engine_load(url)["generated_tokens"] < tokens + 8:
+                        await anyio.sleep(0.02)
                     await receiver.request_snapshot(7)
                     while not [r for r in reports if r.kind == "in_flight"]:
                         await anyio.sleep(0.02)

@@ -31,12 +31,31 @@ def machine_info() -> dict[str, Any]:
             info["memory_gib"] = round(int(handle.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
+    info["packages"] = package_versions()
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
+
+
+RECORDED_PACKAGES = (
+    "torch", "transformers", "megatron-core", "sglang", "sglang-router", "msgspec", "pyzmq",
+)  # fmt: skip
+
+
+def package_versions() -> dict[str, str]:
+    """The installed version of each package a result depends on (absent: not installed)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in RECORDED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
 
 
 def git_commit() -> str:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import contextlib
 import signal
 import sys
+import threading
 
 from aiohttp import web
 
@@ -17,6 +19,8 @@ from streamrl.engine.app import EngineServer
 from streamrl.engine.options import EngineOptions
 
 logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
 class _DropHttp2Probe(logging.Filter):
@@ -37,8 +41,24 @@ def serve_command(args) -> int:
     # The engine thread and the HTTP thread share the GIL: after a device step the engine
     # thread must get it back at once, not after Python's default 5 ms.
     sys.setswitchinterval(options.switch_interval_ms / 1e3)
+    # Blocked before any thread starts, so that every thread inherits the mask: SIGTERM and
+    # SIGINT are then only ever taken by `_take_stop_signals`, and a second one during the
+    # shutdown is taken and ignored. With handlers instead, there are moments (before they
+    # are installed, between removing them and ignoring the signal, after the loop closes)
+    # when the default action kills the process with -15 in place of exit code 0.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(serve(options))
+
+
+def _take_stop_signals(loop: asyncio.AbstractEventLoop, on_signal) -> None:
+    """Wait for the (blocked) stop signals for the life of the process: each one calls
+    `on_signal` on the loop; once the loop is closed, later ones are simply taken."""
+    while True:
+        signum = signal.sigwait(STOP_SIGNALS)
+        logger.info("received %s", signal.Signals(signum).name)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to stop
+            loop.call_soon_threadsafe(on_signal)
 
 
 def event_loop_factory():
@@ -52,7 +72,8 @@ def event_loop_factory():
 
 
 async def serve(options: EngineOptions) -> int:
-    """Serve until SIGTERM/SIGINT (exit code 0), or until loading the model fails (1)."""
+    """Serve until SIGTERM/SIGINT (exit code 0), or until loading the model fails (1).
+    The caller has blocked STOP_SIGNALS in every thread (`serve_command`)."""
     server = EngineServer(options)
     logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
@@ -61,8 +82,9 @@ async def serve(options: EngineOptions) -> int:
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    threading.Thread(
+        target=_take_stop_signals, args=(loop, stop.set), name="stop-signals", daemon=True
+    ).start()
     exit_code = 0
     load = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
@@ -77,10 +99,7 @@ async def serve(options: EngineOptions) -> int:
         await stopping
     else:
         load.cancel()
-    logger.info("shutting down")
-    for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the shutdown
-        loop.remove_signal_handler(signum)
-        signal.signal(signum, signal.SIG_IGN)
+    logger.info("shutting down")  # a second signal only sets `stop` again
     await server.close()
     await runner.cleanup()
     return exit_code
