@@ -7,8 +7,8 @@ from `EngineOptions`, which is also what the launcher builds from `[engine]`.
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import signal
 import sys
 import threading
