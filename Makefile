@@ -42,4 +42,4 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check streamrl tests && $(BIN)/ruff format --check streamrl tests
+	$(BIN)/ruff check streamrl tests requirements && $(BIN)/ruff format --check streamrl tests requirements
