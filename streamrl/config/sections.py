@@ -196,7 +196,8 @@ class BufferConfig(_Section):
     """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size."""
     filters: list[str] = msgspec.field(default_factory=lambda: ["zero_std"])
     """Group filters, applied in order as groups arrive; a dropped group is counted under
-    the filter's name (metrics.jsonl `filtered/<name>`, summary.json `buffer.filtered_by`).
+    the filter's name (metrics.jsonl `filtered/<name>`, `filtered_by` in summary.json's
+    `buffer` section).
     Built in: `zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling),
     `truncated` drops groups in which a sample ended by length. `module:function` names a
     callable Group -> bool (True keeps the group), imported when the run starts (slime
