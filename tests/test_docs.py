@@ -535,3 +535,13 @@ def test_the_generate_kwargs_tables_list_every_option_with_its_default(heading, 
         default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
         if text:  # a blank cell gives no default
             assert tomllib.loads(f"v = {text}")["v"] == default, f"{key}: {text} != {default!r}"
+
+
+def test_every_docs_page_is_in_the_readmes_table():
+    readme = (ROOT / "README.md").read_text()
+    missing = [
+        str(page.relative_to(ROOT))
+        for page in PAGES[1:]
+        if f"| [{page.relative_to(ROOT)}]({page.relative_to(ROOT)}) |" not in readme
+    ]
+    assert not missing, f"README.md's documentation table lacks {missing}"
