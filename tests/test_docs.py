@@ -299,15 +299,27 @@ def repository_paths(page: Path) -> Iterator[tuple[int, str]]:
             yield number, path
 
 
-def _python_file_problem(span: str) -> str | None:
-    """A backticked `x.py` or `a/b.py` names a file of this repository (or of a project
-    the docs name it for)."""
+def page_folders(page: Path) -> set[Path]:
+    """Where a page's short file names (`model.py`, `queues/intake.py`) are looked up: the
+    repository, `streamrl/`, and every folder the page names or names a file of."""
+    folders = {ROOT, ROOT / "streamrl"}
+    for _, path in repository_paths(page):
+        named = ROOT / path
+        folders.add(named if named.is_dir() else named.parent)
+    for _, span in code_spans(page):
+        if span.endswith("/"):
+            folders.update(f / span for f in (ROOT, ROOT / "streamrl") if (f / span).is_dir())
+    return folders
+
+
+def _python_file_problem(span: str, folders: set[Path]) -> str | None:
+    """A backticked `x.py` or `a/b.py` names a file in one of the page's folders (or of a
+    project the docs name it for)."""
     if span in OTHER_PROJECTS_FILES or span.startswith(OTHER_PROJECTS_FOLDERS):
         return None
-    if (ROOT / span).is_file() or (ROOT / "streamrl" / span).is_file():
+    if any((folder / span).is_file() for folder in folders):
         return None
-    matches = [p for p in ROOT.glob(f"**/{span}") if ".venv" not in p.parts]
-    return None if matches else f"no file {span}"
+    return f"no file {span} in the folders this page names"
 
 
 def _test_problem(reference: str) -> str | None:
@@ -375,11 +387,13 @@ def test_every_file_module_and_test_named_in_the_docs_exists():
         for number, path in repository_paths(page):
             if not _exists(path):
                 problems.append(f"{name}:{number}: no such path {path}")
-    for where, span in {(w, s) for page in PAGES for w, s in code_spans(page)}:
+    spans = {(page, where, span) for page in PAGES for where, span in code_spans(page)}
+    folders = {page: page_folders(page) for page in PAGES}
+    for page, where, span in spans:
         if "::" in span and span.startswith("tests/"):
             problem = _test_problem(span)
         elif re.fullmatch(r"[\w./-]*\w\.py", span):
-            problem = _python_file_problem(span)
+            problem = _python_file_problem(span, folders[page])
         elif re.fullmatch(r"streamrl(\.\w+)+(:\w+)?", span):
             problem = python_name_problem(span)
         else:
