@@ -392,8 +392,8 @@ def test_every_file_module_and_test_named_in_the_docs_exists():
     for page, where, span in spans:
         if "::" in span and span.startswith("tests/"):
             problem = _test_problem(span)
-        elif re.fullmatch(r"[\w./-]*\w\.py", span):
-            problem = _python_file_problem(span, folders[page])
+        elif re.fullmatch(r"[\w./-]*\w\.py", span) and span.split("/")[0] not in REPO_FOLDERS:
+            problem = _python_file_problem(span, folders[page])  # a short name
         elif re.fullmatch(r"streamrl(\.\w+)+(:\w+)?", span):
             problem = python_name_problem(span)
         else:
