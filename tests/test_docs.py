@@ -63,6 +63,8 @@ OTHER_PROJECTS_FILES = {
 """Python files of other projects that the docs name by their bare name."""
 OTHER_PROJECTS_FOLDERS = ("sglang/",)
 """A backticked path starting here is a file of that project."""
+FENCE = re.compile(r"(\s*)```(\w*)\s*")
+"""A line that opens or closes a fenced block."""
 FILE_SUFFIXES = (".py", ".md", ".json", ".jsonl", ".toml", ".safetensors", ".msgpack", ".txt")
 
 
@@ -87,7 +89,7 @@ def fenced_blocks(page: Path) -> list[Block]:
     blocks = []
     index = 0
     while index < len(lines):
-        opening = re.fullmatch(r"(\s*)```(\w*)\s*", lines[index])
+        opening = FENCE.fullmatch(lines[index])
         if not opening:
             index += 1
             continue
@@ -108,7 +110,7 @@ def prose_lines(page: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of every line outside fenced blocks."""
     inside = False
     for number, line in enumerate(page.read_text().splitlines(), start=1):
-        if line.strip().startswith("```"):
+        if FENCE.fullmatch(line):
             inside = not inside
             continue
         if not inside:
