@@ -12,18 +12,21 @@ once, as `page:line: problem`:
 - every `streamrl ...` command line (in a code block or inline) parses with the CLI's own
   parser; a synopsis (`[--opt]`, `A|B`, `...`) names only subcommands and options that exist;
 - every repository path (`streamrl/...`, `configs/...`, `bench/...`, `tests/...`,
-  `docs/...`, `examples/...`), every `.py` file in backticks, every `tests/x.py::test`,
-  every link between pages (and its #heading) and every `streamrl.module:name` exists;
+  `docs/...`, `examples/...`), every `.py` file in backticks (a short name such as
+  `model.py` in one of the folders its page names), every `tests/x.py::test`, every link
+  between pages (and its #heading) and every `streamrl.module:name` exists;
 - every config key in backticks (`section.key`, `section.key = value`) is a field of the
   config tree, and a value shown with it is one the field accepts;
 - docs/configuration.md is what `python -m streamrl.config.doc` writes, and the
   `generate_kwargs` tables of docs/agents.md list the option Structs' fields and defaults.
+
+Everything runs in this process (no model is loaded, no subprocess is started): the
+module takes a few seconds. Reading the pages is in tests/docs_pages.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import io
 import re
@@ -31,17 +34,28 @@ import shlex
 import tomllib
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import pytest
+from docs_pages import (
+    PAGES,
+    REPO_FOLDERS,
+    ROOT,
+    anchors,
+    code_spans,
+    fenced_blocks,
+    field_type,
+    missing_test_problem,
+    path_exists,
+    prose_lines,
+    python_name_problem,
+    repository_paths,
+)
 
 from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.config.loading import config_from_dict
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHIPPED_CONFIGS = sorted(
     [
         *ROOT.glob("configs/**/*.toml"),
@@ -50,11 +64,9 @@ SHIPPED_CONFIGS = sorted(
     ]
 )
 
-FRAGMENT_MARKER = "<!-- fragment -->"
 BASE = {"data": {"path": "builtin:arithmetic"}}
 """What a fragment is merged over: the one key a config cannot do without."""
 
-REPO_FOLDERS = ("streamrl", "configs", "bench", "tests", "docs", "examples")
 OTHER_PROJECTS_FILES = {
     "clip_grads.py": "megatron-core's megatron/core/optimizer/clip_grads.py",
     "train.py": "slime's synchronous driver",
@@ -63,65 +75,7 @@ OTHER_PROJECTS_FILES = {
 """Python files of other projects that the docs name by their bare name."""
 OTHER_PROJECTS_FOLDERS = ("sglang/",)
 """A backticked path starting here is a file of that project."""
-FENCE = re.compile(r"(\s*)```(\w*)\s*")
-"""A line that opens or closes a fenced block."""
 FILE_SUFFIXES = (".py", ".md", ".json", ".jsonl", ".toml", ".safetensors", ".msgpack", ".txt")
-
-
-@dataclass(frozen=True)
-class Block:
-    """A fenced code block of a page."""
-
-    page: Path
-    line: int
-    """Line of its first content line."""
-    lang: str
-    text: str
-    is_fragment: bool
-
-    @property
-    def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
-
-
-def fenced_blocks(page: Path) -> list[Block]:
-    lines = page.read_text().splitlines()
-    blocks = []
-    index = 0
-    while index < len(lines):
-        opening = FENCE.fullmatch(lines[index])
-        if not opening:
-            index += 1
-            continue
-        indent, lang = opening.groups()
-        previous = lines[index - 1].strip() if index else ""
-        end = index + 1
-        while end < len(lines) and lines[end].strip() != "```":
-            end += 1
-        body = [line.removeprefix(indent) for line in lines[index + 1 : end]]
-        blocks.append(
-            Block(page, index + 2, lang, "\n".join(body) + "\n", previous == FRAGMENT_MARKER)
-        )
-        index = end + 1
-    return blocks
-
-
-def prose_lines(page: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of every line outside fenced blocks."""
-    inside = False
-    for number, line in enumerate(page.read_text().splitlines(), start=1):
-        if FENCE.fullmatch(line):
-            inside = not inside
-            continue
-        if not inside:
-            yield number, line
-
-
-def code_spans(page: Path) -> Iterator[tuple[str, str]]:
-    """(page:line, text) of every inline `code` span outside fenced blocks."""
-    for number, line in prose_lines(page):
-        for match in re.finditer(r"`([^`]+)`", line):
-            yield f"{page.relative_to(ROOT)}:{number}", match.group(1).replace("\\|", "|")
 
 
 def report(problems: list[str]) -> str:
@@ -286,21 +240,6 @@ def test_every_streamrl_command_line_in_the_docs_parses():
 # ---------------------------------------------------------------- paths and names
 
 
-def _exists(path: str) -> bool:
-    if any(mark in path for mark in "*<>"):
-        return any(ROOT.glob(re.sub(r"<[^>]*>", "*", path)))
-    return (ROOT / path).exists()
-
-
-def repository_paths(page: Path) -> Iterator[tuple[int, str]]:
-    folders = "|".join(REPO_FOLDERS)
-    pattern = re.compile(rf"(?<![\w./-])(?:{folders})/[\w./*<>-]*")
-    for number, line in enumerate(page.read_text().splitlines(), start=1):
-        for match in pattern.finditer(line):
-            path = match.group(0).split("::")[0].rstrip(".")
-            yield number, path
-
-
 def page_folders(page: Path) -> set[Path]:
     """Where a page's short file names (`model.py`, `queues/intake.py`) are looked up: the
     repository, `streamrl/`, and every folder the page names or names a file of."""
@@ -324,76 +263,18 @@ def _python_file_problem(span: str, folders: set[Path]) -> str | None:
     return f"no file {span} in the folders this page names"
 
 
-def _test_problem(reference: str) -> str | None:
-    file, _, name = reference.partition("::")
-    path = ROOT / file
-    if not path.is_file():
-        return f"no file {file}"
-    tree = ast.parse(path.read_text())
-    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
-    return None if name in defined else f"{file} has no test {name}"
-
-
-def _top_level_names(path: Path) -> dict[str, ast.AST]:
-    names: dict[str, ast.AST] = {}
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names[node.name] = node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update({t.id: node for t in targets if isinstance(t, ast.Name)})
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
-    return names
-
-
-def _module_file(dotted: str) -> Path | None:
-    base = ROOT.joinpath(*dotted.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def python_name_problem(name: str) -> str | None:
-    """`streamrl.a.b`, `streamrl.a.b:attr` or `streamrl.a.b.attr[.member]` exists."""
-    module, _, attribute = name.partition(":")
-    parts = module.split(".")
-    for cut in range(len(parts), 0, -1):
-        path = _module_file(".".join(parts[:cut]))
-        if path is not None:
-            break
-    else:
-        return f"no module {module}"
-    rest = parts[cut:] + ([attribute] if attribute else [])
-    if not rest:
-        return None
-    names = _top_level_names(path)
-    if rest[0] not in names:
-        return f"{'.'.join(parts[:cut])} defines no {rest[0]}"
-    node = names[rest[0]]
-    if len(rest) > 1 and isinstance(node, ast.ClassDef):
-        members = {
-            getattr(n, "name", None) or getattr(getattr(n, "target", None), "id", None)
-            for n in node.body
-        }
-        if rest[1] not in members:
-            return f"{rest[0]} has no member {rest[1]}"
-    return None
-
-
 def test_every_file_module_and_test_named_in_the_docs_exists():
     problems = []
     for page in PAGES:
         name = page.relative_to(ROOT)
         for number, path in repository_paths(page):
-            if not _exists(path):
+            if not path_exists(path):
                 problems.append(f"{name}:{number}: no such path {path}")
     spans = {(page, where, span) for page in PAGES for where, span in code_spans(page)}
     folders = {page: page_folders(page) for page in PAGES}
     for page, where, span in spans:
         if "::" in span and span.startswith("tests/"):
-            problem = _test_problem(span)
+            problem = missing_test_problem(span)
         elif re.fullmatch(r"[\w./-]*\w\.py", span) and span.split("/")[0] not in REPO_FOLDERS:
             problem = _python_file_problem(span, folders[page])  # a short name
         elif re.fullmatch(r"streamrl(\.\w+)+(:\w+)?", span):
@@ -403,16 +284,6 @@ def test_every_file_module_and_test_named_in_the_docs_exists():
         if problem:
             problems.append(f"{where}: {problem}")
     assert not problems, report(sorted(problems))
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def _anchors(page: Path) -> set[str]:
-    return {_slug(line.lstrip("#")) for _, line in prose_lines(page) if re.match(r"#{1,6} ", line)}
 
 
 def test_every_link_between_pages_leads_to_a_file_and_heading():
@@ -427,30 +298,12 @@ def test_every_link_between_pages_leads_to_a_file_and_heading():
                 where = f"{page.relative_to(ROOT)}:{number}"
                 if not linked.exists():
                     problems.append(f"{where}: no such file {target}")
-                elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                     problems.append(f"{where}: {file or page.name} has no heading #{anchor}")
     assert not problems, report(problems)
 
 
 # ---------------------------------------------------------------- config keys
-
-
-def field_type(dotted: str) -> typing.Any | None:
-    """The annotation of a dotted config key; `typing.Any` inside a free table; None when
-    the config tree has no such key."""
-    node: typing.Any = RunConfig
-    for part in re.sub(r"\[\d+\]", "", dotted).split("."):
-        if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
-            return typing.Any  # a key inside a table such as rollout.generate_kwargs
-        annotation = typing.get_type_hints(node, include_extras=True).get(part)
-        if annotation is None:
-            return None
-        node = annotation
-        while typing.get_origin(node) in (typing.Annotated, list):
-            node = typing.get_args(node)[0]
-        if typing.get_origin(node) is dict:
-            node = dict
-    return annotation
 
 
 def config_key_mentions() -> Iterator[tuple[str, str, str | None]]:
