@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
@@ -154,6 +154,68 @@ def _check_row(
     return _Row(value=value, label=obj.get(label_key), metadata=metadata)
 
 
+def checked_rows(
+    path: str,
+    *,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    allow_messages: bool = True,
+) -> Iterator[tuple[int, _Row | DataError]]:
+    """(line number, row or its error) for every non-blank record of `path`, in file order.
+
+    The one parser and validator of prompt data: `PromptSource` loads through it and
+    `streamrl check` scans with it. An error's message starts with `path:line:`; a file
+    that cannot be opened raises DataError instead. Built-in tasks use their own keys.
+    """
+    if path.startswith("builtin:"):
+        input_key, label_key, metadata_key = "prompt", "label", "metadata"
+    for number, record in _records(path):
+        if isinstance(record, DataError):
+            yield number, DataError(f"{path}:{number}: {record}")
+            continue
+        try:
+            row = _check_row(
+                record,
+                input_key=input_key,
+                label_key=label_key,
+                metadata_key=metadata_key,
+                allow_messages=allow_messages,
+            )
+        except DataError as exc:
+            yield number, DataError(f"{path}:{number}: {exc}")
+            continue
+        yield number, row
+
+
+class DataScan(msgspec.Struct, kw_only=True):
+    """What `scan_rows` found in the first `max_rows` records of a data file."""
+
+    num_rows: int = 0
+    """Records read (blank lines are not records)."""
+    num_bad: int = 0
+    """Records that `PromptSource` would refuse (or skip with `data.on_bad_line = "skip"`)."""
+    first_error: str = ""
+    """The first bad record's error, `path:line: ...`; empty when none was bad."""
+    is_complete: bool = True
+    """False when the file has records past `max_rows`, which were not read."""
+
+
+def scan_rows(path: str, *, max_rows: int, **keys: Any) -> DataScan:
+    """Read and validate up to `max_rows` records of `path` as `PromptSource` would
+    (`keys`: those of `checked_rows`), counting the bad ones."""
+    scan = DataScan()
+    for _, row in checked_rows(path, **keys):
+        if scan.num_rows == max_rows:
+            scan.is_complete = False
+            break
+        scan.num_rows += 1
+        if isinstance(row, DataError):
+            scan.num_bad += 1
+            scan.first_error = scan.first_error or str(row)
+    return scan
+
+
 def _records(path: str, default_seed: int = 0) -> Iterable[tuple[int, Any | Exception]]:
     """(line number, decoded object or the decode error) for every non-blank record."""
     if path.startswith("builtin:"):
@@ -238,8 +300,6 @@ class PromptSource:
         """Prompts skipped by next() for exceeding max_prompt_tokens."""
         self.too_long_seqs: set[int] = set()
         """Seqs skipped for length; done for good (see `resume_position`)."""
-        if path.startswith("builtin:"):  # generated rows always use the task's own keys
-            input_key, label_key, metadata_key = "prompt", "label", "metadata"
         self._rows = self._load(path, input_key, label_key, metadata_key, on_bad_line)
         self._orders: dict[int, list[int]] = {}
         self._start = position or DataPosition()
@@ -284,25 +344,20 @@ class PromptSource:
 
     def _load(self, path, input_key, label_key, metadata_key, on_bad_line) -> list[_Row]:
         rows: list[_Row] = []
-        for number, record in _records(path):
-            try:
-                if isinstance(record, Exception):
-                    raise record
-                rows.append(
-                    _check_row(
-                        record,
-                        input_key=input_key,
-                        label_key=label_key,
-                        metadata_key=metadata_key,
-                        allow_messages=self.apply_chat_template,
-                    )
-                )
-            except DataError as exc:
-                message = f"{path}:{number}: {exc}"
-                if on_bad_line == "error":
-                    raise DataError(message) from None
-                self.num_skipped += 1
-                log.warning("skipping bad row (%d so far): %s", self.num_skipped, message)
+        for _, row in checked_rows(
+            path,
+            input_key=input_key,
+            label_key=label_key,
+            metadata_key=metadata_key,
+            allow_messages=self.apply_chat_template,
+        ):
+            if isinstance(row, _Row):
+                rows.append(row)
+                continue
+            if on_bad_line == "error":
+                raise row
+            self.num_skipped += 1
+            log.warning("skipping bad row (%d so far): %s", self.num_skipped, row)
         if not rows:
             reason = f"all {self.num_skipped} rows were bad" if self.num_skipped else "no rows"
             raise DataError(f"{path}: {reason}")

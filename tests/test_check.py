@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +66,7 @@ reward_fn = "tests.e2e_filters:not_callable"
         "rollout.reward_fn": "module not found",
         "rollout.generate_fn": "has no attribute 'no_such_function'",
         "buffer.filters[1]": "one argument",
-        "data.path": "no key ['prompt']",
+        "data.path": "missing input key 'prompt'",
         "eval.datasets[0].path": "malformed JSON",
         "eval.datasets[1].path": "no such file",
         "eval.datasets[1].reward_fn": "not callable",
@@ -88,3 +91,92 @@ def test_a_missing_model_directory_and_random_shape_are_reported(tmp_path):
     assert result.returncode == 2
     assert "model.path: unknown random shape 'no-such-shape'" in result.stderr
     assert "learner.critic.path:" in result.stderr and "no such directory" in result.stderr
+
+
+# ---------------------------------------------------------------- every row of the data
+
+
+def data_config(path, **data_keys):
+    from streamrl.config import config_from_dict
+
+    return config_from_dict({"data": {"path": str(path), **data_keys}})
+
+
+def prompts_with_bad_lines(tmp_path):
+    """Six records; line 3 is cut off, line 5 has a number for a prompt, line 4 is blank."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        '{"prompt": "a", "label": 1}\n{"prompt": "b", "label": 2}\n{"prompt": "c", "lab\n'
+        '\n{"prompt": 5, "label": 4}\n{"prompt": "e", "label": 5}\n{"prompt": "f", "label": 6}\n'
+    )
+    return path
+
+
+def test_a_bad_line_deep_in_the_data_is_named_by_file_and_line_with_the_count_of_bad_ones(
+    tmp_path,
+):
+    from streamrl.check import check_data_file
+
+    path = prompts_with_bad_lines(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        check_data_file(str(path), "prompt", "label", data_config(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path}:3: malformed JSON"), message
+    assert message.endswith("(2 of 6 records bad)"), message
+
+
+def test_bad_lines_are_only_a_warning_when_the_run_would_skip_them(tmp_path, caplog):
+    from streamrl.check import check_data_file
+
+    path = prompts_with_bad_lines(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="streamrl.check"):
+        check_data_file(str(path), "prompt", "label", data_config(path, on_bad_line="skip"))
+    assert f"{path}:3: malformed JSON" in caplog.text
+    assert "the run skips them" in caplog.text
+
+
+def test_rows_the_run_refuses_are_found_with_the_runs_own_rules(tmp_path):
+    from streamrl.check import check_data_file
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"q": "fine", "label": 1}\n{"q": [{"role": "user", "content": "hi"}]}\n')
+    check_data_file(str(path), "q", "label", data_config(path, input_key="q"))
+    no_template = data_config(path, input_key="q", apply_chat_template=False)
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: 'q' is a list of chat messages"):
+        check_data_file(str(path), "q", "label", no_template)
+
+
+def test_a_bad_parquet_row_is_named_by_its_row_number(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streamrl.check import check_data_file
+
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["a", None, "c"], "label": [1, 2, 3]}), path)
+    with pytest.raises(
+        ValueError,
+        match=r"prompts\.parquet:2: 'prompt' must be a string .*"
+        r"\(1 of 3 records bad\)",
+    ):
+        check_data_file(str(path), "prompt", "label", data_config(path))
+
+
+def test_records_past_the_limit_are_not_read_and_a_warning_says_so(tmp_path, caplog, monkeypatch):
+    from streamrl import check
+
+    path = prompts_with_bad_lines(tmp_path)
+    monkeypatch.setattr(check, "MAX_DATA_ROWS", 2)
+    with caplog.at_level(logging.WARNING, logger="streamrl.check"):
+        check.check_data_file(str(path), "prompt", "label", data_config(path))
+    assert "only the first 2 records were checked" in caplog.text
+
+
+def test_streamrl_check_exits_2_on_a_malformed_line_and_names_it(tmp_path):
+    path = prompts_with_bad_lines(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(f'[data]\npath = "{path}"\n')
+    result = streamrl_check(config)
+    assert result.returncode == 2, result.stderr
+    assert f"data.path: {path}:3: malformed JSON" in result.stderr
+    assert "(2 of 6 records bad)" in result.stderr

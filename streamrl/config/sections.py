@@ -191,12 +191,16 @@ class EngineConfig(_Section):
 
 class BufferConfig(_Section):
     max_staleness: NonNegInt = 1
-    """eta: max versions between a trained token's policy and the learner (0 = on-policy)."""
+    """eta: max versions between the policy of a trained sample's oldest token and the
+    learner (0 = on-policy); multi-turn episodes are bounded per turn by default
+    (`staleness_rule`)."""
     capacity: NonNegInt = 0
-    """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size."""
+    """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size
+    (rollout.over_sampling_batch_size when that is set)."""
     filters: list[str] = msgspec.field(default_factory=lambda: ["zero_std"])
     """Group filters, applied in order as groups arrive; a dropped group is counted under
-    the filter's name (metrics.jsonl `filtered/<name>`, summary.json `buffer.filtered_by`).
+    the filter's name (metrics.jsonl `filtered/<name>`, `filtered_by` in summary.json's
+    `buffer` section).
     Built in: `zero_std` drops groups whose rewards are all equal (DAPO dynamic sampling),
     `truncated` drops groups in which a sample ended by length. `module:function` names a
     callable Group -> bool (True keeps the group), imported when the run starts (slime
