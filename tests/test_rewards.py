@@ -67,6 +67,17 @@ def test_load_reward_fn_resolves_specs_and_names_the_config_key_on_failure():
         load_reward_fn("streamrl.tasks.capitals:CAPITALS")
 
 
+def test_reward_kwargs_are_bound_after_the_sample_and_checked_against_the_signature():
+    scaled = load_reward_fn("tests.e2e_rewards:response_length", {"scale": 0.5})
+    assert scaled(sample("four")) == 2.0
+    with pytest.raises(ValueError, match=r"^rollout\.reward_kwargs: .* does not take \['size'\]"):
+        load_reward_fn("tests.e2e_rewards:response_length", {"size": 2})
+    with pytest.raises(ValueError, match=r"^eval\.datasets\[1\]\.reward_kwargs: "):
+        load_reward_fn(
+            "tests.e2e_rewards:vowel_fraction", {"x": 1}, key="eval.datasets[1].reward_fn"
+        )
+
+
 # ---------------------------------------------------------------- score
 
 
