@@ -70,3 +70,40 @@ def test_every_eval_reaches_wandb_even_when_later_steps_were_logged_first(tmp_pa
     assert axes["reward_mean"] == axes["version"] == "step"
     assert axes["checkpoint/bytes"] == "checkpoint/step"
     assert axes["eval/version"] == axes["step"] == ""
+
+
+@pytest.mark.slow
+def test_a_runs_evals_graded_by_math_reward_all_reach_wandb(tmp_path, monkeypatch):
+    """A tiny run with the default reward (math_reward, graded in worker processes of the
+    rollout process) and evaluations at versions 0 and 2, W&B offline: both evals are in
+    the W&B run, plotted against eval/version, and no reward failed."""
+    pytest.importorskip("wandb")
+    from tests.test_run import streamrl_run, write_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text('{"prompt": "Solve: 3x = 12", "label": "x = 4"}\n' * 2)
+    config = write_config(
+        tmp_path,
+        steps=3,
+        extra=f'[eval]\ninterval = 2\n[[eval.datasets]]\nname = "seed"\npath = "{evals}"\n'
+        "[eval.datasets.sampling]\nmax_new_tokens = 12\n",
+    )
+    text = config.read_text()
+    text = text.replace('reward_fn = "tests.e2e_rewards:vowel_fraction"\n', "")  # the default
+    text = text.replace("[buffer]\n", "[buffer]\nfilters = []\n")  # all-zero groups train too
+    text = text.replace("[logging]\n", '[logging]\nwandb = true\nwandb_project = "test"\n')
+    config.write_text(text)
+    result = streamrl_run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "out"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "kind" not in r]
+    assert steps[-1]["rollout/reward_failures"] == 0
+    eval_versions = [r["version"] for r in records if r.get("kind") == "eval"]
+    assert eval_versions[:2] == [0, 2]
+    history = wandb_history(run_dir)
+    logged = [row["eval/version"] for row in history if "eval/seed/reward_mean" in row]
+    assert logged == eval_versions
+    assert wandb_step_metrics(run_dir)["eval/seed/reward_mean"] == "eval/version"
+    assert [row["step"] for row in history if "reward_mean" in row] == [1, 2, 3]
