@@ -54,7 +54,9 @@ def test_a_user_filter_drops_half_the_groups_and_over_sampling_keeps_every_batch
     assert summary["accounting_ok"]
     assert summary["buffer"]["filtered_by"][USER_FILTER] == summary["groups_filtered"] >= 3
 
-    logged = wandb_history(run_dir)
+    history = wandb_history(run_dir)
+    logged = [row for row in history if "step" in row]
+    assert [row["checkpoint/step"] for row in history if "checkpoint/step" in row] == [3]
     assert [r["step"] for r in logged] == [1, 2, 3]
     for key in ("reward_mean", "train/loss", "train/lr", f"filtered/{USER_FILTER}"):
         assert [r[key] for r in logged] == [r[key] for r in steps], key
