@@ -18,8 +18,9 @@ from aiohttp import web
 
 from streamrl.actors.publisher import WeightPublisher
 from streamrl.config import config_from_dict
-from streamrl.fleet.adapters import SGLangAdapterPush, adapter_name, sglang_lora_args
-from streamrl.fleet.client import EngineClient
+from streamrl.fleet.adapters import SGLangAdapterPush
+from streamrl.fleet.client import EngineClient, adapter_name
+from streamrl.fleet.sglang import sglang_lora_args
 from streamrl.weights import adapters
 
 RANK = 4

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,22 +45,6 @@ log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 2
 """Adapters loaded per engine: the newest and the one before (see the module docstring)."""
-
-
-def sglang_lora_args(
-    rank: int, target_modules: Sequence[str], *, start_adapter: str = "", version: int = 0
-) -> list[str]:
-    """SGLang server flags for a LoRA run: LoRA on, its rank and modules (adapters load
-    later, so SGLang cannot infer them), and the resumed run's adapter under its name."""
-    args = [
-        "--enable-lora",
-        "--max-lora-rank", str(rank),
-        "--lora-target-modules", *target_modules,
-    ]  # fmt: skip
-    name = adapter_name(version)
-    if start_adapter and name is not None:
-        args += ["--lora-paths", f"{name}={start_adapter}"]
-    return args
 
 
 @dataclass
