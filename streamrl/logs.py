@@ -1,0 +1,115 @@
+"""Logging of every streamrl process, with repeated warnings written once and then counted.
+
+    13:02:11 WARNING streamrl.actors.rollout: generate failed for prompt 7 sample 0: ...
+             (the same template again within 60 s: counted, not written)
+    13:03:12 WARNING streamrl.actors.rollout: generate failed for prompt 9 sample 2: ...
+             (12,345 more like this in the 60 s after 13:02:11)
+
+A record is "like" another when it has the same logger, level and message template
+(`record.msg` before its arguments are filled in), so a warning repeated for every
+sample of a failing run costs one line a minute, not a disk. Only WARNING and above are
+folded: INFO lines (a step's progress) repeat their template by design. At exit, counts
+not yet written are (`report_pending`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+WINDOW_S = 60.0
+"""A template is written at most once per window; the rest are counted."""
+
+MAX_TEMPLATES = 1024
+"""Templates remembered at once (the oldest is forgotten first): a message built with an
+f-string is its own template, and must not grow the table without bound."""
+
+
+@dataclass
+class _Window:
+    opened_at: float
+    """The filter's clock when the template was last written."""
+    written_at: float
+    """Its wall time (`record.created`), for the message."""
+    num_folded: int = 0
+
+
+class RepeatFilter(logging.Filter):
+    """Passes the first WARNING-or-above record of a template per `window_s`; counts the
+    others, and the first record after the window says how many there were."""
+
+    def __init__(
+        self, window_s: float = WINDOW_S, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.clock = clock
+        self._windows: OrderedDict[tuple[str, int, str], _Window] = OrderedDict()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or getattr(record, "is_repeat_count", False):
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        now = self.clock()
+        window = self._windows.get(key)
+        if window is not None and now - window.opened_at < self.window_s:
+            window.num_folded += 1
+            return False
+        if window is not None and window.num_folded:
+            since = time.strftime("%H:%M:%S", time.localtime(window.written_at))
+            record.msg = (
+                f"{record.getMessage()} ({window.num_folded:,} more like this "
+                f"in the {self.window_s:g} s after {since})"
+            )
+            record.args = None
+        self._windows.pop(key, None)
+        self._windows[key] = _Window(opened_at=now, written_at=record.created)
+        while len(self._windows) > MAX_TEMPLATES:
+            self._windows.popitem(last=False)
+        return True
+
+    @property
+    def num_templates(self) -> int:
+        """Templates remembered now (at most `MAX_TEMPLATES`)."""
+        return len(self._windows)
+
+    def pending(self) -> list[tuple[str, int, str, int]]:
+        """(logger, level, template, count) of the records folded and not yet counted in a
+        later one."""
+        return [
+            (name, level, template, window.num_folded)
+            for (name, level, template), window in self._windows.items()
+            if window.num_folded
+        ]
+
+
+def configure(level: str) -> RepeatFilter:
+    """Log to stderr at `level` (a streamrl process's only log setup: every process is
+    started as `streamrl ...`), with repeats folded; returns the filter."""
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    repeats = RepeatFilter()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(repeats)
+    if level != "debug":  # one line per HTTP call drowns the progress lines
+        for name in ("httpx", "httpx2"):  # httpx2: the openai / anthropic clients' transport
+            logging.getLogger(name).setLevel(logging.WARNING)
+    return repeats
+
+
+def report_pending(repeats: RepeatFilter) -> None:
+    """At exit: one line per template still folded, so no count is lost with the process."""
+    for name, level, template, count in repeats.pending():
+        logging.getLogger(name).log(
+            level,
+            "%s more like this before the exit: %s",
+            f"{count:,}",
+            template,
+            extra={"is_repeat_count": True},
+        )
