@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    repeats = logs.configure(args.log_level)
-    atexit.register(logs.report_pending, repeats)
+    logs.configure(args.log_level)
+    atexit.register(logs.report_pending)
     module_name, _, function_name = args.entry.partition(":")
     entry = getattr(importlib.import_module(module_name), function_name)
     sys.exit(entry(args) or 0)

@@ -76,19 +76,20 @@ class RepeatFilter(logging.Filter):
         """Templates remembered now (at most `MAX_TEMPLATES`)."""
         return len(self._windows)
 
-    def pending(self) -> list[tuple[str, int, str, int]]:
+    def take_pending(self) -> list[tuple[str, int, str, int]]:
         """(logger, level, template, count) of the records folded and not yet counted in a
-        later one."""
-        return [
-            (name, level, template, window.num_folded)
-            for (name, level, template), window in self._windows.items()
-            if window.num_folded
-        ]
+        later one; they count as reported from now on."""
+        pending = []
+        for (name, level, template), window in self._windows.items():
+            if window.num_folded:
+                pending.append((name, level, template, window.num_folded))
+                window.num_folded = 0
+        return pending
 
 
-def configure(level: str) -> RepeatFilter:
+def configure(level: str) -> None:
     """Log to stderr at `level` (a streamrl process's only log setup: every process is
-    started as `streamrl ...`), with repeats folded; returns the filter."""
+    started as `streamrl ...`), with repeats folded."""
     logging.basicConfig(
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -100,15 +101,18 @@ def configure(level: str) -> RepeatFilter:
     if level != "debug":  # one line per HTTP call drowns the progress lines
         for name in ("httpx", "httpx2"):  # httpx2: the openai / anthropic clients' transport
             logging.getLogger(name).setLevel(logging.WARNING)
-    return repeats
 
 
-def report_pending(repeats: RepeatFilter) -> None:
-    """At exit: one line per template still folded, so no count is lost with the process."""
-    for name, level, template, count in repeats.pending():
+def report_pending() -> None:
+    """One line per template folded since it was last written (at exit, or before a
+    process stops on an error), so no count is lost with the process."""
+    handlers = logging.getLogger().handlers
+    filters = [f for h in handlers for f in h.filters if isinstance(f, RepeatFilter)]
+    pending = [entry for repeats in filters for entry in repeats.take_pending()]
+    for name, level, template, count in pending:
         logging.getLogger(name).log(
             level,
-            "%s more like this before the exit: %s",
+            "%s more like this since the last one written: %s",
             f"{count:,}",
             template,
             extra={"is_repeat_count": True},

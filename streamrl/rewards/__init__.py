@@ -11,6 +11,7 @@ custom ones are named in the config as `module:function`.
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Awaitable, Callable
 from math import isfinite
 from numbers import Real
@@ -46,6 +47,8 @@ class RewardOutcome(msgspec.Struct, kw_only=True):
     """Extra values a function returned beside `reward` (dict returns only)."""
     error: str | None = None
     """"ExceptionType: message", "timeout after X s", or a bad-return description."""
+    traceback: str = ""
+    """The exception's formatted traceback when the function raised (else empty)."""
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -75,7 +78,11 @@ async def score(fn: RewardFn, inp: RewardInput, *, timeout_s: float) -> RewardOu
                 if inspect.isawaitable(result):
                     result = await result
         except Exception as exc:
-            return RewardOutcome(reward=0.0, error=f"{type(exc).__name__}: {exc}")
+            return RewardOutcome(
+                reward=0.0,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(exc)).rstrip(),
+            )
     if scope.cancelled_caught:
         return RewardOutcome(reward=0.0, error=f"timeout after {timeout_s:g} s")
     return _outcome(result)
