@@ -223,9 +223,8 @@ class StreamReceiver:
                 self.on_report(message)
         elif isinstance(message, Fatal):
             self.stats.num_fatal += 1
-            log.error(
-                "rollout stream: %s: fatal: %s", identity.decode(errors="replace"), message.reason
-            )
+            sender = identity.decode(errors="replace")
+            log.info("rollout stream: %s reports an error a restart would repeat", sender)
             if self.on_fatal is not None:
                 self.on_fatal(message)
             await self._send(identity, Stop("fatal"))
