@@ -58,7 +58,7 @@ def test_a_malformed_data_line_stops_the_run_at_once_naming_file_and_line(tmp_pa
     out = tmp_path / "out"
     result = streamrl_run(config, "--set", f"data.path={data}", timeout=180)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert f"{data}:3: malformed JSON" in result.stderr
+    assert f"bad prompt data: {data}:3: malformed JSON" in result.stderr
     assert 'data.on_bad_line = "skip"' in result.stderr
     assert rollout_events(out) == ["rollout_fatal"]  # no restart
     summary = json.loads((out / "summary.json").read_text())

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -35,6 +36,9 @@ from streamrl.data import DataPosition
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
 from streamrl.queues.protocol import Fatal
 from streamrl.types import PartialGroup, make_decoder
+
+if TYPE_CHECKING:
+    from streamrl.actors.failures import Failure
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +216,7 @@ def fatal_of(exc: BaseException, cfg: RunConfig) -> Fatal | None:
             )
         if isinstance(error, DataError):
             return Fatal(
-                reason=f"the prompt data cannot be read: {error}",
+                reason=f"bad prompt data: {error}",
                 error=f"DataError: {error}",
                 look_at='data.path, eval.datasets (data.on_bad_line = "skip" skips and '
                 "counts malformed lines)",
@@ -228,7 +232,7 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _look_at(cfg: RunConfig, failure) -> str:
+def _look_at(cfg: RunConfig, failure: Failure) -> str:
     """The config keys (and logs) where a systematic `failure` is likely caused."""
     from streamrl.actors.failures import Stage
     from streamrl.utils import import_object

@@ -43,6 +43,7 @@ from streamrl.mains.rollout import RolloutSpec, start_rollout
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner
 from streamrl.queues.intake import IntakeState
+from streamrl.queues.protocol import Fatal
 from streamrl.types import make_decoder, make_encoder
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,13 @@ class Trainer:
         return self._write_summary(intake, loop, rollout, started, engine_versions)
 
     def _write_summary(
-        self, intake, loop, rollout: RolloutKeeper, started: float, engine_versions, error=""
+        self,
+        intake,
+        loop,
+        rollout: RolloutKeeper,
+        started: float,
+        engine_versions: dict[str, int | None],
+        error: str = "",
     ) -> dict[str, Any]:
         """summary.json and accounting.json; `error` is why the run stopped early."""
         summary = {
@@ -575,7 +582,7 @@ class RolloutKeeper:
         return code
 
 
-def _fatal_message(fatal, child: ProcessHandle) -> str:
+def _fatal_message(fatal: Fatal, child: ProcessHandle) -> str:
     """The terminal's account of a rollout's `Fatal`: what, the error, where to look, the
     traceback."""
     lines = [f"the rollout stopped on an error a restart would repeat: {fatal.reason}"]
