@@ -14,7 +14,9 @@ not yet written are (`report_pending`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,10 +50,15 @@ class RepeatFilter(logging.Filter):
         self.window_s = window_s
         self.clock = clock
         self._windows: OrderedDict[tuple[str, int, str], _Window] = OrderedDict()
+        self._lock = threading.RLock()  # a handler calls its filters outside its own lock
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or getattr(record, "is_repeat_count", False):
             return True
+        with self._lock:
+            return self._is_written(record)
+
+    def _is_written(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, str(record.msg))
         now = self.clock()
         window = self._windows.get(key)
@@ -60,11 +67,11 @@ class RepeatFilter(logging.Filter):
             return False
         if window is not None and window.num_folded:
             since = time.strftime("%H:%M:%S", time.localtime(window.written_at))
-            record.msg = (
-                f"{record.getMessage()} ({window.num_folded:,} more like this "
-                f"in the {self.window_s:g} s after {since})"
+            count = (
+                f"({window.num_folded:,} more like this in the {self.window_s:g} s after {since})"
             )
-            record.args = None
+            with contextlib.suppress(Exception):  # a bad format is the handler's to report
+                record.msg, record.args = f"{record.getMessage()} {count}", None
         self._windows.pop(key, None)
         self._windows[key] = _Window(opened_at=now, written_at=record.created)
         while len(self._windows) > MAX_TEMPLATES:
@@ -80,10 +87,11 @@ class RepeatFilter(logging.Filter):
         """(logger, level, template, count) of the records folded and not yet counted in a
         later one; they count as reported from now on."""
         pending = []
-        for (name, level, template), window in self._windows.items():
-            if window.num_folded:
-                pending.append((name, level, template, window.num_folded))
-                window.num_folded = 0
+        with self._lock:
+            for (name, level, template), window in self._windows.items():
+                if window.num_folded:
+                    pending.append((name, level, template, window.num_folded))
+                    window.num_folded = 0
         return pending
 
 
