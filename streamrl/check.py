@@ -89,6 +89,8 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         attempt("train.load_rollouts", lambda: _check_rollouts(cfg))
     if cfg.logging.wandb:
         attempt("logging.wandb", _check_wandb)
+    if models:  # reads the tokenizer's files
+        problems.extend(chat_template_problems(cfg))
     return problems
 
 
@@ -198,3 +200,51 @@ def _check_wandb() -> None:
 
     if importlib.util.find_spec("wandb") is None:
         raise ValueError("the wandb package is not installed: pip install 'streamrl[wandb]'")
+
+
+# ---- the chat template
+
+
+def chat_template_problems(cfg: RunConfig) -> list[str]:
+    """What renders with the tokenizer's chat template when the tokenizer has none: the
+    prompts (`data.apply_chat_template`) and generate functions that declare
+    `needs_chat_template` (environments, tools, agents behind the gateway). Without this
+    every sample of the run would fail the same way. A tokenizer that does not load is the
+    model check's to report."""
+    if cfg.train.mode == "train_only":
+        return []
+    needs = []
+    if cfg.data.apply_chat_template:
+        needs.append(("data.apply_chat_template", "true renders every prompt with it"))
+    if _needs_chat_template(cfg.rollout.generate_fn):
+        needs.append(
+            ("rollout.generate_fn", f"{cfg.rollout.generate_fn!r} renders every turn with it")
+        )
+    if not needs or _has_chat_template(cfg.model.tokenizer or cfg.model.path) is not False:
+        return []
+    source = cfg.model.tokenizer or cfg.model.path
+    return [
+        f"{key}: {why}, and the tokenizer of {source!r} has no chat template "
+        "(model.tokenizer can name a chat model's tokenizer)"
+        for key, why in needs
+    ]
+
+
+def _needs_chat_template(spec: str) -> bool:
+    from streamrl.utils import import_object
+
+    try:
+        generate_fn = import_object(spec, "rollout.generate_fn")
+    except ValueError:  # reported as rollout.generate_fn
+        return False
+    return bool(getattr(generate_fn, "needs_chat_template", False))
+
+
+def _has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer at `path` has a chat template (None: it does not load)."""
+    from streamrl.models import has_chat_template
+
+    try:
+        return has_chat_template(path)
+    except Exception:
+        return None

@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
-import logging
 import sys
+
+from streamrl import logs
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -93,14 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    if args.log_level != "debug":  # one line per HTTP call drowns the progress lines
-        for name in ("httpx", "httpx2"):  # httpx2: the openai / anthropic clients' transport
-            logging.getLogger(name).setLevel(logging.WARNING)
+    logs.configure(args.log_level)
+    atexit.register(logs.report_pending)
     module_name, _, function_name = args.entry.partition(":")
     entry = getattr(importlib.import_module(module_name), function_name)
     sys.exit(entry(args) or 0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -416,6 +417,26 @@ def load_tokenizer(path: str):
     if path == SMOLLM2_NAME or path.startswith(RANDOM_PREFIX):
         return AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir()))
     return AutoTokenizer.from_pretrained(path)
+
+
+def has_chat_template(path: str) -> bool:
+    """Whether `load_tokenizer(path)` has a chat template: read from the tokenizer's files
+    where they say so (no transformers import), else by loading it."""
+    directory = Path(path)
+    if path == SMOLLM2_NAME or path.startswith(RANDOM_PREFIX):
+        try:
+            smollm2_gguf_path()
+        except FileNotFoundError:
+            return False  # random shapes fall back to `byte_tokenizer`, which has none
+        directory = _smollm2_tokenizer_dir()
+    if (directory / "chat_template.jinja").is_file() or (
+        directory / "chat_template.json"
+    ).is_file():
+        return True
+    config = directory / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("chat_template"):
+        return True
+    return bool(getattr(load_tokenizer(path), "chat_template", None))
 
 
 def byte_tokenizer():

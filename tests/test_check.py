@@ -12,9 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def streamrl_check(path: Path) -> subprocess.CompletedProcess:
+def streamrl_check(path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "streamrl", "check", str(path)],
+        [sys.executable, "-m", "streamrl", "check", str(path), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -212,3 +212,30 @@ reward_kwargs = {{ url = "http://127.0.0.1:1/score" }}
     assert (
         ": eval.datasets[0].reward_kwargs: streamrl.rewards.math:exact_match does not " in errors[1]
     )
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_where_one_is_applied(tmp_path):
+    from streamrl.models import byte_tokenizer
+
+    tokenizer = tmp_path / "no_template"
+    byte_tokenizer().save_pretrained(tokenizer)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f"""
+[model]
+path = "random:qwen3-tiny"
+tokenizer = "{tokenizer}"
+[data]
+path = "builtin:arithmetic"
+[rollout]
+generate_fn = "streamrl.agents.gateway:generate"
+"""
+    )
+    result = streamrl_check(config)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, result.stderr
+    gateway, prompts = sorted(errors, key=lambda line: "rollout.generate_fn" not in line)
+    assert ": rollout.generate_fn: 'streamrl.agents.gateway:generate' renders every turn" in gateway
+    assert ": data.apply_chat_template: true renders every prompt" in prompts
+    assert all("has no chat template" in line and str(tokenizer) in line for line in errors)

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "streamrl"
 
 LEAVES = ("streamrl.types", "streamrl.utils", "streamrl.process", "streamrl.placement")
 LEAVES += ("streamrl.models", "streamrl.schedules", "streamrl.metrics")
-LEAVES += ("streamrl.checkpoint",)
+LEAVES += ("streamrl.checkpoint", "streamrl.logs")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     # the wire types, the process helpers, placement, model shapes: nothing of streamrl

@@ -90,7 +90,8 @@ def test_a_raising_function_scores_zero_with_the_exception_as_error():
         raise KeyError("label")
 
     outcome = run_score(broken)
-    assert outcome == RewardOutcome(reward=0.0, metrics={}, error="KeyError: 'label'")
+    assert (outcome.reward, outcome.metrics, outcome.error) == (0.0, {}, "KeyError: 'label'")
+    assert outcome.traceback.startswith("Traceback") and "in broken" in outcome.traceback
 
 
 def test_a_hanging_sync_function_times_out_without_blocking_the_event_loop():

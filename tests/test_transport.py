@@ -11,6 +11,7 @@ import zmq
 
 from streamrl.bench.transport import make_group
 from streamrl.process import spawn, streamrl_argv
+from streamrl.queues.protocol import Fatal
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
 from streamrl.types import Group, make_decoder, make_encoder
 
@@ -162,3 +163,35 @@ async def test_a_sender_starts_only_as_many_groups_as_it_was_granted():
         assert await sender.acquire() is False
         tg.cancel_scope.cancel()
     assert started == 3 and collector.ids == ["g0", "g1", "g2"]
+
+
+async def test_a_fatal_arrives_after_the_groups_sent_before_it_and_is_answered_with_stop():
+    collector = Collector()
+    fatal_seen: list[tuple[list[str], Fatal]] = []
+    receiver = StreamReceiver(
+        "tcp://127.0.0.1:0",
+        credits=UnlimitedCredits(8),
+        on_group=collector,
+        on_fatal=lambda fatal: fatal_seen.append((list(collector.ids), fatal)),
+    )
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(receiver.run)
+        sender = StreamSender(address, sender_id="w")
+        await tg.start(sender.run)
+        for index in range(3):
+            assert await sender.acquire()
+            await sender.send(make_group(index, samples_per_group=1, response_tokens=4))
+        fatal = Fatal(reason="every sample failed", error="RuntimeError: bug")
+        assert await sender.send_fatal(fatal, timeout_s=30)
+        tg.cancel_scope.cancel()
+    assert fatal_seen == [(["g0", "g1", "g2"], fatal)]
+    assert receiver.stats.num_fatal == 1
+
+
+async def test_a_fatal_nobody_answers_gives_up_after_its_timeout(free_port):
+    async with anyio.create_task_group() as tg:
+        sender = StreamSender(f"tcp://127.0.0.1:{free_port()}", sender_id="w")
+        await tg.start(sender.run)
+        with anyio.fail_after(10):
+            assert not await sender.send_fatal(Fatal(reason="bad data"), timeout_s=0.2)
+        tg.cancel_scope.cancel()

@@ -8,7 +8,9 @@
 Nothing generated is dropped: a sample whose generate function fails after
 its retries is kept with status `generation_failed` (the buffer's `failed`
 filter counts the group); a reward that raises or times out gives reward 0
-with status `reward_failed` and the error in the sample's metadata.
+with status `reward_failed` and the error in the sample's metadata. When every
+one of the last `max_consecutive_failures` samples failed (`streamrl.actors.failures`),
+the worker stops starting groups, reports its counters and raises `SystematicFailure`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ import anyio
 import msgspec
 import numpy as np
 
+from streamrl.actors.failures import (
+    Failure,
+    FailureWindow,
+    Stage,
+    generation_failure,
+    is_engine_outage,
+)
 from streamrl.actors.in_flight import InFlight, resume_completion
 from streamrl.agents.api import (
     GenerateContext,
@@ -119,6 +128,7 @@ class RolloutWorker:
         seed: int | None = None,
         return_routed_experts: bool = False,
         resume: list[PartialGroup] = (),
+        max_consecutive_failures: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.source = source
@@ -147,13 +157,19 @@ class RolloutWorker:
         self.resume = list(resume)
         """Groups a checkpoint saved in flight: started before any new prompt."""
         self.resumed_seqs: list[int] = []
+        self.failures = FailureWindow(max_consecutive_failures)
+        """Samples failed in a row (`streamrl.actors.failures`); 0: never systematic."""
+        self._groups: anyio.CancelScope | None = None
+        """The scope of the groups `run` started (cancelled by a systematic failure)."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Start groups while credits come. When the receiver says stop (training is over),
         report the final counters and abandon the groups still in flight (they are counted
-        as in flight at stop)."""
+        as in flight at stop). A systematic failure abandons them the same way, then
+        raises `SystematicFailure`."""
         task_status.started()
         async with anyio.create_task_group() as groups:
+            self._groups = groups.cancel_scope
             while await self.sender.acquire():
                 partial = self.resume.pop(0) if self.resume else None
                 if partial is None:
@@ -166,6 +182,9 @@ class RolloutWorker:
                 groups.start_soon(self._run_group, prompt, partial)
             await self.report()
             groups.cancel_scope.cancel()
+        if self.failures.is_systematic:
+            await self.report()  # after every group sent: the cut sees the rest in flight
+            raise self.failures.error()
 
     async def report(self) -> None:
         """Counters, and where the prompt stream stands: the receiver checks against it that
@@ -333,7 +352,15 @@ class RolloutWorker:
         self.counters.generation_failures += 1
         if isinstance(exc, RequestRejected):
             self.counters.rejected[exc.reason] += 1
+        if not is_engine_outage(exc):
+            self._count_failure(generation_failure(exc, f"prompt {prompt.seq} sample {index}"))
         return Trajectory(finish_reason=FinishReason.ERROR), f"{type(exc).__name__}: {exc}"
+
+    def _count_failure(self, failure: Failure) -> None:
+        """One more sample failed; when that makes the failures systematic, stop the groups
+        (`run` raises)."""
+        if self.failures.failed(failure) and self._groups is not None:
+            self._groups.cancel()
 
     async def _to_sample(
         self, prompt: Prompt, index: int, trajectory: Trajectory, error: str | None
@@ -345,10 +372,12 @@ class RolloutWorker:
         if error is not None:
             metadata["error"] = error
         reward = trajectory.reward
+        where = f"prompt {prompt.seq} sample {index}"
         if trajectory.reward_error is not None and status is SampleStatus.OK:
             self.counters.reward_failures += 1
             status = SampleStatus.REWARD_FAILED
             metadata["reward_error"] = trajectory.reward_error
+            self._count_failure(Failure(Stage.REWARD, trajectory.reward_error, where))
         if reward is None and status is SampleStatus.OK:
             outcome = await score_trajectory(
                 self.reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
@@ -359,15 +388,11 @@ class RolloutWorker:
                 self.counters.reward_failures += 1
                 status = SampleStatus.REWARD_FAILED
                 metadata["reward_error"] = outcome.error
-                count = self.counters.reward_failures
-                if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... failure
-                    log.warning(
-                        "reward failed for prompt %d sample %d (%d failures so far): %s",
-                        prompt.seq,
-                        index,
-                        count,
-                        outcome.error,
-                    )
+                log.warning("reward failed for %s: %s", where, outcome.error)
+                failure = Failure(Stage.REWARD, outcome.error, where, outcome.traceback)
+                self._count_failure(failure)
+        if status is SampleStatus.OK:
+            self.failures.succeeded()
         self.counters.samples += 1
         self.counters.resumes += trajectory.num_resumes
         self.counters.resume_prompt_tokens += trajectory.resume_prompt_tokens

@@ -347,6 +347,10 @@ async def generate(ctx: GenerateContext, prompt: Any) -> Trajectory:
     return trajectory
 
 
+generate.needs_chat_template = True
+"""Turns are rendered with the tokenizer's chat template (`streamrl check` asks for one)."""
+
+
 def log_episode(path: str, prompt: Any, trajectory: Trajectory, wall_s: float) -> None:
     """One JSON line describing a finished episode (for length and version statistics)."""
     model_versions = [

@@ -314,3 +314,7 @@ async def generate(ctx: GenerateContext, prompt: Any) -> Trajectory:
     if options.episode_log:
         log_episode(options.episode_log, prompt, trajectory, time.monotonic() - started)
     return trajectory
+
+
+generate.needs_chat_template = True
+"""Turns are rendered with the tokenizer's chat template (`streamrl check` asks for one)."""

@@ -130,6 +130,13 @@ class RolloutConfig(_Section):
     max_restarts: NonNegInt = 3
     """Restarts of a rollout process that dies mid-run before the run fails (0: fail at
     once). The new process regenerates every group whose prompt has not arrived."""
+    max_consecutive_failures: NonNegInt = 256
+    """Samples in a row whose generate function or reward failed (raised, timed out, or the
+    gateway refused the agent's call) after which the run stops with the first one's error
+    and traceback, without restarting the rollout process: a failure on every sample is a
+    bug a restart repeats. Fewer failures are counted and their samples kept (a failed
+    generation's group is filtered). Engines that do not answer within `retry_timeout_s`
+    are not counted here (the engine supervisor restarts them). 0: never stop."""
     deterministic: bool = False
     """Give every sample its own `sampling_seed`, a hash of `train.seed`, its prompt's seq and
     its index, so rollouts replay: with one engine and `max_concurrent_groups = 1` a CPU run

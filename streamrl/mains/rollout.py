@@ -11,6 +11,12 @@ The trainer writes the resolved `config.toml` and `rollout.json` (a
 `RolloutSpec`: where the buffer and the engines are, where the data resumes)
 into the run directory and starts this process through its spawner
 (`start_rollout`); it runs until the trainer's receiver says stop, or SIGTERM.
+
+An error that a restart would hit again (`fatal_of`: every sample failing, a
+malformed data line, a generate or reward function that does not import) is sent
+to the trainer as a `Fatal` frame on the stream, and the process exits with 1
+once the trainer has it: the trainer stops the run with it instead of restarting
+this process.
 """
 
 from __future__ import annotations
@@ -19,14 +25,20 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
-from streamrl.config import RunConfig, load_config
+from streamrl import logs
+from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.data import DataPosition
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
+from streamrl.queues.protocol import Fatal
 from streamrl.types import PartialGroup, make_decoder
+
+if TYPE_CHECKING:
+    from streamrl.actors.failures import Failure
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +92,52 @@ def start_rollout(
     )
 
 
+FATAL_ACK_TIMEOUT_S = 30.0
+"""How long a `Fatal` waits for the trainer's answer; without one the process exits anyway
+(and is restarted, as any process that died)."""
+
+
 def rollout_command(args) -> int:
     run_dir = Path(args.run_dir)
-    anyio.run(rollout_main, load_config(run_dir / "config.toml"), read_spec(run_dir))
-    return 0
+    return anyio.run(rollout_main, load_config(run_dir / "config.toml"), read_spec(run_dir))
 
 
-async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
-    """Run the rollout worker (and the evaluator) until the receiver says stop."""
+async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> int:
+    """Run the rollout worker (and the evaluator) until the receiver says stop: 0; or
+    until an error a restart cannot fix, sent to the trainer first: 1."""
+    from streamrl.queues.transport import StreamSender
+
+    sender = StreamSender(
+        spec.buffer_address, sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups
+    )
+    code = 0
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
+        await tg.start(sender.run)  # first: a bad data file is reported on the stream too
+        try:
+            await _serve(cfg, spec, sender)
+        except Exception as exc:
+            fatal = fatal_of(exc, cfg)
+            if fatal is None:
+                raise
+            logs.report_pending()  # the failures folded in the log, counted
+            log.error("%s\n%s", fatal.reason, fatal.traceback or fatal.error)
+            if not await sender.send_fatal(fatal, timeout_s=FATAL_ACK_TIMEOUT_S):
+                log.error(
+                    "the trainer did not take the fatal error within %g s", FATAL_ACK_TIMEOUT_S
+                )
+            code = 1
+        tg.cancel_scope.cancel()
+    return code
+
+
+async def _serve(cfg: RunConfig, spec: RolloutSpec, sender) -> None:
     from streamrl.actors.evaluator import Evaluator
     from streamrl.actors.rollout import RolloutWorker
     from streamrl.agents.api import VersionRule
     from streamrl.data import PromptSource
     from streamrl.fleet.engine_set import EngineSet
     from streamrl.models import load_tokenizer
-    from streamrl.queues.transport import StreamSender
     from streamrl.rewards import load_reward_fn
     from streamrl.utils import import_object
 
@@ -104,14 +147,15 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
     source = PromptSource.from_config(
         cfg.data, tokenizer, seed=cfg.train.seed, position=spec.position
     )
-    sender = StreamSender(
-        spec.buffer_address, sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups
-    )
+    try:
+        generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
+        reward_fn = load_reward_fn(cfg.rollout.reward_fn, dict(cfg.rollout.reward_kwargs))
+    except ValueError as exc:  # the message names the key
+        raise ConfigError(str(exc)) from exc
     engines = EngineSet(spec.engine_urls, router_url=spec.router_url or None)
     engines.set_limits(await _request_limits(engines, spec.model_path))
     if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
         engines.route_to_adapters(lambda: sender.version)  # the adapter of each version
-    generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
     worker = RolloutWorker(
         worker_id="rollout-0",
         source=source,
@@ -119,7 +163,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         engines=engines,
         tokenizer=tokenizer,
         generate_fn=generate_fn,
-        reward_fn=load_reward_fn(cfg.rollout.reward_fn, dict(cfg.rollout.reward_kwargs)),
+        reward_fn=reward_fn,
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
         sampling_params=cfg.rollout.sampling.to_sglang(),
         generate_kwargs=dict(cfg.rollout.generate_kwargs),
@@ -131,10 +175,9 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         seed=cfg.train.seed if cfg.rollout.deterministic else None,
         resume=read_resume(spec),
         return_routed_experts=cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay,
+        max_consecutive_failures=cfg.rollout.max_consecutive_failures,
     )
     async with engines, _gateway(cfg, generate_fn), anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
-        await tg.start(sender.run)
         tg.start_soon(worker.report_loop)
         tg.start_soon(worker.snapshot_loop)
         if cfg.eval.interval and cfg.eval.datasets:
@@ -155,6 +198,60 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
         await worker.run()
         log.info("rollout stopped: %s", worker.counters.as_dict())
         tg.cancel_scope.cancel()
+
+
+def fatal_of(exc: BaseException, cfg: RunConfig) -> Fatal | None:
+    """`exc` (or the first error in its group) as a `Fatal` when a restart would hit it
+    again; None for any other error (the process dies and the trainer restarts it)."""
+    from streamrl.actors.failures import SystematicFailure
+    from streamrl.data import DataError
+
+    for error in _leaves(exc):
+        if isinstance(error, SystematicFailure):
+            first = error.first
+            return Fatal(
+                reason=str(error),
+                error=first.error,
+                look_at=_look_at(cfg, first),
+                traceback=first.traceback,
+            )
+        if isinstance(error, DataError):
+            return Fatal(
+                reason=f"bad prompt data: {error}",
+                error=f"DataError: {error}",
+                look_at='data.path, eval.datasets (data.on_bad_line = "skip" skips and '
+                "counts malformed lines)",
+            )
+        if isinstance(error, ConfigError):
+            return Fatal(reason=str(error), error=f"ConfigError: {error}")
+    return None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _look_at(cfg: RunConfig, failure: Failure) -> str:
+    """The config keys (and logs) where a systematic `failure` is likely caused."""
+    from streamrl.actors.failures import Stage
+    from streamrl.utils import import_object
+
+    rollout = cfg.rollout
+    if failure.stage is Stage.REWARD:
+        return f"rollout.reward_fn = {rollout.reward_fn!r} (a timeout: rollout.reward_timeout_s)"
+    keys = [f"rollout.generate_fn = {rollout.generate_fn!r}"]
+    if getattr(import_object(rollout.generate_fn, "rollout.generate_fn"), "uses_gateway", False):
+        keys.append("the agent behind the gateway (rollout.generate_kwargs, rollout.gateway)")
+    error_type = failure.error.partition(":")[0]
+    if error_type == "TemplateError":
+        keys.append("the tokenizer's chat template (model.tokenizer)")
+    elif error_type == "RequestRejected":
+        keys.append("rollout.sampling.max_new_tokens, data.max_prompt_tokens, engine.max_seq_len")
+    elif error_type in ("EngineError", "EngineSetError"):
+        keys.append("the engines' logs (logs/engine_*.log)")
+    return "; ".join(keys)
 
 
 async def _request_limits(engines, model_path: str):

@@ -43,6 +43,7 @@ from streamrl.mains.rollout import RolloutSpec, start_rollout
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner
 from streamrl.queues.intake import IntakeState
+from streamrl.queues.protocol import Fatal
 from streamrl.types import make_decoder, make_encoder
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 class RunError(RuntimeError):
     """A run that cannot go on; the message says why and where to look."""
+
+
+class RolloutFatal(RunError):
+    """The rollout process reported an error that a restart would repeat (`Fatal`)."""
 
 
 class Trainer:
@@ -122,9 +127,26 @@ class Trainer:
             rollout = RolloutKeeper(self, intake, loop, model_path)
             rollout.start()
             started = time.monotonic()
-            engine_versions = await self._train(intake, publisher, loop, rollout)
+            try:
+                engine_versions = await self._train(intake, publisher, loop, rollout)
+            except* RolloutFatal as fatal:  # what was generated until then is accounted for
+                error = str(fatal.exceptions[0])
+                self._write_summary(intake, loop, rollout, started, {}, error=error)
+                raise
         finally:
             metrics.close()
+        return self._write_summary(intake, loop, rollout, started, engine_versions)
+
+    def _write_summary(
+        self,
+        intake,
+        loop,
+        rollout: RolloutKeeper,
+        started: float,
+        engine_versions: dict[str, int | None],
+        error: str = "",
+    ) -> dict[str, Any]:
+        """summary.json and accounting.json; `error` is why the run stopped early."""
         summary = {
             "steps": loop.state.step,
             "version": loop.version,
@@ -135,6 +157,8 @@ class Trainer:
             "engine_versions": engine_versions,
         }
         summary["accounting_problems"] = intake.accounting_problems()
+        if error:
+            summary["error"] = error
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         runs = intake.accounting.as_runs(intake.buffer.seqs)
         (self.run_dir / "accounting.json").write_text(json.dumps(runs) + "\n")
@@ -432,7 +456,8 @@ class RolloutKeeper:
     (`Intake.received_seqs`), so the groups the dead one had in flight, or had sent
     without an ack that never came, are generated again, and none is trained twice
     (groups are de-duplicated by id). Its credits are revoked when the new process says
-    hello. After `rollout.max_restarts` restarts a death fails the run."""
+    hello. After `rollout.max_restarts` restarts a death fails the run; a `Fatal` from the
+    process (an error a restart would repeat) fails it at once."""
 
     def __init__(self, trainer: Trainer, intake, loop, model_path: str) -> None:
         self.trainer = trainer
@@ -477,13 +502,18 @@ class RolloutKeeper:
 
     async def keep_alive(self, scope: anyio.CancelScope) -> None:
         """Restart the process whenever it exits before `scope` is cancelled (it was told to
-        stop); RunError once it has died `rollout.max_restarts` + 1 times."""
+        stop); RunError once it has died `rollout.max_restarts` + 1 times, RolloutFatal as
+        soon as it reports a `Fatal`."""
         while True:
             with scope:
-                code = await anyio.to_thread.run_sync(self.process.wait, abandon_on_cancel=True)
+                code = await self._exit_or_fatal()
             if scope.cancel_called:
                 return
             child = self.process
+            fatal = self.intake.fatal
+            if fatal is not None:
+                _event(self.trainer.run_dir, "rollout_fatal", reason=fatal.reason, code=code)
+                raise RolloutFatal(_fatal_message(fatal, child))
             if self.num_restarts >= self.trainer.cfg.rollout.max_restarts:
                 raise RunError(
                     f"the {child.name} process exited with code {code} during training "
@@ -506,6 +536,37 @@ class RolloutKeeper:
             )
             self.trainer.children.remove(child)
             self.start()
+
+    async def _exit_or_fatal(self) -> int | None:
+        """The process's exit code, or None as soon as it reported a `Fatal`."""
+        code = None
+        async with anyio.create_task_group() as tg:
+
+            async def exited() -> None:
+                nonlocal code
+                code = await anyio.to_thread.run_sync(self.process.wait, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+
+            async def fatal() -> None:
+                await self.intake.fatal_arrived.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(exited)
+            tg.start_soon(fatal)
+        return code
+
+
+def _fatal_message(fatal: Fatal, child: ProcessHandle) -> str:
+    """The terminal's account of a rollout's `Fatal`: what, the error, where to look, the
+    traceback."""
+    lines = [f"the rollout stopped on an error a restart would repeat: {fatal.reason}"]
+    if fatal.look_at:
+        lines.append(f"  look at: {fatal.look_at}")
+    if fatal.traceback:
+        lines.append("  the first failure's traceback:")
+        lines.extend(f"    {line}" for line in fatal.traceback.splitlines())
+    lines.append(f"  the rollout's log: {child.log_path}")
+    return "\n".join(lines)
 
 
 def _event(run_dir: Path, event: str, **details) -> None:

@@ -38,7 +38,7 @@ from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.filters import GroupFilter, NamedFilter
-from streamrl.queues.protocol import Report
+from streamrl.queues.protocol import Fatal, Report
 from streamrl.queues.transport import StreamReceiver
 from streamrl.types import Group, PartialGroup
 
@@ -118,13 +118,20 @@ class Intake:
             max_episode_staleness=max_episode_staleness,
         )
         self.receiver = StreamReceiver(
-            address, credits=self.admission, on_group=self._on_group, on_report=self._on_report
+            address,
+            credits=self.admission,
+            on_group=self._on_group,
+            on_report=self._on_report,
+            on_fatal=self._on_fatal,
         )
         self.accounting = Accounting()
         """The fate of every prompt seq (`streamrl.queues.accounting`)."""
         self.generated_rewards = GeneratedRewards()
         self.rollout_counters: dict[str, Any] = {}
         """The rollout worker's latest counters (its `rollout` reports)."""
+        self.fatal: Fatal | None = None
+        """The rollout's error that a restart cannot fix, once one arrived (the run stops)."""
+        self.fatal_arrived = anyio.Event()
         self._eval_reports: list[Report] = []
         self._cuts: dict[int, IntakeState] = {}
         self._cut_arrived = anyio.Event()
@@ -244,6 +251,11 @@ class Intake:
         """A filtered or evicted group: its budget goes back, its prompt is done for good."""
         self.admission.discarded()
         self.accounting.on_discarded(group.prompt_seq, reason)
+
+    def _on_fatal(self, fatal: Fatal) -> None:
+        if self.fatal is None:  # the first is the cause
+            self.fatal = fatal
+        self.fatal_arrived.set()
 
     def _on_report(self, report: Report) -> None:
         if report.kind == "rollout":

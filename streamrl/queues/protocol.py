@@ -9,11 +9,15 @@
                                        ◄──    Stop()               no more groups are wanted
                                        ◄──    Snapshot(step)       report the groups in flight
       Report("in_flight", ...)         ──►    (their tokens so far: a checkpoint)
+      Fatal(reason, error, ...)        ──►    the run stops: a restart cannot fix this
+                                       ◄──    Stop("fatal")        (the sender may exit)
 
 A credit is permission to *start* one group (admission control, AReaL's
 staleness rule) and reserves the buffer slot it will occupy, so a sender never
 has a finished group it may not send. Unacked groups are resent after a
-reconnect; the receiver acks duplicates without storing them again.
+reconnect; the receiver acks duplicates without storing them again. A `Fatal`
+travels after the sender's last groups and report, so the trainer has counted them
+when it stops the run.
 """
 
 from __future__ import annotations
@@ -54,6 +58,21 @@ class Stop(msgspec.Struct, tag="stop"):
     reason: str = ""
 
 
+class Fatal(msgspec.Struct, tag="fatal", kw_only=True):
+    """The sender hit an error that a restart would hit again (every sample failing, a
+    malformed data line): the trainer stops the run with it, and does not restart the
+    sender's process. The receiver answers `Stop("fatal")` once it has taken it."""
+
+    reason: str
+    """What happened, in one line."""
+    error: str = ""
+    """The error as `ExceptionType: message`."""
+    look_at: str = ""
+    """The config keys (and logs) where the cause is."""
+    traceback: str = ""
+    """The formatted traceback of the (first) error, where there is one."""
+
+
 class Snapshot(msgspec.Struct, tag="snapshot"):
     """Report the groups in flight now (a checkpoint at learner step `step`): the sender
     answers with `Report(kind="in_flight", payload={"step": step, "groups": [...]})`."""
@@ -61,5 +80,5 @@ class Snapshot(msgspec.Struct, tag="snapshot"):
     step: int
 
 
-ToReceiver = Hello | Group | Report
+ToReceiver = Hello | Group | Report | Fatal
 ToSender = Credit | Ack | Stop | Snapshot

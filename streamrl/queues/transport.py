@@ -9,7 +9,9 @@ protocol and its guarantees are in `streamrl.queues.protocol`:
 - bounded: a sender starts a group only with a credit the receiver granted;
 - exactly once: the receiver remembers every group id it accepted and acks,
   but does not store, a duplicate;
-- robust: an undecodable frame is logged and counted; the receiver goes on.
+- robust: an undecodable frame is logged and counted; the receiver goes on;
+- final: a sender's `Fatal` reaches `on_fatal` and is answered with `Stop`, so the
+  sender knows it arrived before its process exits.
 
 Both ends run inside an anyio task group on the asyncio backend (pyzmq's
 asyncio sockets); `run()` reports readiness through `task_status`.
@@ -32,6 +34,7 @@ import zmq.asyncio
 from streamrl.queues.protocol import (
     Ack,
     Credit,
+    Fatal,
     Hello,
     Report,
     Snapshot,
@@ -99,6 +102,7 @@ class ReceiverStats:
     num_bad_frames: int = 0
     num_reports: int = 0
     num_sessions: int = 0
+    num_fatal: int = 0
 
 
 class StreamReceiver:
@@ -111,11 +115,13 @@ class StreamReceiver:
         credits: CreditSource,
         on_group: Callable[[Group], None],
         on_report: Callable[[Report], None] | None = None,
+        on_fatal: Callable[[Fatal], None] | None = None,
     ) -> None:
         self.address = address
         self.credits = credits
         self.on_group = on_group
         self.on_report = on_report
+        self.on_fatal = on_fatal
         self.stats = ReceiverStats()
         self.bound_address = ""
         self._sessions: dict[bytes, _Session] = {}
@@ -215,6 +221,13 @@ class StreamReceiver:
             self.stats.num_reports += 1
             if self.on_report is not None:
                 self.on_report(message)
+        elif isinstance(message, Fatal):
+            self.stats.num_fatal += 1
+            sender = identity.decode(errors="replace")
+            log.info("rollout stream: %s reports an error a restart would repeat", sender)
+            if self.on_fatal is not None:
+                self.on_fatal(message)
+            await self._send(identity, Stop("fatal"))
 
     async def _on_hello(self, identity: bytes, hello: Hello) -> None:
         old = self._sessions.get(identity)
@@ -279,6 +292,7 @@ class StreamSender:
         self.snapshot_step = -1
         """The newest `Snapshot` request's step (-1: none yet)."""
         self._credits = 0
+        self._num_stops = 0
         self._unacked: dict[str, tuple[float, bytes]] = {}
         self._changed = anyio.Event()
         self._encoder = make_encoder()
@@ -338,6 +352,17 @@ class StreamSender:
     async def send_report(self, kind: str, payload: dict) -> None:
         await self._socket.send(self._encoder.encode(Report(kind, payload)))
 
+    async def send_fatal(self, fatal: Fatal, *, timeout_s: float) -> bool:
+        """Send `fatal` (after every group and report sent before it) and wait for the
+        receiver's `Stop`; False when none came within `timeout_s`."""
+        num_stops = self._num_stops  # the next Stop answers this frame
+        await self._socket.send(self._encoder.encode(fatal))
+        with anyio.move_on_after(timeout_s):
+            while self._num_stops == num_stops:
+                changed = self._changed
+                await changed.wait()
+        return self._num_stops > num_stops
+
     async def flush(self) -> None:
         """Wait until every sent group is acknowledged."""
         while self._unacked:
@@ -371,6 +396,7 @@ class StreamSender:
                 self._unacked.pop(group_id, None)
         elif isinstance(message, Stop):
             self.is_stopped = True
+            self._num_stops += 1
         elif isinstance(message, Snapshot):
             self.snapshot_step = max(self.snapshot_step, message.step)
         self._changed.set()

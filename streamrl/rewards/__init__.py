@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import traceback
 from collections.abc import Awaitable, Callable
 from math import isfinite
 from numbers import Real
@@ -48,6 +49,8 @@ class RewardOutcome(msgspec.Struct, kw_only=True):
     """Extra values a function returned beside `reward` (dict returns only)."""
     error: str | None = None
     """"ExceptionType: message", "timeout after X s", or a bad-return description."""
+    traceback: str = ""
+    """The exception's formatted traceback when the function raised (else empty)."""
 
 
 def load_reward_fn(
@@ -104,7 +107,11 @@ async def score(fn: RewardFn, inp: RewardInput, *, timeout_s: float) -> RewardOu
                 if inspect.isawaitable(result):
                     result = await result
         except Exception as exc:
-            return RewardOutcome(reward=0.0, error=f"{type(exc).__name__}: {exc}")
+            return RewardOutcome(
+                reward=0.0,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(exc)).rstrip(),
+            )
     if scope.cancelled_caught:
         return RewardOutcome(reward=0.0, error=f"timeout after {timeout_s:g} s")
     return _outcome(result)

@@ -194,6 +194,8 @@ async def generate(ctx: GenerateContext, prompt: Prompt) -> Trajectory:
 
 generate.uses_gateway = True
 """`streamrl _rollout` starts one gateway for the process when the generate function says so."""
+generate.needs_chat_template = True
+"""Every call is rendered with the tokenizer's chat template (`streamrl check` asks for one)."""
 
 
 async def _reward(options: AgentOptions, episode: Episode, result: Any) -> None:
