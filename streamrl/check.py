@@ -58,6 +58,7 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         "rollout.generate_fn",
         lambda: _import_callable(cfg.rollout.generate_fn, "rollout.generate_fn"),
     )
+    attempt("rollout.generate_kwargs", lambda: _check_generate_kwargs(cfg))
     attempt("buffer.filters", lambda: _load_filters(cfg))
     if cfg.train.mode != "train_only":
         attempt(
@@ -94,6 +95,20 @@ def _import_callable(spec: str, key: str) -> None:
     obj = import_object(spec, key)
     if not callable(obj):
         raise ValueError(f"{key}: {spec!r} is not callable ({type(obj).__name__})")
+
+
+def _check_generate_kwargs(cfg: RunConfig) -> None:
+    """A generate function that says how to check its options (`check_kwargs(kwargs)`, e.g.
+    `streamrl.compat.slime:generate` imports the functions they name) gets them checked."""
+    from streamrl.utils import import_object
+
+    try:
+        generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
+    except ValueError:
+        return  # reported under rollout.generate_fn
+    check = getattr(generate_fn, "check_kwargs", None)
+    if check is not None:
+        check(dict(cfg.rollout.generate_kwargs))
 
 
 def _load_filters(cfg: RunConfig) -> None:

@@ -112,6 +112,9 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> None:
     if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
         engines.route_to_adapters(lambda: sender.version)  # the adapter of each version
     generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
+    configure = getattr(generate_fn, "configure", None)
+    if configure is not None:  # a generate function that reads the run config (compat.slime)
+        configure(cfg)
     worker = RolloutWorker(
         worker_id="rollout-0",
         source=source,
