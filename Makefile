@@ -38,8 +38,12 @@ lock:
 quickstart: setup
 	$(BIN)/streamrl run configs/quickstart.toml --set train.output_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)
 
+# Workers share the machine: most end-to-end tests wait on processes (engines, rollout,
+# learner) rather than compute, so two workers on two cores finish sooner than one.
+# tests/conftest.py keeps each module, and every Ray module, on one worker.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(BIN)/ruff check streamrl tests requirements && $(BIN)/ruff format --check streamrl tests requirements

@@ -49,10 +49,12 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
             check()
         except Exception as exc:
             message = str(exc)
-            problems.append(message if message.startswith(key) else f"{key}: {message}")
+            section = key.rpartition(".")[0] + "."  # a message may name a sibling key
+            named = message.startswith(key) or message.startswith(section)
+            problems.append(message if named else f"{key}: {message}")
 
     attempt(
-        "rollout.reward_fn", lambda: _import_callable(cfg.rollout.reward_fn, "rollout.reward_fn")
+        "rollout.reward_fn", lambda: _load_reward(cfg.rollout.reward_fn, cfg.rollout.reward_kwargs)
     )
     attempt(
         "rollout.generate_fn",
@@ -74,7 +76,9 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         if dataset.reward_fn:
             attempt(
                 f"{key}.reward_fn",
-                lambda d=dataset, k=key: _import_callable(d.reward_fn, f"{k}.reward_fn"),
+                lambda d=dataset, k=key: _load_reward(
+                    d.reward_fn, d.reward_kwargs, key=f"{k}.reward_fn"
+                ),
             )
     if models:
         attempt("model.path", lambda: _check_model(cfg.model.path))
@@ -87,6 +91,12 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
     if cfg.logging.wandb:
         attempt("logging.wandb", _check_wandb)
     return problems
+
+
+def _load_reward(spec: str, kwargs: dict, *, key: str = "rollout.reward_fn") -> None:
+    from streamrl.rewards import load_reward_fn
+
+    load_reward_fn(spec, dict(kwargs), key=key)
 
 
 def _import_callable(spec: str, key: str) -> None:

@@ -1,6 +1,11 @@
 """Run metrics: `metrics.jsonl` (one JSON object per record), TensorBoard scalars, a progress
 line, and optionally Weights & Biases (`logging.wandb`): every record's numbers, steps and
-evals alike, logged as they are written, plotted against the record's `step`."""
+evals alike, logged as they are written (see `wandb_row` for the axes they are plotted on).
+
+W&B ignores a `log(step=s)` whose s is below its current step, and evaluations arrive late
+(an eval of version 0 is recorded after step 1), so streamrl never passes `step`: each
+record is a new W&B row, and every metric is defined with its own x axis (`step`, or
+`eval/version` for evaluations)."""
 
 from __future__ import annotations
 
@@ -43,12 +48,15 @@ class MetricsWriter:
             except ImportError:  # tensorboard is a dependency; keep running without it
                 log.warning("tensorboard is not installed: writing metrics.jsonl only")
         self._wandb = start_wandb(run_dir, **wandb) if wandb is not None else None
+        self._wandb_defined: set[str] = set()
 
     @property
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started_at
 
     def write(self, record: dict[str, Any], *, step: int) -> None:
+        """Append `record`; `step` is its TensorBoard x value (an eval's version), while W&B
+        plots it against the axis of its kind (`wandb_row`)."""
         record = {key: _plain(value) for key, value in record.items()}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -57,15 +65,18 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self._wandb is not None:
-            numbers = {key: value for key, value in record.items() if _is_number(value)}
-            kind = record.get("kind")
-            if kind is not None:  # an eval or checkpoint record joins its step's row, prefixed
-                numbers = {
-                    key if "/" in key else f"{kind}/{key}": value
-                    for key, value in numbers.items()
-                    if key != "step"
-                }
-            self._wandb.log(numbers, step=step)
+            row, axis = wandb_row(record)
+            for key in sorted(row, key=lambda k: k != axis):  # the axis first
+                if key in self._wandb_defined:
+                    continue
+                # Explicit per-key definitions: wandb-core matches overlapping globs ("*" and
+                # "eval/*") in no fixed order, so a glob could put an eval on the step axis.
+                if key == axis:
+                    self._wandb.define_metric(key)
+                else:
+                    self._wandb.define_metric(key, step_metric=axis)
+                self._wandb_defined.add(key)
+            self._wandb.log(row)  # never step=: a lower step than W&B's current one is dropped
 
     def print_step(self, record: dict[str, Any], total_steps: int) -> None:
         if not self.progress:
@@ -122,9 +133,23 @@ def start_wandb(
         id=run_id,
         resume="allow",
     )
-    run.define_metric("step")
-    run.define_metric("*", step_metric="step")
     return run
+
+
+WANDB_AXES = {None: "step", "eval": "eval/version", "checkpoint": "checkpoint/step"}
+"""The W&B x axis of each record kind: steps against `step`, evaluations against the policy
+version they evaluated, checkpoints against the step they saved."""
+
+
+def wandb_row(record: dict[str, Any]) -> tuple[dict[str, float], str]:
+    """The numbers of a metrics.jsonl record as one W&B row, and the metric they are plotted
+    against (`WANDB_AXES`). A record with a `kind` (eval, checkpoint) has its keys that hold
+    no "/" prefixed with the kind: an eval's `version` becomes `eval/version`."""
+    numbers = {key: value for key, value in record.items() if _is_number(value)}
+    kind = record.get("kind")
+    if kind is not None:
+        numbers = {key if "/" in key else f"{kind}/{key}": value for key, value in numbers.items()}
+    return numbers, WANDB_AXES.get(kind, f"{kind}/step")
 
 
 def _is_number(value: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports, a tiny random model on disk, the anyio backend."""
+"""Shared fixtures: free ports, a tiny random model on disk, the anyio backend; and how
+pytest-xdist spreads the suite over its workers."""
 
 from __future__ import annotations
 
@@ -36,3 +37,15 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("models") / "llama-tiny"
     save_random_model("llama-tiny", path, seed=0)
     return str(path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), each module is one
+    group, so its tests share one worker and its module fixtures (a running engine, a
+    trained model) are built once. Modules marked `xdist_group("ray")` share one group
+    instead: they start Ray instances and count Ray's daemons machine-wide, so two of them
+    must not run at once. Without xdist the marks change nothing."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

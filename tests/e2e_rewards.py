@@ -16,3 +16,8 @@ def vowel_fraction(inp: RewardInput) -> float:
 
 def always_raises(inp: RewardInput) -> float:
     raise RuntimeError("this reward function always fails")
+
+
+def response_length(inp: RewardInput, *, scale: float = 1.0) -> float:
+    """`scale` times the response's length in characters (a reward with `reward_kwargs`)."""
+    return scale * len(inp.response)

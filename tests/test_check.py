@@ -180,3 +180,35 @@ def test_streamrl_check_exits_2_on_a_malformed_line_and_names_it(tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"data.path: {path}:3: malformed JSON" in result.stderr
     assert "(2 of 6 records bad)" in result.stderr
+
+
+def test_reward_kwargs_the_function_refuses_are_reported_by_their_key(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "2 + 2?", "label": "4"}\n')
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f"""
+[model]
+path = "random:qwen3-tiny"
+[data]
+path = "{data}"
+[rollout]
+reward_fn = "streamrl.rewards.remote:remote_reward"
+reward_kwargs = {{ url = "http://127.0.0.1:1/score", batch_size = 0 }}
+[eval]
+interval = 1
+[[eval.datasets]]
+name = "a"
+path = "{data}"
+reward_fn = "streamrl.rewards.math:exact_match"
+reward_kwargs = {{ url = "http://127.0.0.1:1/score" }}
+"""
+    )
+    result = streamrl_check(config)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, result.stderr
+    assert ": rollout.reward_kwargs: batch_size = 0: an integer >= 1" in errors[0]
+    assert (
+        ": eval.datasets[0].reward_kwargs: streamrl.rewards.math:exact_match does not " in errors[1]
+    )

@@ -33,7 +33,8 @@ from streamrl.launch.placement import (  # noqa: E402 - after the skip
 )
 from streamrl.launch.ray import LOST_EXIT_CODE, ProcessHost, RayProcess  # noqa: E402
 
-pytestmark = pytest.mark.timeout(150)
+# One xdist group for every module that starts Ray (tests/conftest.py says why).
+pytestmark = [pytest.mark.timeout(150), pytest.mark.xdist_group("ray")]
 
 RAY = '[cluster]\nlauncher = "ray"\n'
 

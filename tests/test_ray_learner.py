@@ -25,7 +25,8 @@ from streamrl.launch.placement import (
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.timeout(400)
+# One xdist group for every module that starts Ray (tests/conftest.py says why).
+pytestmark = [pytest.mark.timeout(400), pytest.mark.xdist_group("ray")]
 
 WORKTREE = Path(__file__).resolve().parents[1]
 

@@ -4,13 +4,13 @@ over-sampling, W&B in offline mode, and the debug modes (rollout_only, train_onl
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
 
 from streamrl.metrics import read_metrics
 from tests.test_run import TINY, streamrl_run
+from tests.wandb_helpers import wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -54,43 +54,12 @@ def test_a_user_filter_drops_half_the_groups_and_over_sampling_keeps_every_batch
     assert summary["accounting_ok"]
     assert summary["buffer"]["filtered_by"][USER_FILTER] == summary["groups_filtered"] >= 3
 
-    logged = wandb_history(run_dir)
+    history = wandb_history(run_dir)
+    logged = [row for row in history if "step" in row]
+    assert [row["checkpoint/step"] for row in history if "checkpoint/step" in row] == [3]
     assert [r["step"] for r in logged] == [1, 2, 3]
     for key in ("reward_mean", "train/loss", "train/lr", f"filtered/{USER_FILTER}"):
         assert [r[key] for r in logged] == [r[key] for r in steps], key
-
-
-def wandb_history(run_dir: Path) -> list[dict]:
-    """The history records of the offline W&B run under run_dir/wandb (the .wandb file is a
-    LevelDB-style log of protobuf `Record`s: 7-byte header, 32 KiB blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    block, position, pending, history = 32768, 7, b"", []
-    while position + 7 <= len(data):
-        left = block - position % block
-        if left < 7:
-            position += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        position += 7
-        if kind == 0:  # padding to the end of the block
-            position += left - 7
-            continue
-        pending += data[position : position + length]
-        position += length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            if record.WhichOneof("record_type") == "history":
-                items = record.history.item
-                history.append(
-                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
-                )
-    return history
 
 
 def test_a_replay_of_saved_rollouts_trains_exactly_as_the_run_that_generated_them(tmp_path):

@@ -1,4 +1,5 @@
-"""Answer extraction, equivalence, and a scorer that turns every failure into an outcome."""
+"""Answer extraction, loading, and a scorer that turns every failure into an outcome (the
+math grading itself: tests/test_math_grader.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,7 @@ import anyio
 import pytest
 
 from streamrl.rewards import RewardInput, RewardOutcome, load_reward_fn, score
-from streamrl.rewards.math import (
-    exact_match,
-    extract_answer,
-    is_equivalent,
-    math_reward,
-    normalize_answer,
-)
+from streamrl.rewards.math import exact_match, extract_answer, math_reward, normalize_answer
 from streamrl.utils import import_object
 
 
@@ -46,43 +41,11 @@ def test_extract_answer_prefers_boxed_then_answer_phrase_then_last_number(text, 
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize(
-    ("pred", "label"),
-    [
-        ("42", 42),
-        ("42.0", "42"),
-        ("1/2", "0.5"),
-        ("\\frac{1}{2}", "1/2"),
-        ("\\dfrac{3}{4}", 0.75),
-        ("-\\frac{1}{2}", "-0.5"),
-        ("1,234", 1234),
-        ("$5", "5"),
-        ("50%", "50"),
-        ("7.", "7"),
-        ("\\text{Paris}", "paris"),
-        (" x + 1 ", "x+1"),
-    ],
-)
-def test_equivalent_answers(pred, label):
-    assert is_equivalent(pred, label)
-
-
-@pytest.mark.parametrize(
-    ("pred", "label"),
-    [("41", 42), ("1/3", "0.33"), ("12,34", "1234"), (None, "1"), ("1", None), ("paris", "rome")],
-)
-def test_different_answers(pred, label):
-    assert not is_equivalent(pred, label)
-
-
 def test_normalize_answer_strips_latex_wrappers_and_trailing_period():
     assert normalize_answer(" $\\left( 1, 2 \\right)$. ") == "(1,2)"
 
 
-def test_math_reward_and_exact_match():
-    assert math_reward(sample("Adding them gives \\boxed{12}.", label=12)) == 1.0
-    assert math_reward(sample("The answer is 13.", label="12")) == 0.0
-    assert math_reward(sample("7 + 5 = 12", label="12")) == 1.0
+def test_exact_match_compares_stripped_text():
     assert exact_match(sample("  Paris \n", label="Paris")) == 1.0
     assert exact_match(sample("Paris.", label="Paris")) == 0.0
     assert exact_match(sample("None", label=None)) == 0.0
@@ -102,6 +65,17 @@ def test_load_reward_fn_resolves_specs_and_names_the_config_key_on_failure():
         load_reward_fn("streamrl.rewards.math")
     with pytest.raises(ValueError, match="not callable"):
         load_reward_fn("streamrl.tasks.capitals:CAPITALS")
+
+
+def test_reward_kwargs_are_bound_after_the_sample_and_checked_against_the_signature():
+    scaled = load_reward_fn("tests.e2e_rewards:response_length", {"scale": 0.5})
+    assert scaled(sample("four")) == 2.0
+    with pytest.raises(ValueError, match=r"^rollout\.reward_kwargs: .* does not take \['size'\]"):
+        load_reward_fn("tests.e2e_rewards:response_length", {"size": 2})
+    with pytest.raises(ValueError, match=r"^eval\.datasets\[1\]\.reward_kwargs: "):
+        load_reward_fn(
+            "tests.e2e_rewards:vowel_fraction", {"x": 1}, key="eval.datasets[1].reward_fn"
+        )
 
 
 # ---------------------------------------------------------------- score

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamrl.rewards import RewardInput, load_reward_fn
-from streamrl.rewards.math import math_reward
+from streamrl.rewards.math import grade
 from streamrl.tasks import TASKS, get_task
 from streamrl.tasks.capitals import CAPITALS, capital_reward
 
@@ -80,7 +80,7 @@ def test_capital_reward_ignores_accents_and_case():
 def test_arithmetic_rows_are_scored_by_math_reward(response, expected):
     task = get_task("arithmetic")
     assert task.reward_fn == "streamrl.rewards.math:math_reward"
-    assert scored(math_reward, response, "39") == expected
+    assert grade("39", response) is bool(expected)  # what math_reward runs in its process
 
 
 def test_arithmetic_labels_are_the_correct_results():

@@ -40,6 +40,7 @@ class Evaluator:
         reward_timeout_s: float,
         generate_fn: Any,
         generate_kwargs: dict[str, Any] | None = None,
+        default_reward_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.generate_fn = generate_fn
         self.generate_kwargs = generate_kwargs or {}
@@ -49,13 +50,20 @@ class Evaluator:
         self.tokenizer = tokenizer
         self.reward_timeout_s = reward_timeout_s
         self.sets = []
-        for dataset in datasets:
+        for index, dataset in enumerate(datasets):
             source = PromptSource.for_eval(dataset, data_cfg, tokenizer)
             count = (
                 len(source) if not dataset.max_prompts else min(dataset.max_prompts, len(source))
             )
             prompts = [source.get(seq) for seq in range(count)]
-            reward_fn = load_reward_fn(dataset.reward_fn or default_reward_fn)
+            if dataset.reward_fn:
+                reward_fn = load_reward_fn(
+                    dataset.reward_fn,
+                    dict(dataset.reward_kwargs),
+                    key=f"eval.datasets[{index}].reward_fn",
+                )
+            else:
+                reward_fn = load_reward_fn(default_reward_fn, default_reward_kwargs)
             self.sets.append((dataset, prompts, reward_fn))
 
     async def run(self) -> None:

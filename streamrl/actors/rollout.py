@@ -359,6 +359,15 @@ class RolloutWorker:
                 self.counters.reward_failures += 1
                 status = SampleStatus.REWARD_FAILED
                 metadata["reward_error"] = outcome.error
+                count = self.counters.reward_failures
+                if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... failure
+                    log.warning(
+                        "reward failed for prompt %d sample %d (%d failures so far): %s",
+                        prompt.seq,
+                        index,
+                        count,
+                        outcome.error,
+                    )
         self.counters.samples += 1
         self.counters.resumes += trajectory.num_resumes
         self.counters.resume_prompt_tokens += trajectory.resume_prompt_tokens

@@ -118,6 +118,10 @@ class RolloutConfig(_Section):
     """Keyword arguments passed to the generate function (turn limits, environment options)."""
     reward_fn: str = "streamrl.rewards.math:math_reward"
     """`module:function`, sync or async, scoring one sample (slime --custom-rm-path)."""
+    reward_kwargs: dict[str, Any] = {}
+    """Keyword arguments the reward function gets with every sample, `fn(sample, **kwargs)`:
+    e.g. `url` for `streamrl.rewards.remote:remote_reward` (slime --rm-url); checked against
+    its signature when the run starts."""
     reward_timeout_s: PositiveFloat = 60.0
     """A reward call past this time marks the sample failed (reward 0) and is counted."""
     retry_timeout_s: PositiveFloat = 300.0
@@ -508,7 +512,16 @@ class EvalDataset(_Section):
     """Prompts scored per evaluation; 0 means the whole set."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.0)
     reward_fn: str = ""
-    """Empty means rollout.reward_fn."""
+    """Empty means rollout.reward_fn, with rollout.reward_kwargs."""
+    reward_kwargs: dict[str, Any] = {}
+    """Keyword arguments of this set's own reward_fn (see rollout.reward_kwargs)."""
+
+    def __post_init__(self) -> None:
+        if self.reward_kwargs and not self.reward_fn:
+            raise ValueError(
+                "reward_kwargs is set but reward_fn is empty (rollout.reward_fn takes "
+                "rollout.reward_kwargs)"
+            )
 
 
 class EvalConfig(_Section):

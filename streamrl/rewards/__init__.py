@@ -4,12 +4,14 @@ A reward function takes one `RewardInput` and returns a float, or an
 awaitable of one, or a dict with a `"reward"` key plus extra float metrics
 (e.g. `{"reward": 1.0, "format": 1.0}`). Sync functions run in a worker
 thread so a slow verifier does not stall the rollout worker's event loop.
-Built-in verifiers live in `streamrl.rewards.math` and `streamrl.tasks`;
-custom ones are named in the config as `module:function`.
+Built-in verifiers live in `streamrl.rewards.math` and `streamrl.tasks`, a reward
+service client in `streamrl.rewards.remote`; custom ones are named in the config as
+`module:function`, with keyword arguments from `rollout.reward_kwargs` (docs/rewards.md).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from math import isfinite
@@ -48,12 +50,39 @@ class RewardOutcome(msgspec.Struct, kw_only=True):
     """"ExceptionType: message", "timeout after X s", or a bad-return description."""
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import the reward function named `module:function` (config key rollout.reward_fn)."""
-    fn = import_object(spec, "rollout.reward_fn")
+def load_reward_fn(
+    spec: str, kwargs: dict[str, Any] | None = None, *, key: str = "rollout.reward_fn"
+) -> RewardFn:
+    """Import the reward function named `module:function` (config key `key`), with `kwargs`
+    (the section's `reward_kwargs`) bound after the sample: `fn(sample, **kwargs)`.
+
+    ValueError, naming the key, when it cannot be imported, its signature does not take those
+    kwargs, or its `check_kwargs(**kwargs)` attribute, when it has one, rejects their values.
+    """
+    fn = import_object(spec, key)
     if not callable(fn):
-        raise ValueError(f"rollout.reward_fn: {spec!r} is not callable ({type(fn).__name__})")
-    return fn
+        raise ValueError(f"{key}: {spec!r} is not callable ({type(fn).__name__})")
+    if not kwargs:
+        return fn
+    kwargs_key = key.removesuffix("reward_fn") + "reward_kwargs"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (some builtins)
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, **kwargs)
+        except TypeError as exc:
+            raise ValueError(
+                f"{kwargs_key}: {spec} does not take {sorted(kwargs)}: {exc}"
+            ) from None
+    check = getattr(fn, "check_kwargs", None)
+    if check is not None:  # the function's own check of the values
+        try:
+            check(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{kwargs_key}: {exc}") from None
+    return functools.partial(fn, **kwargs)
 
 
 async def score(fn: RewardFn, inp: RewardInput, *, timeout_s: float) -> RewardOutcome:
