@@ -84,6 +84,8 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         attempt("model.path", lambda: _check_model(cfg.model.path))
         if cfg.model.tokenizer:
             attempt("model.tokenizer", lambda: _check_directory(cfg.model.tokenizer))
+        if cfg.learner.backend == "megatron" or cfg.engine.backend == "sglang":
+            attempt("learner.megatron", lambda: problems.extend(_layout_problems(cfg)))
         if cfg.algorithm.advantage_estimator == "gae" and cfg.learner.critic.path:
             attempt("learner.critic.path", lambda: _check_model(cfg.learner.critic.path))
     if cfg.train.mode == "train_only":
@@ -195,6 +197,38 @@ def _check_model(path: str) -> None:
         AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise ValueError(f"{path}: its config does not load: {exc}") from None
+
+
+def _layout_problems(cfg: RunConfig) -> list[str]:
+    """How the model splits over the learner's and the SGLang engines' GPUs
+    (`streamrl.backends.megatron.memory.layout_problems`), or the Megatron learner's refusal
+    of the model's family; nothing when the model's config does not load (reported under
+    model.path) or is SmolLM2's (one GPU)."""
+    from streamrl import models
+    from streamrl.backends.megatron.families import shape_from_hf
+    from streamrl.backends.megatron.memory import Parallelism, layout_problems
+
+    if cfg.model.path == models.SMOLLM2_NAME:
+        return []
+    try:
+        config = models.model_config(cfg.model.path)
+    except Exception:
+        return []
+    try:
+        shape = shape_from_hf(config)
+    except (NotImplementedError, ValueError, KeyError, AttributeError) as exc:
+        if cfg.learner.backend == "megatron":
+            return [f"learner.backend = 'megatron': {exc}"]
+        return []
+    megatron = cfg.learner.megatron
+    layout = Parallelism(
+        num_gpus=cfg.learner.num_gpus,
+        tp=megatron.tensor_parallel_size if cfg.learner.backend == "megatron" else 1,
+        pp=megatron.pipeline_parallel_size if cfg.learner.backend == "megatron" else 1,
+        ep=megatron.expert_model_parallel_size if cfg.learner.backend == "megatron" else 1,
+    )
+    engine_tp = cfg.engine.tp_size if cfg.engine.backend == "sglang" else 1
+    return layout_problems(shape, layout, engine_tp_size=engine_tp)
 
 
 def _check_directory(path: str) -> None:
