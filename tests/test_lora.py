@@ -321,8 +321,9 @@ async def test_published_adapters_reach_a_real_engine_and_each_replaces_the_last
     import anyio
     from engine_helpers import running_engines
 
-    from streamrl.actors.publisher import WeightPublisher
     from streamrl.fleet.client import EngineClient
+    from streamrl.publish.group_transport import GroupTransport
+    from streamrl.publish.publisher import WeightPublisher
 
     backend = _backend(tiny_model_dir)
     backend.model.eval()
@@ -343,7 +344,7 @@ async def test_published_adapters_reach_a_real_engine_and_each_replaces_the_last
                 weights=backend.hf_weights,
                 members=lambda: [client],
                 on_published=on_published,
-                gpu_counts=one_gpu,
+                transport=GroupTransport(members=lambda: [client], gpu_counts=one_gpu),
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -9,8 +9,6 @@ import anyio
 import pytest
 import torch
 
-from streamrl.actors import publisher as publisher_module
-from streamrl.actors import update_groups as update_groups_module
 from streamrl.config import ConfigError, RunConfig, config_from_dict
 from streamrl.fleet.sglang import (
     SGLangUnavailable,
@@ -19,6 +17,10 @@ from streamrl.fleet.sglang import (
     sglang_available,
 )
 from streamrl.placement import engine_gpu_ids
+from streamrl.publish import group_transport as group_transport_module
+from streamrl.publish import update_groups as update_groups_module
+from streamrl.publish.group_transport import GroupTransport
+from streamrl.publish.publisher import WeightPublisher
 from streamrl.weights.layout import engine_gpu_count, weight_group_layout
 
 MODEL = "/models/Qwen2.5-7B-Instruct"
@@ -288,13 +290,6 @@ class RecordingEngine:
         return await self._ok("destroy_weights_update_group", group_name=group_name)
 
 
-needs_layout_hook = pytest.mark.skipif(
-    "gpu_counts" not in publisher_module.WeightPublisher.__dataclass_fields__,
-    reason="WeightPublisher has no gpu_counts hook yet (the issue #6 publisher patch adds it)",
-)
-
-
-@needs_layout_hook
 @pytest.mark.anyio
 @pytest.mark.parametrize(("tp_size", "rank_offsets"), [(1, [1, 2, 3]), (2, [1, 3, 5])])
 async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
@@ -307,7 +302,9 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
         hosted.append(kwargs)
 
     monkeypatch.setattr(update_groups_module, "join_in_daemon_thread", host)
-    monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: sent.append(flat))
+    monkeypatch.setattr(
+        group_transport_module, "broadcast_flat", lambda group, flat: sent.append(flat)
+    )
     monkeypatch.setattr(update_groups_module, "destroy_weight_update_group", lambda group: None)
     engines = [RecordingEngine(f"http://engine-{i}") for i in range(3)]
     published: list[int] = []
@@ -318,11 +315,11 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
     async def on_published(version: int) -> None:
         published.append(version)
 
-    publisher = publisher_module.WeightPublisher(
+    publisher = WeightPublisher(
         weights=lambda: [("model.norm.weight", torch.ones(4))],
         members=lambda: engines,
         on_published=on_published,
-        gpu_counts=counts,
+        transport=GroupTransport(members=lambda: engines, gpu_counts=counts),
     )
     async with anyio.create_task_group() as tasks:
         await tasks.start(publisher.run)

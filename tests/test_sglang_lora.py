@@ -1,4 +1,4 @@
-"""The client side of LoRA on SGLang (`streamrl.fleet.adapters`): what the publisher writes
+"""The client side of LoRA on SGLang (`streamrl.publish.adapter_files`): what the publisher writes
 and calls, what `/generate` names, the versions it reports, and the launch flags.
 
 SGLang cannot run here (no CPU build). The server is a fake speaking the subset of
@@ -16,10 +16,11 @@ import pytest
 import torch
 from aiohttp import web
 
-from streamrl.actors.publisher import WeightPublisher
 from streamrl.config import config_from_dict
-from streamrl.fleet.adapters import SGLangAdapterPush, adapter_name, sglang_lora_args
-from streamrl.fleet.client import EngineClient
+from streamrl.fleet.client import EngineClient, adapter_name
+from streamrl.fleet.sglang import sglang_lora_args
+from streamrl.publish.adapter_files import AdapterFileTransport
+from streamrl.publish.publisher import WeightPublisher
 from streamrl.weights import adapters
 
 RANK = 4
@@ -112,14 +113,39 @@ def _wire(seed: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+async def _publish(engines, transport, versions) -> None:
+    """Each version of `versions` through a publisher (pause mode `abort`), one at a time;
+    version v's adapters are `_wire(v)`."""
+    now = {}
+
+    async def on_published(version: int) -> None:
+        pass
+
+    publisher = WeightPublisher(
+        weights=lambda: iter(_wire(now["version"])),
+        members=lambda: engines,
+        on_published=on_published,
+        transport=transport,
+        pause_mode="abort",
+    )
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(publisher.run)
+        for version in versions:
+            now["version"] = version
+            with anyio.fail_after(30):
+                await publisher.publish(version)
+                await publisher.wait_idle()
+        tasks.cancel_scope.cancel()
+    assert all(record.ok for record in publisher.records)
+
+
 @pytest.mark.anyio
 async def test_each_version_is_loaded_under_its_name_and_the_one_before_last_unloaded(
     tmp_path, free_port
 ):
-    push = SGLangAdapterPush(directory=tmp_path, rank=RANK, target_modules=TARGETS)
+    files = AdapterFileTransport(directory=tmp_path, rank=RANK, target_modules=TARGETS)
     async with fake_sglang(free_port()) as (server, url), EngineClient(url) as client:
-        for version in (1, 2, 3):
-            await push.push([client], version, push.write(version, _wire(version)))
+        await _publish([client], files, versions=(1, 2, 3))
     names = [name for name, _ in server.calls]
     assert names[:4] == [
         "pause_generation",
@@ -138,9 +164,9 @@ async def test_each_version_is_loaded_under_its_name_and_the_one_before_last_unl
 
 
 def test_the_written_adapter_is_peft_format_whose_product_is_the_wires(tmp_path):
-    push = SGLangAdapterPush(directory=tmp_path, rank=RANK, target_modules=TARGETS)
+    files = AdapterFileTransport(directory=tmp_path, rank=RANK, target_modules=TARGETS)
     wire = _wire(7)
-    spec, tensors = adapters.read_peft_adapter(push.write(7, wire))
+    spec, tensors = adapters.read_peft_adapter(files.write(7, wire))
     assert (spec.rank, spec.alpha, spec.target_modules) == (RANK, float(RANK), TARGETS)
     (name_a, a), (name_b, b) = wire
     assert torch.equal(tensors[adapters.PEFT_PREFIX + name_a], a)
@@ -180,8 +206,8 @@ async def test_the_publisher_sends_sglang_adapters_as_files_and_reports_the_vers
             weights=lambda: iter(_wire(1)),
             members=lambda: [client],
             on_published=on_published,
+            transport=AdapterFileTransport(directory=tmp_path, rank=RANK, target_modules=TARGETS),
             pause_mode="abort",
-            adapter_push=SGLangAdapterPush(directory=tmp_path, rank=RANK, target_modules=TARGETS),
         )
         async with anyio.create_task_group() as tasks:
             await tasks.start(publisher.run)

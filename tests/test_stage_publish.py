@@ -15,7 +15,8 @@ import msgspec
 import pytest
 import torch
 
-from streamrl.actors.publisher import WeightPublisher
+from streamrl.publish.group_transport import GroupTransport
+from streamrl.publish.publisher import WeightPublisher
 from streamrl.weights.digest import digest
 from streamrl.weights.stages import (
     BucketSpec,
@@ -94,9 +95,10 @@ async def test_two_stage_groups_bring_every_layer_to_a_live_engine(
                 weights=lambda: pytest.fail("stages snapshot through the leader"),
                 members=lambda: [client],
                 on_published=on_published,
+                transport=GroupTransport(
+                    members=lambda: [client], flattened=flattened, stages=RemoteStages(leader)
+                ),
                 bucket_bytes=256 * 1024,  # several buckets per stage
-                flattened=flattened,
-                stages=RemoteStages(leader),
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)
@@ -176,14 +178,14 @@ class RecordingStages:
 
 
 def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
-    from streamrl.actors import publisher as publisher_module
-    from streamrl.actors import update_groups as update_groups_module
+    from streamrl.publish import group_transport as group_transport_module
+    from streamrl.publish import update_groups as update_groups_module
 
     async def host(**kwargs) -> str:
         return kwargs["group_name"]
 
     monkeypatch.setattr(update_groups_module, "join_in_daemon_thread", host)
-    monkeypatch.setattr(publisher_module, "broadcast_flat", lambda group, flat: None)
+    monkeypatch.setattr(group_transport_module, "broadcast_flat", lambda group, flat: None)
     monkeypatch.setattr(update_groups_module, "destroy_weight_update_group", lambda group: None)
 
     async def one_gpu_each(clients) -> list[int]:
@@ -196,8 +198,7 @@ def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
         weights=lambda: [],
         members=lambda: engines,
         on_published=on_published,
-        gpu_counts=one_gpu_each,
-        stages=stages,
+        transport=GroupTransport(members=lambda: engines, gpu_counts=one_gpu_each, stages=stages),
     )
 
 

@@ -60,9 +60,10 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     import anyio
     from engine_helpers import running_engines, teacher_forced_logprobs
 
-    from streamrl.actors.publisher import WeightPublisher
     from streamrl.fleet.client import EngineClient
     from streamrl.models import build_random_model
+    from streamrl.publish.ipc_transport import IpcTransport
+    from streamrl.publish.publisher import WeightPublisher
 
     prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
     params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
@@ -80,8 +81,8 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
                 weights=lambda: iter(weights.items()),
                 members=lambda: [client],
                 on_published=on_published,
+                transport=IpcTransport(),
                 bucket_bytes=256 * 1024,  # several buckets
-                transport="ipc",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

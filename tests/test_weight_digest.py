@@ -7,10 +7,11 @@ import pytest
 import torch
 from engine_helpers import running_engines, teacher_forced_logprobs
 
-from streamrl.actors import publisher as publisher_module
-from streamrl.actors.publisher import WeightPublisher
 from streamrl.fleet.client import EngineClient
 from streamrl.models import build_random_model
+from streamrl.publish import group_transport as group_transport_module
+from streamrl.publish.group_transport import GroupTransport
+from streamrl.publish.publisher import WeightPublisher
 from streamrl.weights.digest import digest
 from streamrl.weights.group import FlatLayout
 
@@ -42,7 +43,7 @@ async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
 ):
     model = build_random_model("qwen3-tiny", seed=41)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    real_broadcast = publisher_module.broadcast_flat
+    real_broadcast = group_transport_module.broadcast_flat
     corrupted: list[int] = []
 
     def broadcast_once_corrupted(group, flat: torch.Tensor) -> None:
@@ -53,7 +54,7 @@ async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
             return real_broadcast(group, copy)
         return real_broadcast(group, flat)
 
-    monkeypatch.setattr(publisher_module, "broadcast_flat", broadcast_once_corrupted)
+    monkeypatch.setattr(group_transport_module, "broadcast_flat", broadcast_once_corrupted)
     published: list[int] = []
 
     async def on_published(version: int) -> None:
@@ -71,7 +72,7 @@ async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
                 weights=lambda: iter(weights.items()),
                 members=lambda: [client],
                 on_published=on_published,
-                gpu_counts=one_gpu,
+                transport=GroupTransport(members=lambda: [client], gpu_counts=one_gpu),
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -332,9 +332,10 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
     import anyio
     from engine_helpers import running_engines
 
-    from streamrl.actors.publisher import WeightPublisher
     from streamrl.fleet.client import EngineClient, EngineError
     from streamrl.models import build_random_model
+    from streamrl.publish.group_transport import GroupTransport
+    from streamrl.publish.publisher import WeightPublisher
 
     class DiesBeforeJoining:
         url = "http://dying-engine"
@@ -368,7 +369,9 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
                 weights=lambda: iter(weights.items()),
                 members=lambda: members,
                 on_published=on_published,
-                gpu_counts=lambda engines: _ones(engines),
+                transport=GroupTransport(
+                    members=lambda: members, gpu_counts=lambda engines: _ones(engines)
+                ),
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -36,7 +36,6 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     import numpy as np
     import torch
 
-    from streamrl.actors.publisher import WeightPublisher
     from streamrl.backends.batching import pack_micro_batches
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.backends.rendezvous import init_distributed
@@ -44,6 +43,8 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
     from streamrl.fleet.client import EngineClient
     from streamrl.models import save_random_model
     from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
+    from streamrl.publish.factory import tensor_transport
+    from streamrl.publish.publisher import WeightPublisher
     from streamrl.types import Sample
 
     shape = "qwen3-tiny" if smoke else "qwen2-0.5b"
@@ -157,7 +158,7 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
                     weights=backend.hf_weights,
                     members=lambda: [client],
                     on_published=published,
-                    transport=transport,
+                    transport=tensor_transport(transport, members=lambda: [client]),
                     staging_device="cpu" if transport == "gloo" or smoke else "cuda:0",
                 )
                 await tg.start(publisher.run)

@@ -31,12 +31,12 @@ import anyio
 import numpy as np
 
 from streamrl import checkpoint
-from streamrl.actors.publisher import WeightPublisher
 from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
+from streamrl.publish.publisher import WeightPublisher
 from streamrl.queues import horizon
 from streamrl.queues.accounting import AccountingError
 from streamrl.queues.intake import Intake

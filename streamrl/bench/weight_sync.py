@@ -198,8 +198,9 @@ def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
 async def _measure(
     args, setup, model_dir, weights, count: int, work_dir: Path, num_bytes: int
 ) -> dict[str, Any]:
-    from streamrl.actors.publisher import WeightPublisher
     from streamrl.fleet.client import EngineClient
+    from streamrl.publish.factory import tensor_transport
+    from streamrl.publish.publisher import WeightPublisher
 
     engines = _start_engines(args, setup, model_dir, count, work_dir)
     clients = [EngineClient(url) for url, _ in engines]
@@ -216,10 +217,11 @@ async def _measure(
         weights=lambda: iter(weights),
         members=lambda: clients,
         on_published=on_published,
+        transport=tensor_transport(
+            setup["backend"], members=lambda: clients, flattened=not args.per_tensor
+        ),
         bucket_bytes=args.bucket_mb * 2**20,
-        flattened=not args.per_tensor,
         pause_mode=args.pause_mode,
-        transport=setup["backend"],
         staging_device=setup["learner_device"] if setup["backend"] != "gloo" else "cpu",
     )
     samples = []

@@ -51,7 +51,7 @@ class EngineClient:
         self.limits = limits
         """Checked before every `/generate` (`streamrl.fleet.limits`); None checks nothing."""
         self.adapter_version: Callable[[], int] | None = None
-        """LoRA on SGLang (`streamrl.fleet.adapters`): the version whose adapter every
+        """LoRA on SGLang (`streamrl.publish.adapter_files`): the version whose adapter every
         `/generate` names (`lora_path`), which then tags all its tokens; None names none."""
         self._accepts_digest: bool | None = None
         self._http = httpx.AsyncClient(

@@ -76,7 +76,7 @@ class EngineSet:
 
     def route_to_adapters(self, version: Callable[[], int]) -> None:
         """Every `/generate` names the LoRA adapter of `version()` (SGLang with a LoRA run:
-        `streamrl.fleet.adapters`), and its tokens carry that version."""
+        `streamrl.publish.adapter_files`), and its tokens carry that version."""
         for client in [*self.engines, *([self.router] if self.router else [])]:
             client.adapter_version = version
 

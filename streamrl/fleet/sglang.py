@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from streamrl.config import ConfigError, RunConfig
+from streamrl.fleet.client import adapter_name
 from streamrl.placement import engine_gpu_ids
 from streamrl.process import ServerArgv
 
@@ -175,7 +176,7 @@ def sglang_argv_factory(
 
     Validates the GPU assignment and `engine.extra_args` once, here (ConfigError). With
     `engine.urls` set the engines are attached, and calling the factory is an error. With
-    `learner.lora` LoRA is on (`streamrl.fleet.adapters.sglang_lora_args`), and
+    `learner.lora` LoRA is on (`sglang_lora_args`), and
     `lora_adapter` (a resumed run's checkpoint) is loaded as `version`'s adapter."""
     engine = cfg.engine
     if _is_attached(cfg):
@@ -209,8 +210,6 @@ def sglang_argv_factory(
             args.append("--enable-return-routed-experts")
         lora = cfg.learner.lora
         if lora.is_enabled:
-            from streamrl.fleet.adapters import sglang_lora_args
-
             args += sglang_lora_args(
                 lora.rank, lora.target_modules, start_adapter=lora_adapter, version=version
             )
@@ -218,3 +217,20 @@ def sglang_argv_factory(
         return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[index]))}
 
     return argv
+
+
+def sglang_lora_args(
+    rank: int, target_modules: Sequence[str], *, start_adapter: str = "", version: int = 0
+) -> list[str]:
+    """SGLang server flags for a LoRA run: LoRA on, its rank and modules (adapters load
+    later, so SGLang cannot infer them), and the resumed run's adapter under its name
+    (`streamrl.publish.adapter_files` loads each later version's)."""
+    args = [
+        "--enable-lora",
+        "--max-lora-rank", str(rank),
+        "--lora-target-modules", *target_modules,
+    ]  # fmt: skip
+    name = adapter_name(version)
+    if start_adapter and name is not None:
+        args += ["--lora-paths", f"{name}={start_adapter}"]
+    return args

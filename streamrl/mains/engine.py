@@ -15,7 +15,6 @@ import threading
 
 from aiohttp import web
 
-from streamrl.engine.app import EngineServer
 from streamrl.engine.options import EngineOptions
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,8 @@ def serve_command(args) -> int:
     # The engine thread and the HTTP thread share the GIL: after a device step the engine
     # thread must get it back at once, not after Python's default 5 ms.
     sys.setswitchinterval(options.switch_interval_ms / 1e3)
-    # Blocked before any thread starts, so that every thread inherits the mask: SIGTERM and
+    # Blocked before any thread starts (importing torch starts one, so `serve` imports the
+    # engine, not this module's top), so that every thread inherits the mask: SIGTERM and
     # SIGINT are then only ever taken by `_take_stop_signals`, and a second one during the
     # shutdown is taken and ignored. With handlers instead, there are moments (before they
     # are installed, between removing them and ignoring the signal, after the loop closes)
@@ -74,6 +74,8 @@ def event_loop_factory():
 async def serve(options: EngineOptions) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0), or until loading the model fails (1).
     The caller has blocked STOP_SIGNALS in every thread (`serve_command`)."""
+    from streamrl.engine.app import EngineServer  # imports torch, which starts a thread
+
     server = EngineServer(options)
     logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)

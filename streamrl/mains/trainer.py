@@ -313,7 +313,6 @@ class Trainer:
         """The intake, the weight publisher and the learner loop of this run, connected: the
         publisher reports new versions to the intake; the loop sees the intake and publisher."""
         from streamrl.actors.learner import LearnerLoop
-        from streamrl.actors.publisher import WeightPublisher
         from streamrl.backends.build import pad_token_id
         from streamrl.queues.intake import Intake
 
@@ -333,19 +332,18 @@ class Trainer:
             intake.restore(self.async_state)
         publisher = None
         if backend is not None:
-            transport = cfg.weight_transport(device.type)
-            publisher = WeightPublisher(
+            from streamrl.publish.factory import weight_publisher
+
+            publisher = weight_publisher(
+                cfg,
                 weights=backend.hf_weights,
                 members=self.supervisor.live_clients,
                 on_published=intake.on_published,
-                bucket_bytes=cfg.weights.bucket_bytes,
-                flattened=cfg.weights.flattened_buckets,
-                pause_mode=cfg.pause_mode,
-                transport=transport,
+                device=device,
                 master_address=self.spawner.reachable(cfg.weights.master_address),
-                staging_device=str(device) if transport in ("nccl", "ipc") else "cpu",
-                stages=self._remote_stages(transport),
-                adapter_push=self._adapter_push(),
+                adapter_directory=self.run_dir / "adapters",
+                base_model=self.reference_path,
+                leader=self.leader,
             )
         loop = LearnerLoop(
             cfg,
@@ -360,22 +358,6 @@ class Trainer:
         )
         return intake, publisher, loop
 
-    def _adapter_push(self):
-        """LoRA on SGLang engines: adapters travel as peft directories under
-        run_dir/adapters (`streamrl.fleet.adapters`); None otherwise (tensors on the wire)."""
-        lora = self.cfg.learner.lora
-        if not lora.is_enabled or self.cfg.engine.backend != "sglang":
-            return None
-        from streamrl.fleet.adapters import SGLangAdapterPush
-
-        return SGLangAdapterPush(
-            directory=self.run_dir / "adapters",
-            rank=lora.rank,
-            target_modules=tuple(lora.target_modules),
-            base_model=self.reference_path,
-            pause_mode=self.cfg.pause_mode,
-        )
-
     def rollout_writer(self):
         """The writer of each step's groups (rollout_only, or train.save_rollouts), or None."""
         if self.cfg.train.mode != "rollout_only" and not self.cfg.train.save_rollouts:
@@ -383,14 +365,6 @@ class Trainer:
         from streamrl.queues.rollout_files import RolloutWriter
 
         return RolloutWriter(self.run_dir)
-
-    def _remote_stages(self, transport: str):
-        """Pipeline stages 1..PP-1 publish from their own ranks (None without PP)."""
-        if self.leader is None or not self.leader.stage_publisher_ranks:
-            return None
-        from streamrl.weights.stages import RemoteStages
-
-        return RemoteStages(self.leader, staging="cuda" if transport == "nccl" else "cpu")
 
     # ---- training --------------------------------------------------------------
 

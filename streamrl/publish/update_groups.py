@@ -1,4 +1,4 @@
-"""The weight-update groups the publisher keeps over the live engines, one per pipeline stage.
+"""The weight-update groups `GroupTransport` keeps over the live engines, one per pipeline stage.
 
 A group is built the way SGLang builds its own (`streamrl.weights.group`): its rank 0
 is this process (stage 0) or a pipeline stage's publisher rank (`Host` over
@@ -41,7 +41,7 @@ class UpdateGroup:
 
 @dataclass
 class UpdateGroups:
-    """The groups of one publisher (see the module docstring)."""
+    """The groups of one transport (see the module docstring)."""
 
     transport: str
     """The groups' torch.distributed backend: `nccl` or `gloo`."""

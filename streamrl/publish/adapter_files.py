@@ -1,16 +1,19 @@
-"""LoRA adapters on SGLang engines: versioned adapter names, the push, and the route.
+"""LoRA adapters to SGLang engines as files (`learner.lora` with `engine.backend = "sglang"`).
 
 SGLang (0.5.x) serves adapters beside its base weights: started with `--enable-lora`
 (`--max-lora-rank`, `--lora-target-modules`, and `--lora-paths NAME=DIR` for adapters to
 load at once), it takes `POST /load_lora_adapter {lora_name, lora_path}` and
 `POST /unload_lora_adapter {lora_name}`, and a `/generate` body's `lora_path` names the
 adapter a request runs with. So a LoRA run's publisher does not broadcast tensors to
-SGLang engines; `SGLangAdapterPush.push(version)`:
+SGLang engines; `AdapterFileTransport` brings them each version's adapters as files:
 
-    write the adapter in peft's format to <directory>/v<version>/
-    pause (abort) ─► every engine: /load_lora_adapter streamrl-v<version>
-                  ─► /update_weight_version <version> ─► continue
-    every engine: /unload_lora_adapter streamrl-v<version - 2> (and delete its directory)
+    prepare  write the staged adapters in peft's format to <directory>/v<version>/
+    (the publisher pauses every engine)
+    send     every engine: /load_lora_adapter streamrl-v<version>
+                           ─► /update_weight_version <version>
+    (the publisher continues every engine)
+    settle   every engine: /unload_lora_adapter streamrl-v<version - 2>
+             (and its directory is deleted)
 
 The previous version's adapter stays loaded one more version: a rollout request sent
 before the rollout process heard of the new version still finds its adapter. Requests
@@ -31,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import anyio
 import torch
 
 from streamrl.fleet.client import EngineClient, EngineError, adapter_name
+from streamrl.publish.transport import Staged, WeightTransport, each_engine
 from streamrl.weights import adapters
 
 log = logging.getLogger(__name__)
@@ -47,36 +51,21 @@ KEEP_VERSIONS = 2
 """Adapters loaded per engine: the newest and the one before (see the module docstring)."""
 
 
-def sglang_lora_args(
-    rank: int, target_modules: Sequence[str], *, start_adapter: str = "", version: int = 0
-) -> list[str]:
-    """SGLang server flags for a LoRA run: LoRA on, its rank and modules (adapters load
-    later, so SGLang cannot infer them), and the resumed run's adapter under its name."""
-    args = [
-        "--enable-lora",
-        "--max-lora-rank", str(rank),
-        "--lora-target-modules", *target_modules,
-    ]  # fmt: skip
-    name = adapter_name(version)
-    if start_adapter and name is not None:
-        args += ["--lora-paths", f"{name}={start_adapter}"]
-    return args
-
-
 @dataclass
-class SGLangAdapterPush:
-    """Publishes each version's adapters to SGLang engines as a peft directory (see the
+class AdapterFileTransport(WeightTransport):
+    """Brings each version's adapters to SGLang engines as a peft directory (see the
     module docstring); `rank` and `target_modules` describe the adapters of the run."""
 
     directory: Path
     rank: int
     target_modules: tuple[str, ...]
     base_model: str = ""
-    pause_mode: str = "abort"
     loaded: dict[str, list[int]] = field(default_factory=dict)
-    """Engine URL -> versions whose adapters this push loaded there, oldest first."""
+    """Engine URL -> versions whose adapters were loaded there, oldest first."""
     pushed: set[int] = field(default_factory=set)
-    """Versions pushed before (pushing one again is a resync)."""
+    """Versions loaded before (loading one again is a resync)."""
+    _path: Path | None = None
+    """The directory of the update in progress."""
 
     def write(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> Path:
         """Wire tensors (lora_B scaled) as the peft directory of `version`."""
@@ -90,19 +79,26 @@ class SGLangAdapterPush:
         peft = {adapters.PEFT_PREFIX + name: tensor for name, tensor in tensors}
         return adapters.write_peft_adapter(self.directory / f"v{version}", peft, spec)
 
-    async def push(self, engines: list[EngineClient], version: int, path: Path) -> None:
-        """Load `path` as `version`'s adapter on every engine and tag the version, inside
-        one pause; then unload (and delete) what is older than `KEEP_VERSIONS` versions."""
-        name = adapter_name(version)
-        if name is None:
+    async def prepare(self, engines: list[EngineClient], staged: Staged) -> None:
+        """The staged adapters written as `staged.version`'s peft directory."""
+        if adapter_name(staged.version) is None:
             raise ValueError("version 0 is the base model: it has no adapter")
-        await _each(engines, lambda e: e.pause(self.pause_mode))
-        try:
-            await _each(engines, lambda e: self._load(e, name, path, version))
-        finally:
-            await _each(engines, lambda e: e.continue_generation())
-        self.pushed.add(version)
-        await _each(engines, self._unload_old)
+        tensors = [
+            pair
+            for bucket in staged.buckets
+            for pair in zip(bucket.names, bucket.layout.unpack(bucket.flat), strict=True)
+        ]
+        self._path = await anyio.to_thread.run_sync(self.write, staged.version, tensors)
+
+    async def send(self, engines: list[EngineClient], staged: Staged, *, flush_cache: bool) -> None:
+        """Every engine loads the directory as the version's adapter and tags the version."""
+        name, path = adapter_name(staged.version), self._path
+        await each_engine(engines, lambda e: self._load(e, name, path, staged.version))
+
+    async def settle(self, engines: list[EngineClient], staged: Staged) -> None:
+        """Unload (and delete) what is older than `KEEP_VERSIONS` versions."""
+        self.pushed.add(staged.version)
+        await each_engine(engines, self._unload_old)
         self._delete_unused()
 
     async def _load(self, engine: EngineClient, name: str, path: Path, version: int) -> None:
@@ -135,9 +131,3 @@ class SGLangAdapterPush:
             version = int(path.name[1:]) if path.name[1:].isdigit() else None
             if version is not None and version not in kept and version < newest:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-async def _each(engines: list[EngineClient], call) -> None:
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            tg.start_soon(call, engine)

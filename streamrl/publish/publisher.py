@@ -1,0 +1,205 @@
+"""The weight publisher: new versions from the learner to every engine, off the learner's path.
+
+    learner step v done ─► publish(v): wait for the previous update (stall), stage the
+                           weights into flat staging buckets (stall), return
+    background:            prepare ─► pause engines ─► send (the last call tags
+                           weight_version v) ─► continue ─► settle
+                           ─► on_published(v) (admission lets B more groups start)
+
+How the buckets reach the engines is the transport's (`streamrl.publish.transport`:
+weight-update groups, CUDA IPC handles, or adapter files); the publisher owns the order,
+the pause, the records and the resync. An update that fails (an engine died mid-update)
+is recorded and dropped; the fleet restarts the engine, `invalidate`s the transport and
+asks for a `resync`, which sends the newest staged version again at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from streamrl.fleet.client import EngineClient, EngineError
+from streamrl.publish.transport import Staged, WeightSource, WeightTransport, each_engine
+from streamrl.weights.staging import Staging
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PublishRecord:
+    """What one weight update cost."""
+
+    version: int
+    learner_stall_s: float = 0.0
+    snapshot_s: float = 0.0
+    engine_pause_s: float = 0.0
+    broadcast_s: float = 0.0
+    num_bytes: int = 0
+    num_engines: int = 0
+    ok: bool = True
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.broadcast_s / 1e9 if self.broadcast_s > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "weights/version": self.version,
+            "weights/learner_stall_s": self.learner_stall_s,
+            "weights/snapshot_s": self.snapshot_s,
+            "weights/engine_pause_s": self.engine_pause_s,
+            "weights/broadcast_s": self.broadcast_s,
+            "weights/bytes": self.num_bytes,
+            "weights/gb_per_s": self.gb_per_s,
+            "weights/num_engines": self.num_engines,
+            "weights/ok": self.ok,
+        }
+
+
+@dataclass
+class WeightPublisher:
+    """Stages each version and runs its update in the background (see the module docstring)."""
+
+    weights: WeightSource
+    """The learner's current weights under Hugging Face names (full tensors)."""
+    members: Callable[[], list[EngineClient]]
+    """Engines that should hold the newest weights (the fleet's live engines)."""
+    on_published: Callable[[int], Awaitable[None]]
+    transport: WeightTransport
+    """How the staged buckets reach the engines (`streamrl.publish.factory` picks it)."""
+    bucket_bytes: int = 512 * 1024 * 1024
+    pause_mode: str = "in_place"
+    staging_device: str = "cpu"
+    records: list[PublishRecord] = field(default_factory=list)
+    _idle: anyio.Event = field(default_factory=anyio.Event)
+    _busy: bool = False
+    _latest: Staged | None = None
+    _task_group: anyio.abc.TaskGroup | None = None
+    _staging: Staging = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._staging = Staging(self.bucket_bytes, self.staging_device)
+
+    @property
+    def num_digest_mismatches(self) -> int:
+        """Buckets an engine received corrupted (and refused), over the run."""
+        return self.transport.num_digest_mismatches
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hold the task group that background updates run in; cancel to stop."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._task_group = None
+            await self.transport.close()
+
+    async def publish(self, version: int) -> PublishRecord:
+        """Stage the weights as `version` and start the update; returns once the learner
+        may change its weights again (the record is completed by the update)."""
+        started = time.perf_counter()
+        while self._busy:
+            await self._idle.wait()
+        # Busy from here: a resync must not send the previous version while its staging
+        # buffers (here and on stage ranks) are being overwritten by this one.
+        self._busy = True
+        stage_started = time.perf_counter()
+        try:
+            staged = await anyio.to_thread.run_sync(self._stage, version)
+        except BaseException:
+            self._set_idle()
+            raise
+        record = PublishRecord(
+            version=version,
+            snapshot_s=time.perf_counter() - stage_started,
+            num_bytes=staged.num_bytes,
+        )
+        record.learner_stall_s = time.perf_counter() - started
+        self._start(staged, record)
+        return record
+
+    async def resync(self) -> None:
+        """Re-send the newest staged version (after the engine set changed) and wait for it."""
+        while self._busy:
+            await self._idle.wait()
+        if self._latest is not None and self._task_group is not None:
+            self._start(self._latest, PublishRecord(version=self._latest.version))
+            while self._busy:
+                await self._idle.wait()
+
+    def invalidate(self) -> None:
+        """An engine left: the transport rebuilds what it keeps before the next update."""
+        self.transport.invalidate()
+
+    async def wait_idle(self) -> None:
+        while self._busy:
+            await self._idle.wait()
+
+    def _start(self, staged: Staged, record: PublishRecord) -> None:
+        if self._task_group is None:
+            raise RuntimeError("WeightPublisher.run() is not running")
+        self._busy = True
+        self._task_group.start_soon(self._update, staged, record)
+
+    def _stage(self, version: int) -> Staged:
+        staged = self.transport.stage(version, self.weights, self._staging)
+        self._latest = staged
+        return staged
+
+    async def _update(self, staged: Staged, record: PublishRecord) -> None:
+        failed = False
+        try:
+            engines = self.members()
+            record.num_engines = len(engines)
+            if engines:
+                await self._send(staged, engines, record)
+        except* (EngineError, RuntimeError, OSError) as errors:
+            # An engine died mid-update; the fleet restarts it and asks for a resync.
+            failed = True
+            log.error(
+                "weight update to version %d failed: %s",
+                staged.version,
+                "; ".join(str(e) for e in errors.exceptions),
+            )
+        try:
+            record.ok = not failed
+            self.records.append(record)
+            if failed:
+                await self.transport.drop()
+            else:
+                await self.on_published(staged.version)
+        finally:
+            self._set_idle()
+
+    def _set_idle(self) -> None:
+        self._busy = False
+        self._idle.set()
+        self._idle = anyio.Event()
+
+    @property
+    def flushes_cache(self) -> bool:
+        """Whether the update call that tags the new version asks the engines to flush their
+        prefix caches: only in `abort` mode, where the engines hold no request (SGLang
+        asserts that a flush it was asked for succeeds, and it cannot while requests are
+        held; a cache left unflushed would serve new requests prefixes computed with the
+        old weights)."""
+        return self.pause_mode == "abort"
+
+    async def _send(self, staged: Staged, engines: list[EngineClient], record: PublishRecord):
+        await self.transport.prepare(engines, staged)  # the engines do not wait for it
+        paused_at = time.perf_counter()
+        await each_engine(engines, lambda e: e.pause(self.pause_mode))
+        try:
+            send_started = time.perf_counter()
+            await self.transport.send(engines, staged, flush_cache=self.flushes_cache)
+            record.broadcast_s = time.perf_counter() - send_started
+        finally:
+            await each_engine(engines, lambda e: e.continue_generation())
+            record.engine_pause_s = time.perf_counter() - paused_at
+        await self.transport.settle(engines, staged)
