@@ -82,6 +82,24 @@ async def tool_turns(args, sample: Sample, sampling_params: dict) -> Sample:
     return sample
 
 
+async def text_payload(args, sample: Sample, sampling_params: dict) -> Sample:
+    """Sends the prompt as text (the engine encodes it) and keeps the output token ids."""
+    state = GenerateState(args)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    payload = {"text": sample.prompt, "sampling_params": sampling_params, "return_logprob": True}
+    output = await post(url, payload)
+    sample.tokens = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    pairs = output["meta_info"]["output_token_logprobs"]
+    sample.append_response_tokens(
+        args,
+        tokens=[token for _, token, _ in pairs],
+        log_probs=[logprob for logprob, _, _ in pairs],
+        meta_info=output["meta_info"],
+        text=output["text"],
+    )
+    return sample
+
+
 async def retokenized(args, sample: Sample, sampling_params: dict) -> Sample:
     """Keeps the engine's text and tokenizes it again (without return_logprob)."""
     state = GenerateState(args)

@@ -182,20 +182,27 @@ def test_a_sample_that_was_aborted_or_that_is_removed_is_never_trained():
     assert trajectory.loss_mask == [0] and trajectory.metadata["slime/remove_sample"]
 
 
-async def test_a_retokenizing_function_still_trains_what_it_returned_with_lower_bound_versions(
+async def test_a_text_payload_is_the_same_call_and_retokenized_text_is_never_silently_trained(
     engine, tokenizer
 ):
     from streamrl.fleet.engine_set import EngineSet
 
+    prompt = make_prompt(tokenizer)
     async with EngineSet([engine.url]) as engine_set:
-        compat = worker(
-            engine_set, tokenizer, slime.generate, function="slime_functions:retokenized"
-        )
-        sample = await compat.run_sample(make_prompt(tokenizer), 0)
-    # A random model's text rarely encodes back to the tokens it sampled; each token that
-    # matches a sampled one keeps its version and logprob, no token is left without either.
+
+        async def run(function: str):
+            compat = worker(engine_set, tokenizer, slime.generate, function=function)
+            return await compat.run_sample(prompt, 0)
+
+        by_ids = await run("slime_functions:single_turn")
+        by_text = await run("slime_functions:text_payload")
+        sample = await run("slime_functions:retokenized")
+    # A text payload is encoded as the engine encodes it: the same call, the same tokens.
+    same_tokens(by_text, by_ids)
+    # Re-tokenized text: a token some call made keeps its version and logprob; one no call
+    # made has no behaviour logprob (this function keeps none), which fails the sample.
     if sample.status is SampleStatus.OK:
-        assert len(sample.versions) == len(sample.response_ids)
+        assert sample.metadata["slime/unmatched_tokens"] == 0 and sample.versions_exact
     else:
         assert "no rollout_log_probs" in sample.metadata["error"]
 
