@@ -60,6 +60,7 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         "rollout.generate_fn",
         lambda: _import_callable(cfg.rollout.generate_fn, "rollout.generate_fn"),
     )
+    attempt("rollout.generate_kwargs", lambda: _check_generate_kwargs(cfg))
     attempt("buffer.filters", lambda: _load_filters(cfg))
     if cfg.train.mode != "train_only":
         attempt(
@@ -83,6 +84,8 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
         attempt("model.path", lambda: _check_model(cfg.model.path))
         if cfg.model.tokenizer:
             attempt("model.tokenizer", lambda: _check_directory(cfg.model.tokenizer))
+        if cfg.learner.backend == "megatron" or cfg.engine.backend == "sglang":
+            attempt("learner.megatron", lambda: problems.extend(_layout_problems(cfg)))
         if cfg.algorithm.advantage_estimator == "gae" and cfg.learner.critic.path:
             attempt("learner.critic.path", lambda: _check_model(cfg.learner.critic.path))
     if cfg.train.mode == "train_only":
@@ -106,6 +109,20 @@ def _import_callable(spec: str, key: str) -> None:
     obj = import_object(spec, key)
     if not callable(obj):
         raise ValueError(f"{key}: {spec!r} is not callable ({type(obj).__name__})")
+
+
+def _check_generate_kwargs(cfg: RunConfig) -> None:
+    """A generate function that says how to check its options (`check_kwargs(kwargs)`, e.g.
+    `streamrl.compat.slime:generate` imports the functions they name) gets them checked."""
+    from streamrl.utils import import_object
+
+    try:
+        generate_fn = import_object(cfg.rollout.generate_fn, "rollout.generate_fn")
+    except ValueError:
+        return  # reported under rollout.generate_fn
+    check = getattr(generate_fn, "check_kwargs", None)
+    if check is not None:
+        check(dict(cfg.rollout.generate_kwargs))
 
 
 def _load_filters(cfg: RunConfig) -> None:
@@ -182,6 +199,38 @@ def _check_model(path: str) -> None:
         AutoConfig.from_pretrained(path)
     except Exception as exc:
         raise ValueError(f"{path}: its config does not load: {exc}") from None
+
+
+def _layout_problems(cfg: RunConfig) -> list[str]:
+    """How the model splits over the learner's and the SGLang engines' GPUs
+    (`streamrl.backends.megatron.memory.layout_problems`), or the Megatron learner's refusal
+    of the model's family; nothing when the model's config does not load (reported under
+    model.path) or is SmolLM2's (one GPU)."""
+    from streamrl import models
+    from streamrl.backends.megatron.families import shape_from_hf
+    from streamrl.backends.megatron.memory import Parallelism, layout_problems
+
+    if cfg.model.path == models.SMOLLM2_NAME:
+        return []
+    try:
+        config = models.model_config(cfg.model.path)
+    except Exception:
+        return []
+    try:
+        shape = shape_from_hf(config)
+    except (NotImplementedError, ValueError, KeyError, AttributeError) as exc:
+        if cfg.learner.backend == "megatron":
+            return [f"learner.backend = 'megatron': {exc}"]
+        return []
+    megatron = cfg.learner.megatron
+    layout = Parallelism(
+        num_gpus=cfg.learner.num_gpus,
+        tp=megatron.tensor_parallel_size if cfg.learner.backend == "megatron" else 1,
+        pp=megatron.pipeline_parallel_size if cfg.learner.backend == "megatron" else 1,
+        ep=megatron.expert_model_parallel_size if cfg.learner.backend == "megatron" else 1,
+    )
+    engine_tp = cfg.engine.tp_size if cfg.engine.backend == "sglang" else 1
+    return layout_problems(shape, layout, engine_tp_size=engine_tp)
 
 
 def _check_directory(path: str) -> None:

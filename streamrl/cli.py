@@ -6,6 +6,7 @@
     streamrl engine serve --model PATH --port N
     streamrl bench {transport,staleness,sync-vs-async,weight-sync,collective} ...
     streamrl export CHECKPOINT --out DIR [--base MODEL] [--no-merged]
+    streamrl from-slime [--out CONFIG] [SCRIPT ...] [-- python train.py FLAGS...]
     streamrl plot RUN_DIR
 """
 
@@ -71,6 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the merged model",
     )
     export.set_defaults(entry="streamrl.export:export_command")
+
+    slime = commands.add_parser(
+        "from-slime",
+        help="a slime command line as a config (every flag mapped or listed with the reason)",
+    )
+    slime.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="SCRIPT",
+        help="shell scripts: the launch script, scripts/models/<name>.sh; then, after `--`, "
+        "the command line itself (python train.py FLAGS...) when no script holds it",
+    )
+    slime.add_argument("--out", default="", help="write the config here (default: print it)")
+    slime.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a key of the written config, e.g. --set model.path=/ckpt/Qwen3-4B",
+    )
+    slime.set_defaults(entry="streamrl.compat.slime.command_line:from_slime_command")
 
     plot = commands.add_parser("plot", help="a run's reward curve as a PNG")
     plot.add_argument("run_dir", help="the run's train.output_dir")

@@ -387,13 +387,18 @@ def options_table(page: Path, heading: str) -> dict[str, str]:
             "### Options (`rollout.generate_kwargs` of `streamrl.agents.gateway:generate`)",
             "streamrl.agents.gateway.episode:AgentOptions",
         ),
+        (
+            "### Options (`rollout.generate_kwargs` of `streamrl.compat.slime:generate`)",
+            "streamrl.compat.slime.generate:SlimeOptions",
+        ),
     ],
 )
 def test_the_generate_kwargs_tables_list_every_option_with_its_default(heading, options):
     from streamrl.utils import import_object
 
     struct = import_object(options, "options")
-    table = options_table(ROOT / "docs" / "agents.md", heading)
+    (page,) = [page for page in PAGES if heading in page.read_text().splitlines()]
+    table = options_table(page, heading)
     fields = {field.name: field for field in msgspec.structs.fields(struct)}
     assert sorted(table) == sorted(fields), f"{heading}: the table and {options} differ"
     for key, text in table.items():

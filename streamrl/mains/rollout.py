@@ -156,6 +156,9 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender) -> None:
     engines.set_limits(await _request_limits(engines, spec.model_path))
     if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
         engines.route_to_adapters(lambda: sender.version)  # the adapter of each version
+    configure = getattr(generate_fn, "configure", None)
+    if configure is not None:  # a generate function that reads the run config (compat.slime)
+        configure(cfg)
     worker = RolloutWorker(
         worker_id="rollout-0",
         source=source,

@@ -11,6 +11,7 @@ streamrl.backends.megatron` stays free of torch and Megatron):
 - `export`: a stage's full tensors gathered over TP and EP
 - `routing`: MoE routing replay and router agreement
 - `parallel`: process groups on gloo or NCCL, this rank's Layout
+- `memory`: which layouts split a model (`streamrl check`), bytes per learner and engine GPU
 - `cpu_shims`: every CUDA-only workaround needed to run on CPU
 - `logprobs`: vocabulary-parallel per-token log-probabilities and entropy
 - `batches`: micro-batches from rank 0 to all ranks, results back
