@@ -436,6 +436,8 @@ def has_chat_template(path: str) -> bool:
     config = directory / "tokenizer_config.json"
     if config.is_file() and json.loads(config.read_text()).get("chat_template"):
         return True
+    if directory.is_dir() and not any(directory.glob("tokenizer*")):
+        raise FileNotFoundError(f"{path} holds no tokenizer files")  # a shape's config.json
     return bool(getattr(load_tokenizer(path), "chat_template", None))
 
 

@@ -18,55 +18,16 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streamrl.compat.slime import flags as table
 from streamrl.compat.slime.scripts import DRIVERS, SlimeCommand, read_command, split_flags
-from streamrl.compat.slime.written import render, report
+from streamrl.compat.slime.written import Conversion, render, report, text_of
 
 MODELS_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
 """Where streamrl ships the config.json facts of the models slime users train."""
-SECTIONS = (
-    "model", "data", "rollout", "engine", "buffer", "algorithm", "learner", "weights",
-    "cluster", "train", "eval", "logging",
-)  # fmt: skip
 COMPAT_GENERATE = "streamrl.compat.slime:generate"
-
-
-@dataclass
-class Conversion:
-    """The config (as a raw TOML dict) and what became of every flag."""
-
-    raw: dict[str, Any] = field(default_factory=lambda: {name: {} for name in SECTIONS})
-    sources: dict[str, list[str]] = field(default_factory=dict)
-    """Dotted key -> the slime flags (or facts) it came from."""
-    not_mapped: list[tuple[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def set(self, key: str, value: Any, source: str) -> None:
-        node = self.raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-        self.sources.setdefault(key, []).append(source)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        node: Any = self.raw
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return default
-            node = node[part]
-        return node
-
-    def skip(self, flag: str, values: list[str], reason: str) -> None:
-        self.not_mapped.append((_text(flag, values), reason))
-
-
-def _text(flag: str, values: list[str]) -> str:
-    return " ".join([flag, *values]) if flag else " ".join(values)
 
 
 SPECIAL = frozenset(
@@ -92,7 +53,7 @@ def convert(command: SlimeCommand) -> Conversion:
     for flag, values in flags:
         if flag in table.KEYS:
             rule = table.KEYS[flag]
-            out.set(rule.key, rule.convert(values), _text(flag, values))
+            out.set(rule.key, rule.convert(values), text_of(flag, values))
             if rule.note:
                 out.notes.append(f"{flag}: {rule.note}")
         elif flag in table.SHAPE:
@@ -202,7 +163,7 @@ def _algorithm(out: Conversion, given: dict[str, list[str]]) -> None:
     elif optimizer:
         out.sources.setdefault("learner.lr", []).append("--optimizer adam (AdamW)")
     if "--recompute-granularity" in given:
-        out.set("learner.gradient_checkpointing", True, _text("--recompute-granularity",
+        out.set("learner.gradient_checkpointing", True, text_of("--recompute-granularity",
                 given["--recompute-granularity"]))  # fmt: skip
 
 
@@ -247,11 +208,11 @@ def _evaluation(out: Conversion, given: dict[str, list[str]]) -> None:
         out.skip("--eval-prompt-data", pairs, "expected NAME PATH pairs")
         pairs = []
     datasets = []
-    used = [_text("--eval-prompt-data", pairs)]
+    used = [text_of("--eval-prompt-data", pairs)]
     for flag in ("--n-samples-per-eval-prompt", "--eval-max-response-len", "--eval-temperature",
                  "--eval-top-p", "--eval-top-k"):  # fmt: skip
         if flag in given:
-            used.append(_text(flag, given[flag]))
+            used.append(text_of(flag, given[flag]))
     for name, path in zip(pairs[::2], pairs[1::2], strict=True):
         dataset: dict[str, Any] = {"name": name, "path": path}
         if "--n-samples-per-eval-prompt" in given:

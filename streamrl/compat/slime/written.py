@@ -6,10 +6,48 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from streamrl.compat.slime.command_line import Conversion
+SECTIONS = (
+    "model", "data", "rollout", "engine", "buffer", "algorithm", "learner", "weights",
+    "cluster", "train", "eval", "logging",
+)  # fmt: skip
+
+
+@dataclass
+class Conversion:
+    """The config (as a raw TOML dict) and what became of every flag."""
+
+    raw: dict[str, Any] = field(default_factory=lambda: {name: {} for name in SECTIONS})
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """Dotted key -> the slime flags (or facts) it came from."""
+    not_mapped: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        node = self.raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        self.sources.setdefault(key, []).append(source)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        node: Any = self.raw
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def skip(self, flag: str, values: list[str], reason: str) -> None:
+        self.not_mapped.append((text_of(flag, values), reason))
+
+
+def text_of(flag: str, values: list[str]) -> str:
+    """A flag and its values as the command line gave them."""
+    return " ".join([flag, *values]) if flag else " ".join(values)
 
 
 def render(conversion: Conversion, *, source: str) -> str:
