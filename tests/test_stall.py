@@ -181,6 +181,12 @@ def test_a_wait_that_admission_holds_names_the_staleness_and_capacity_keys():
     assert "admission lets none start" in message and "buffer.max_staleness" in message
 
 
+def test_a_wait_before_the_rollout_started_anything_says_it_may_still_be_starting():
+    report = ProgressReport(num_needed=4, num_buffered=0, num_startable=8)
+    message = describe_stall(report, waited_s=60.0, step=1)
+    assert "the rollout process may still be starting" in message and "rollout.log" in message
+
+
 def test_a_user_filter_and_evictions_and_failed_rewards_are_each_named():
     progress = StepProgress()
     for seq in range(4):
@@ -275,6 +281,32 @@ async def test_a_learner_that_waits_past_the_threshold_warns_again_until_its_bat
     assert [r["step"] for r in records if "kind" not in r] == [1]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and all("filtered by zero_std" in w for w in warnings)
+
+
+class BrokenSource(StalledSource):
+    async def take(self, num_groups: int, version: int) -> list[Group]:
+        raise ValueError("step_000001.msgpack: 2 groups, but rollout.batch_size = 1")
+
+
+@pytest.mark.anyio
+async def test_an_error_of_the_step_source_reaches_the_caller_as_itself(tmp_path):
+    cfg = config_from_dict(
+        {"data": {"path": "x"}, "model": {"path": "x"}, "train": {"stall_warning_s": 60.0}}
+    )
+    metrics = MetricsWriter(tmp_path, tensorboard=False, progress=False)
+    loop = LearnerLoop(
+        cfg,
+        backend=None,
+        source=BrokenSource([]),
+        publisher=None,
+        metrics=metrics,
+        run_dir=tmp_path,
+        state=checkpoint.TrainState(),
+        pad_id=0,
+    )
+    with pytest.raises(ValueError, match=r"rollout\.batch_size"):  # not an ExceptionGroup
+        await loop.run()
+    metrics.close()
 
 
 @pytest.mark.anyio

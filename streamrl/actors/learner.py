@@ -36,7 +36,7 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.actors.publisher import WeightPublisher
-from streamrl.actors.stall import StallWatch, describe_stall, stall_record, warn_while_waiting
+from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
 from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
@@ -178,13 +178,11 @@ class LearnerLoop:
         terminal says why, again every as many seconds (`streamrl.actors.stall`)."""
         if self.stall is None:
             return await self.source.take(num_groups, self.version)
-        self.stall.waiting()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(warn_while_waiting, self.stall, lambda s: self._warn(s, num_groups))
-            groups = await self.source.take(num_groups, self.version)
-            tg.cancel_scope.cancel()  # the batch is here: only the watcher is cancelled
-        self.stall.done()
-        return groups
+        return await wait_watched(
+            lambda: self.source.take(num_groups, self.version),
+            self.stall,
+            lambda waited_s: self._warn(waited_s, num_groups),
+        )
 
     def _warn(self, waited_s: float, num_groups: int) -> None:
         report = self.source.progress(num_groups)

@@ -1,11 +1,11 @@
 """The learner's stall report: when it has waited `train.stall_warning_s` for a batch, the
 terminal says why, and says it again every as many seconds while the wait lasts.
 
-    LearnerLoop._take ── StallWatch.waiting() ── source.take(B, v) ── StallWatch.done()
-                             │ due after threshold_s, then every threshold_s
-                             ▼
-                  warn_while_waiting ─► source.progress(B) ─► describe_stall ─► log.warning
-                                                                └─► stall_record ─► metrics.jsonl
+    LearnerLoop._take ─► wait_watched(source.take(B, v)) ── StallWatch: due after threshold_s,
+                             │                                 then every threshold_s
+                             ▼ while it waits, when due
+                         source.progress(B) ─► describe_stall ─► log.warning (the terminal)
+                                           └─► stall_record ─► metrics.jsonl
 
 The message counts what became of the groups since the learner's last batch (arrived,
 failed, filtered by which filter with the rewards of the groups it dropped, evicted), what
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 
 from streamrl.queues.progress import ProgressReport
+
+T = TypeVar("T")
 
 FILTER_ADVICE = {
     "zero_std": (
@@ -91,8 +93,27 @@ class StallWatch:
         return now - self._since
 
 
-async def warn_while_waiting(watch: StallWatch, warn: Callable[[float], None]) -> None:
-    """Call `warn(seconds waited)` whenever `watch` says a warning is due; until cancelled."""
+async def wait_watched(
+    wait: Callable[[], Awaitable[T]], watch: StallWatch, warn: Callable[[float], None]
+) -> T:
+    """`await wait()`, calling `warn(seconds waited)` whenever `watch` says a warning is due
+    meanwhile. An error of `wait` propagates as itself (not inside an ExceptionGroup)."""
+    error: Exception | None = None
+    watch.waiting()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_warn_when_due, watch, warn)
+        try:
+            result = await wait()
+        except Exception as exc:
+            error = exc
+        tg.cancel_scope.cancel()  # the wait is over: only the watcher is cancelled
+    watch.done()
+    if error is not None:
+        raise error
+    return result
+
+
+async def _warn_when_due(watch: StallWatch, warn: Callable[[float], None]) -> None:
     while True:
         await anyio.sleep(watch.seconds_to_due())
         waited_s = watch.poll()
@@ -136,7 +157,10 @@ def _diagnosis(report: ProgressReport) -> list[str]:
                 "and buffer.capacity"
             )
         else:
-            lines.append("no group arrived and none is in flight: see the rollout's log")
+            lines.append(
+                "no group arrived and none is in flight: the rollout process may still be "
+                "starting; see its log (logs/rollout.log in the run directory)"
+            )
     elif report.num_filtered == report.num_arrived:
         names = ", ".join(sorted(report.filtered))
         lines.append(

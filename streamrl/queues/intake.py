@@ -262,7 +262,7 @@ class Intake:
             "groups_in_flight_at_stop": accounting.in_flight,
             "groups_duplicate": self._receiver.stats.num_duplicates,
             "bad_frames": self._receiver.stats.num_bad_frames,
-            "accounting_ok": not self._accounting_problems(),
+            "accounting_ok": not self.accounting_problems(),
             "buffer": stats.as_dict(),
             "rollout": self._rollout_counters,
         }
