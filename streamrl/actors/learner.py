@@ -1,47 +1,52 @@
-"""The learner loop: the always-running consumer of the intake.
+"""The learner loop: the always-running consumer of a step source.
 
-    for each step:   groups = await intake.take(B, version)    # waits only when the buffer is short
+    for each step:   groups = await source.take(B, version)    # waits only when the buffer is short
                      metrics = train_step(groups)               # in a worker thread
                      version += 1
                      await publisher.publish(version)           # snapshot; broadcast runs behind
                      record metrics; checkpoint every train.save_interval steps
 
-What unblocks the wait: the rollout stream delivering groups, which it may
-start only with admission credits; credits come back as the buffer drains
-(`take`) and as the publisher lands new versions on the engines (the
-publisher's `on_published` is the intake's). The loop sees only the intake,
-the publisher, the backend and the metrics writer.
+The loop sees the step source (`streamrl.queues.source.StepSource`: a step's batch, its
+counters, the stall report, a checkpoint's cut), the publisher, the backend and the
+metrics writer; a step's record is assembled in `streamrl.actors.step_metrics`.
+
+What unblocks the wait, with the live stream (`Intake`): the rollout delivering groups,
+which it may start only with admission credits; credits come back as the buffer drains
+(`take`) and as the publisher lands new versions on the engines (the publisher's
+`on_published` is the intake's). While the wait lasts past `train.stall_warning_s`, the
+terminal says why (`streamrl.actors.stall`).
 
 The debug modes of `train.mode` change the loop's parts, not its shape: `rollout_only`
 has no backend and no publisher (each step's groups are written by the `RolloutWriter`,
-and admission is told a step passed so generation goes on at the same pace, while the
-policy stays version 0); `train_only` has no publisher and takes its groups from saved
-files (`streamrl.queues.rollout_files.ReplayIntake`). `train.save_rollouts` adds the
-writer to the other modes.
+and `advance` tells admission a step passed so generation goes on at the same pace, while
+the policy stays version 0); `train_only` has no publisher and its step source is the
+saved files (`streamrl.queues.rollout_files.ReplayIntake`). `train.save_rollouts` adds
+the writer to the other modes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 
 from streamrl import checkpoint
+from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
+from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
 from streamrl.publish.publisher import WeightPublisher
-from streamrl.queues import horizon
 from streamrl.queues.accounting import AccountingError
-from streamrl.queues.intake import Intake
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import RolloutWriter
+from streamrl.queues.source import StepSource
 from streamrl.types import Group, make_encoder
 
 log = logging.getLogger(__name__)
@@ -57,32 +62,39 @@ class LearnerLoop:
         cfg: RunConfig,
         *,
         backend: LearnerBackend | None,
-        intake: Intake,
+        source: StepSource,
         publisher: WeightPublisher | None,
         metrics: MetricsWriter,
         run_dir: Path,
         state: checkpoint.TrainState,
         pad_id: int,
         writer: RolloutWriter | None = None,
+        advance: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """`backend` None: nothing is trained (`rollout_only`); `publisher` None: no engines
-        take weights (`rollout_only`, `train_only`); `writer`: each step's groups are saved."""
+        take weights (`rollout_only`, `train_only`); `writer`: each step's groups are saved;
+        `advance(step)`: called after each untrained step (`rollout_only`: the intake's
+        `on_published`, so a step's groups may start)."""
         self.cfg = cfg
         self.backend = backend
-        self.intake = intake
+        self.source = source
         self.publisher = publisher
         self.metrics = metrics
         self.run_dir = run_dir
         self.state = state
         self.pad_id = pad_id
         self.writer = writer
+        self.advance = advance
         self.version = state.version
         self.start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
+        stall_s = cfg.train.stall_warning_s
+        self.stall = StallWatch(stall_s) if stall_s else None
+        """Times the wait for each batch (None: `train.stall_warning_s = 0`, no report)."""
         self._trained_tokens = 0
 
     def record_eval_reports(self) -> None:
         """Write the evaluation results that arrived since the last call to the metrics."""
-        for report in self.intake.pop_eval_reports():
+        for report in self.source.pop_eval_reports():
             self._record_eval(report)
 
     def _record_eval(self, report: Report) -> None:
@@ -106,7 +118,7 @@ class LearnerLoop:
         batch_size = self.cfg.rollout.batch_size
         while self.state.step < self.cfg.train.steps:
             wait_started = time.perf_counter()
-            groups = await self.intake.take(batch_size, self.version)
+            groups = await self._take(batch_size)
             groups.sort(key=lambda group: group.prompt_seq)  # rows in one order, run after run
             idle_s = time.perf_counter() - wait_started
             if self.writer is not None:
@@ -114,10 +126,11 @@ class LearnerLoop:
             step_started = time.perf_counter()
             trained_version = self.version
             if self.backend is None:  # rollout_only: the policy stays where it is
-                step_metrics = {"train/trained_tokens": 0.0}
-                await self.intake.on_published(self.state.step + 1)  # a step's credits
+                train_metrics = {"train/trained_tokens": 0.0}
+                if self.advance is not None:
+                    await self.advance(self.state.step + 1)  # a step's credits
             else:
-                step_metrics = await anyio.to_thread.run_sync(self._train, groups)
+                train_metrics = await anyio.to_thread.run_sync(self._train, groups)
                 self.version += 1
             train_s = time.perf_counter() - step_started
             publish = None
@@ -126,26 +139,30 @@ class LearnerLoop:
             self.state.step += 1
             self.state.version = self.version
             self.state.samples_trained += sum(len(g.samples) for g in groups)
-            self._trained_tokens += int(step_metrics["train/trained_tokens"])
-            record = self._record(groups, trained_version, idle_s, train_s, step_metrics)
-            record["weights/learner_stall_s"] = publish.learner_stall_s if publish else 0.0
-            if self.publisher is not None:
-                record["weights/digest_mismatches"] = self.publisher.num_digest_mismatches
+            self._trained_tokens += int(train_metrics["train/trained_tokens"])
+            times = StepTimes(
+                step=self.state.step,
+                version=self.version,
+                trained_version=trained_version,
+                idle_s=idle_s,
+                train_s=train_s,
+                elapsed_s=self.metrics.elapsed_s,
+                samples_trained=self.state.samples_trained,
+                trained_tokens=self._trained_tokens,
+            )
+            stats = self.source.stats()
+            record = step_record(groups, times, stats, train_metrics)
+            record.update(publish_metrics(publish, self.publisher))
             record["step_time_s"] = time.perf_counter() - wait_started
-            if self.publisher is not None and self.publisher.records:
-                last = self.publisher.records[-1].as_metrics()
-                record.update({k: v for k, v in last.items() if k != "weights/learner_stall_s"})
-            problems = self.intake.accounting_problems()
-            record.update(self.intake.accounting_metrics())
-            record["accounting/ok"] = not problems
             self.metrics.write(record, step=self.state.step)
-            if problems:
+            if stats.accounting_problems:
                 raise AccountingError(
                     f"step {self.state.step}: the group accounting does not add up "
                     f"({record['accounting/started']} started, {record['accounting/trained']} "
                     f"trained, {record['accounting/filtered']} filtered, "
                     f"{record['accounting/evicted']} evicted, {record['accounting/buffered']} "
-                    f"buffered, {record['accounting/in_flight']} in flight): " + "; ".join(problems)
+                    f"buffered, {record['accounting/in_flight']} in flight): "
+                    + "; ".join(stats.accounting_problems)
                 )
             self.metrics.print_step(record, self.cfg.train.steps)
             self.record_eval_reports()
@@ -155,6 +172,25 @@ class LearnerLoop:
         if self.publisher is not None:
             await self.publisher.wait_idle()
         return self.state
+
+    async def _take(self, num_groups: int) -> list[Group]:
+        """The next step's batch; while the wait lasts past `train.stall_warning_s`, the
+        terminal says why, again every as many seconds (`streamrl.actors.stall`)."""
+        if self.stall is None:
+            return await self.source.take(num_groups, self.version)
+        return await wait_watched(
+            lambda: self.source.take(num_groups, self.version),
+            self.stall,
+            lambda waited_s: self._warn(waited_s, num_groups),
+        )
+
+    def _warn(self, waited_s: float, num_groups: int) -> None:
+        report = self.source.progress(num_groups)
+        log.warning("%s", describe_stall(report, waited_s=waited_s, step=self.state.step + 1))
+        record = stall_record(
+            report, waited_s=waited_s, step=self.state.step, elapsed_s=self.metrics.elapsed_s
+        )
+        self.metrics.write(record, step=self.state.step)
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
         """One step, in a worker thread (which must be bound to the learner's GPU first)."""
@@ -168,8 +204,8 @@ class LearnerLoop:
         """A checkpoint of the model, the optimizer and the run's asynchronous state: the
         intake at a cut with the rollout (buffered groups, every prompt's fate, the groups
         in flight with their tokens) and this process's random states."""
-        cut = await self.intake.snapshot(self.state.step, timeout_s=SNAPSHOT_TIMEOUT_S)
-        position = position_after(self.intake.done_seqs, since=self.start_position)
+        cut = await self.source.snapshot(self.state.step, timeout_s=SNAPSHOT_TIMEOUT_S)
+        position = position_after(self.source.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
         files = {
             checkpoint.ASYNC_STATE_FILE: make_encoder().encode(cut),
@@ -215,93 +251,3 @@ class LearnerLoop:
             cut.snapshot_s,
         )
         return path
-
-    def _record(
-        self,
-        groups: list[Group],
-        trained_version: int,
-        idle_s: float,
-        train_s: float,
-        step_metrics: dict[str, float],
-    ) -> dict[str, Any]:
-        rewards = np.array([s.reward for g in groups for s in g.samples], dtype=np.float64)
-        staleness = [g.staleness(trained_version) for g in groups]
-        stats = self.intake.buffer.stats
-        elapsed = self.metrics.elapsed_s
-        record: dict[str, Any] = {
-            "step": self.state.step,
-            "version": self.version,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "staleness_mean": float(np.mean(staleness)),
-            "staleness_max": int(max(staleness)),
-            "versions_spanned_max": max(g.num_versions_spanned for g in groups),
-            "prompt_seqs": [g.prompt_seq for g in groups],
-            "samples_trained": self.state.samples_trained,
-            "groups_trained": stats.num_handed_out,
-            "groups_accepted": stats.num_accepted,
-            "groups_filtered": stats.num_filtered,
-            "groups_evicted": stats.num_evicted,
-            "groups_buffered": len(self.intake.buffer),
-            **{f"filtered/{name}": count for name, count in sorted(stats.filtered.items())},
-            "learner_idle_s": idle_s,
-            "train_s": train_s,
-            "time": elapsed,
-            "unix_time": time.time(),
-            "throughput/trained_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
-            "response_len_generated_mean": stats.generated.mean,
-            "response_len_trained_mean": stats.trained.mean,
-        }
-        generated = self.intake.generated_rewards.pop_mean()
-        if generated is not None:  # includes groups the buffer filtered, unlike reward_mean
-            record["reward_generated_mean"] = generated
-        record.update(_episode_metrics(groups))
-        record.update(
-            horizon.step_metrics(groups, trained_version, self.intake.buffer.max_staleness)
-        )
-        record.update(step_metrics)
-        rollout = self.intake.rollout_counters
-        for key in (
-            "response_tokens",
-            "samples",
-            "generation_failures",
-            "reward_failures",
-            "resumes",
-            "resume_prompt_tokens",
-            "inexact_version_samples",
-            "resumed_samples",
-            "resumed_tokens",
-            "regenerated_groups",
-            "groups_started",
-        ):
-            if key in rollout:
-                record[f"rollout/{key}"] = rollout[key]
-        for reason, count in rollout.get("rejected", {}).items():
-            record[f"rollout/rejected/{reason}"] = count
-        if "response_tokens" in rollout:
-            record["throughput/generated_tokens_per_s"] = rollout["response_tokens"] / max(
-                elapsed, 1e-9
-            )
-        return record
-
-
-def _episode_metrics(groups: list[Group]) -> dict[str, Any]:
-    """Aggregates of what generate functions record per sample (turns, tools, endings)."""
-    samples = [s for g in groups for s in g.samples]
-    turns = [s.metadata.get("num_turns", 0) for s in samples]
-    record: dict[str, Any] = {
-        "episode/turns_mean": float(np.mean(turns)) if turns else 0.0,
-        "episode/turns_max": int(max(turns, default=0)),
-    }
-    for key in ("tool_calls", "tool_errors", "tool_timeouts"):
-        values = [s.metadata[key] for s in samples if key in s.metadata]
-        if values:
-            record[f"episode/{key}"] = int(sum(values))
-    reasons: dict[str, int] = {}
-    for sample in samples:
-        if "end_reason" in sample.metadata:
-            reason = str(sample.metadata["end_reason"])
-            reasons[reason] = reasons.get(reason, 0) + 1
-    for reason, count in reasons.items():
-        record[f"episode/ended_{reason}"] = count
-    return record

@@ -507,6 +507,11 @@ class TrainConfig(_Section):
     """Checkpoint every N steps (slime --save-interval); 0 saves only at the end."""
     keep_checkpoints: PositiveInt = 2
     seed: int = 0
+    stall_warning_s: NonNegFloat = 60.0
+    """Seconds the learner may wait for a step's batch before the terminal says why (groups
+    arrived, failed, filtered by which filter with their rewards, evicted, in flight,
+    buffered; what the step needs; the keys that change it), then again every as many
+    seconds while the wait lasts; also a `stall` record in metrics.jsonl. 0 turns it off."""
 
 
 class EvalDataset(_Section):

@@ -2,6 +2,9 @@
 
     rollouts/step_000001.msgpack ... ─► ReplayIntake ─► LearnerLoop (no publisher) ─► checkpoints
 
+The learner loop is the one of the other modes (`Trainer.learner_loop`); only its step
+source differs (`streamrl.queues.source.StepSource`).
+
 Step k trains on the groups saved for step k (by `rollout_only` or `train.save_rollouts`),
 in the order the run that saved them trained them, so a replay on the CPU from the same
 initial model reproduces that run's losses. A resume continues at the next file.
@@ -31,8 +34,7 @@ async def run_replay(
     k; no engines, no rollout process, no weight pushes. Checkpoints as usual, so a
     resume continues at the next file. `trainer` is the run's `Trainer` (its learner
     ranks, metrics and checkpoints); `intake` was checked to hold every step."""
-    from streamrl.actors.learner import LearnerLoop
-    from streamrl.backends.build import learner_devices, pad_token_id
+    from streamrl.backends.build import learner_devices
 
     cfg = trainer.cfg
     device, dtype = learner_devices(cfg)
@@ -43,17 +45,7 @@ async def run_replay(
     metrics = trainer.metrics_writer()
     started = time.monotonic()
     try:
-        loop = LearnerLoop(
-            cfg,
-            backend=backend,
-            intake=intake,
-            publisher=None,
-            metrics=metrics,
-            run_dir=trainer.run_dir,
-            state=state,
-            pad_id=pad_token_id(backend),
-            writer=trainer.rollout_writer(),
-        )
+        loop = trainer.learner_loop(backend, intake, None, state, metrics)
         await loop.run()
         if not cfg.train.save_interval or loop.state.step % cfg.train.save_interval:
             await loop.save()

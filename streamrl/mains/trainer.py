@@ -160,8 +160,7 @@ class Trainer:
         if error:
             summary["error"] = error
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        runs = intake.accounting.as_runs(intake.buffer.seqs)
-        (self.run_dir / "accounting.json").write_text(json.dumps(runs) + "\n")
+        (self.run_dir / "accounting.json").write_text(json.dumps(intake.accounting_runs()) + "\n")
         return summary
 
     # ---- the run directory ---------------------------------------------------
@@ -336,8 +335,6 @@ class Trainer:
     def _actors(self, backend, device, state: checkpoint.TrainState, metrics: MetricsWriter):
         """The intake, the weight publisher and the learner loop of this run, connected: the
         publisher reports new versions to the intake; the loop sees the intake and publisher."""
-        from streamrl.actors.learner import LearnerLoop
-        from streamrl.backends.build import pad_token_id
         from streamrl.queues.intake import Intake
 
         cfg = self.cfg
@@ -369,18 +366,28 @@ class Trainer:
                 base_model=self.reference_path,
                 leader=self.leader,
             )
-        loop = LearnerLoop(
-            cfg,
+        advance = intake.on_published if backend is None else None  # rollout_only
+        loop = self.learner_loop(backend, intake, publisher, state, metrics, advance=advance)
+        return intake, publisher, loop
+
+    def learner_loop(self, backend, source, publisher, state, metrics, *, advance=None):
+        """The run's learner loop on a step source: the live intake, or the saved rollouts
+        of `train_only` (`streamrl.mains.replay`)."""
+        from streamrl.actors.learner import LearnerLoop
+        from streamrl.backends.build import pad_token_id
+
+        return LearnerLoop(
+            self.cfg,
             backend=backend,
-            intake=intake,
+            source=source,
             publisher=publisher,
             metrics=metrics,
             run_dir=self.run_dir,
             state=state,
             pad_id=pad_token_id(backend),
             writer=self.rollout_writer(),
+            advance=advance,
         )
-        return intake, publisher, loop
 
     def rollout_writer(self):
         """The writer of each step's groups (rollout_only, or train.save_rollouts), or None."""

@@ -10,7 +10,14 @@
 Every group goes one way: the receiver de-duplicates it and hands it to the
 buffer; the learner takes batches with `take`, which is also where credits
 return (the buffer has room again); the publisher reports new versions with
-`on_published`. Nothing else reaches into the parts.
+`on_published`. The parts are private: the learner asks through the `StepSource`
+interface (`streamrl.queues.source`: `take`, `stats`, `progress`, `snapshot`,
+`done_seqs`, `pop_eval_reports`), the trainer through the methods below.
+
+`progress(B)` reports what became of the groups since the learner's last batch
+(`streamrl.queues.progress`: arrived, failed, filtered with their rewards, evicted) and
+what the next batch waits for (buffered, in flight, startable): the learner's stall
+report.
 
 `accounting` follows the fate of every prompt seq (`streamrl.queues.accounting`):
 `done_seqs` (trained, filtered or evicted) make a checkpoint's data position, and
@@ -38,6 +45,7 @@ from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.filters import GroupFilter, NamedFilter
+from streamrl.queues.progress import ProgressReport, SourceStats, StepProgress
 from streamrl.queues.protocol import Fatal, Report
 from streamrl.queues.transport import StreamReceiver
 from streamrl.types import Group, PartialGroup
@@ -101,15 +109,15 @@ class Intake:
         max_episode_staleness: int = 0,
         groups_per_step: int = 0,
     ) -> None:
-        self.admission = Admission(
+        self._admission = Admission(
             batch_size=batch_size,
             max_staleness=max_staleness,
             capacity=capacity,
             start_version=start_version,
-            num_buffered=lambda: len(self.buffer),
+            num_buffered=lambda: len(self._buffer),
             groups_per_step=groups_per_step,
         )
-        self.buffer = Buffer(
+        self._buffer = Buffer(
             capacity=capacity,
             max_staleness=max_staleness,
             filters=["generation_failed", *filters],
@@ -117,17 +125,18 @@ class Intake:
             staleness_rule=staleness_rule,
             max_episode_staleness=max_episode_staleness,
         )
-        self.receiver = StreamReceiver(
+        self._receiver = StreamReceiver(
             address,
-            credits=self.admission,
+            credits=self._admission,
             on_group=self._on_group,
             on_report=self._on_report,
             on_fatal=self._on_fatal,
         )
-        self.accounting = Accounting()
+        self._accounting = Accounting()
         """The fate of every prompt seq (`streamrl.queues.accounting`)."""
-        self.generated_rewards = GeneratedRewards()
-        self.rollout_counters: dict[str, Any] = {}
+        self._generated_rewards = GeneratedRewards()
+        self._progress = StepProgress()
+        self._rollout_counters: dict[str, Any] = {}
         """The rollout worker's latest counters (its `rollout` reports)."""
         self.fatal: Fatal | None = None
         """The rollout's error that a restart cannot fix, once one arrived (the run stops)."""
@@ -138,53 +147,78 @@ class Intake:
 
     def bind(self) -> str:
         """Bind the receiver now; returns the address rollout processes connect to."""
-        return self.receiver.bind()
+        return self._receiver.bind()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive groups until cancelled (readiness once bound)."""
-        await self.receiver.run(task_status=task_status)
+        await self._receiver.run(task_status=task_status)
 
     async def take(self, num_groups: int, version: int) -> list[Group]:
         """The `num_groups` oldest trainable groups at `version` (waits while short); their
         slots go back to admission as credits."""
-        groups = await self.buffer.take(num_groups, version)
-        self.accounting.on_trained(group.prompt_seq for group in groups)
-        await self.receiver.grant()
+        groups = await self._buffer.take(num_groups, version)
+        self._progress.on_taken()
+        self._accounting.on_trained(group.prompt_seq for group in groups)
+        await self._receiver.grant()
         return groups
 
     async def on_published(self, version: int) -> None:
         """The engines now serve `version`: admission lets more groups start."""
-        self.admission.set_version(version)
-        await self.receiver.grant()
+        self._admission.set_version(version)
+        await self._receiver.grant()
 
     async def stop(self, reason: str) -> None:
         """Tell the senders to start no more groups (groups already sent still arrive)."""
-        await self.receiver.stop(reason)
+        await self._receiver.stop(reason)
 
     @property
     def received_seqs(self) -> set[int]:
         """Prompt seqs whose group arrived (once each: resends are de-duplicated)."""
-        return self.accounting.received
+        return self._accounting.received
 
     @property
     def done_seqs(self) -> set[int]:
         """Prompt seqs finished for good: trained, filtered or evicted."""
-        accounting = self.accounting
+        accounting = self._accounting
         return accounting.trained | accounting.filtered | accounting.evicted
 
     def accounting_problems(self) -> list[str]:
         """What breaks the accounting identity now (empty when every seq is accounted for)."""
-        return self.accounting.problems(self.buffer.seqs)
+        return self._accounting.problems(self._buffer.seqs)
 
-    def accounting_metrics(self) -> dict[str, int]:
-        return self.accounting.as_metrics(self.buffer.seqs)
+    def accounting_runs(self) -> dict[str, list[list[int]]]:
+        """Every fate's seqs as `[first, end)` runs (the run's accounting.json)."""
+        return self._accounting.as_runs(self._buffer.seqs)
+
+    def stats(self) -> SourceStats:
+        """The step's counters (`StepSource.stats`): buffer, rollout, accounting; the mean
+        reward of what arrived since the previous call."""
+        return SourceStats(
+            buffer=self._buffer.stats,
+            num_buffered=len(self._buffer),
+            max_staleness=self._buffer.max_staleness,
+            generated_reward_mean=self._generated_rewards.pop_mean(),
+            rollout=self._rollout_counters,
+            accounting=self._accounting.as_metrics(self._buffer.seqs),
+            accounting_problems=self.accounting_problems(),
+        )
+
+    def progress(self, num_needed: int) -> ProgressReport:
+        """What became of the groups since the learner's last batch, and what a batch of
+        `num_needed` waits for (`StepSource.progress`)."""
+        return self._progress.report(
+            num_needed=num_needed,
+            num_buffered=len(self._buffer),
+            num_in_flight=self._accounting.in_flight,
+            num_startable=self._admission.available(),
+        )
 
     async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
         """This intake's state at a cut with the rollout worker (`IntakeState`): the worker
         is asked for its groups in flight, and the cut is taken when its answer arrives.
         Without an answer within `timeout_s` the state is taken now, without them."""
         started = time.perf_counter()
-        if await self.receiver.request_snapshot(step):
+        if await self._receiver.request_snapshot(step):
             with anyio.move_on_after(timeout_s):
                 while step not in self._cuts:
                     arrived = self._cut_arrived
@@ -196,18 +230,18 @@ class Intake:
     def restore(self, state: IntakeState) -> None:
         """Take back a checkpoint's state: its groups buffered again, every seq's fate. The
         buffered groups count against the staleness budget as groups started."""
-        self.buffer.restore(state.buffered)
-        accounting = self.accounting
+        self._buffer.restore(state.buffered)
+        accounting = self._accounting
         accounting.received.update(state.received)
         accounting.trained.update(state.trained)
         accounting.filtered.update(state.filtered)
         accounting.evicted.update(state.evicted)
-        self.admission.add_live(len(state.buffered))
+        self._admission.add_live(len(state.buffered))
 
     def _cut(self, in_flight: list[PartialGroup], *, is_complete: bool) -> IntakeState:
-        accounting = self.accounting
+        accounting = self._accounting
         return IntakeState(
-            buffered=self.buffer.groups(),
+            buffered=self._buffer.groups(),
             received=sorted(accounting.received),
             trained=sorted(accounting.trained),
             filtered=sorted(accounting.filtered),
@@ -223,7 +257,7 @@ class Intake:
 
     def summary(self) -> dict[str, Any]:
         """The group accounting at this moment (see the module docstring)."""
-        stats, accounting = self.buffer.stats, self.accounting
+        stats, accounting = self._buffer.stats, self._accounting
         received = len(accounting.received)
         return {
             "groups_started": accounting.num_started,
@@ -231,26 +265,28 @@ class Intake:
             "groups_trained": len(accounting.trained),
             "groups_filtered": len(accounting.filtered),
             "groups_evicted": len(accounting.evicted),
-            "groups_buffered_at_stop": len(self.buffer),
+            "groups_buffered_at_stop": len(self._buffer),
             "groups_in_flight_at_stop": accounting.in_flight,
-            "groups_duplicate": self.receiver.stats.num_duplicates,
-            "bad_frames": self.receiver.stats.num_bad_frames,
+            "groups_duplicate": self._receiver.stats.num_duplicates,
+            "bad_frames": self._receiver.stats.num_bad_frames,
             "accounting_ok": not self.accounting_problems(),
             "buffer": stats.as_dict(),
-            "rollout": self.rollout_counters,
+            "rollout": self._rollout_counters,
         }
 
     # ---- callbacks of the parts ---------------------------------------------
 
     def _on_group(self, group: Group) -> None:
-        self.accounting.received.add(group.prompt_seq)
-        self.generated_rewards.add(group)
-        self.buffer.put(group)
+        self._accounting.received.add(group.prompt_seq)
+        self._generated_rewards.add(group)
+        self._progress.on_arrived(group)
+        self._buffer.put(group)
 
     def _on_discard(self, group: Group, reason: str) -> None:
         """A filtered or evicted group: its budget goes back, its prompt is done for good."""
-        self.admission.discarded()
-        self.accounting.on_discarded(group.prompt_seq, reason)
+        self._admission.discarded()
+        self._accounting.on_discarded(group.prompt_seq, reason)
+        self._progress.on_discarded(group, reason)
 
     def _on_fatal(self, fatal: Fatal) -> None:
         if self.fatal is None:  # the first is the cause
@@ -259,9 +295,9 @@ class Intake:
 
     def _on_report(self, report: Report) -> None:
         if report.kind == "rollout":
-            self.rollout_counters = report.payload
+            self._rollout_counters = report.payload
             if "stream" in report.payload:
-                self.accounting.on_report(msgspec.convert(report.payload["stream"], StreamState))
+                self._accounting.on_report(msgspec.convert(report.payload["stream"], StreamState))
         elif report.kind == "eval":
             self._eval_reports.append(report)
         elif report.kind == "in_flight":  # the cut: every group sent before it has arrived

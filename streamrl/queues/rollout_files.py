@@ -3,8 +3,8 @@ replay of such a directory in place of the live stream (the debug modes of `trai
 
 A file holds one `RolloutStep` (the step number and its groups, in the order the learner
 took them) in the stream's own msgpack codec (`streamrl.types.make_encoder`), so a file is
-exactly what the learner trained on. `ReplayIntake` offers the learner loop the part of
-the `Intake` interface it uses, fed from those files: step k takes file k.
+exactly what the learner trained on. `ReplayIntake` is the learner's step source
+(`streamrl.queues.source.StepSource`) fed from those files: step k takes file k.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import msgspec
 
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.intake import IntakeState
+from streamrl.queues.progress import ProgressReport, SourceStats
 from streamrl.queues.protocol import Report
 from streamrl.types import Group, make_decoder, make_encoder
 
@@ -63,19 +64,18 @@ def saved_steps(directory: Path) -> list[int]:
 
 
 class ReplayIntake:
-    """The learner's intake in `train_only`: step k's batch is the groups of file k.
+    """The learner's step source in `train_only`: step k's batch is the groups of file k.
 
-    The groups pass through a real `Buffer` (no filters: they were applied when the
-    groups were saved; no staleness bound: they are trained as saved), so the learner's
-    buffer statistics are those of the replay."""
+    The groups pass through a `Buffer` (no filters: they were applied when the groups
+    were saved; no staleness bound: they are trained as saved), so the step's buffer
+    statistics are those of the replay. No stream: nothing is in flight, filtered or
+    evicted, no rollout counters, no evaluation results."""
 
     def __init__(self, directory: Path, *, start_step: int = 0) -> None:
         self.directory = Path(directory)
         self.next_step = start_step + 1
-        self.buffer = Buffer(capacity=1 << 30, max_staleness=1 << 30)
-        self.done_seqs: set[int] = set()
-        self.rollout_counters: dict[str, Any] = {}
-        self.generated_rewards = _NoRewards()
+        self._buffer = Buffer(capacity=1 << 30, max_staleness=1 << 30)
+        self._done_seqs: set[int] = set()
 
     def check(self, last_step: int) -> None:
         """ValueError naming the directory when a step from here to `last_step` is missing."""
@@ -98,42 +98,48 @@ class ReplayIntake:
                 f"but rollout.batch_size = {num_groups}"
             )
         for group in saved.groups:
-            self.buffer.put(group)
+            self._buffer.put(group)
         self.next_step += 1
-        groups = self.buffer.pop_batch(num_groups, version)
-        self.done_seqs.update(group.prompt_seq for group in groups)
+        groups = self._buffer.pop_batch(num_groups, version)
+        self._done_seqs.update(group.prompt_seq for group in groups)
         return groups
 
+    @property
+    def done_seqs(self) -> set[int]:
+        """Prompt seqs trained so far by this replay."""
+        return self._done_seqs
+
     def pop_eval_reports(self) -> list[Report]:
+        """None: evaluations need engines."""
         return []
 
-    def accounting_problems(self) -> list[str]:
-        """Nothing to check: no stream, so nothing started, filtered or in flight; every
-        group read is trained in the step of its file."""
-        return []
+    def stats(self) -> SourceStats:
+        """The replay buffer's counters. The accounting has nothing to check: no stream, so
+        nothing started, filtered or in flight; every group read is trained in the step of
+        its file."""
+        return SourceStats(
+            buffer=self._buffer.stats,
+            num_buffered=len(self._buffer),
+            max_staleness=self._buffer.max_staleness,
+            accounting={"accounting/trained": len(self._done_seqs)},
+        )
 
-    def accounting_metrics(self) -> dict[str, int]:
-        return {"accounting/trained": len(self.done_seqs)}
+    def progress(self, num_needed: int) -> ProgressReport:
+        """Nothing to wait for: the next file is read when the learner asks for it."""
+        return ProgressReport(num_needed=num_needed, num_buffered=len(self._buffer))
 
     async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
         """A checkpoint's async state: the trained seqs (nothing buffered between steps, no
         rollout to cut with)."""
         return IntakeState(
-            received=sorted(self.done_seqs), trained=sorted(self.done_seqs), is_complete=True
+            received=sorted(self._done_seqs), trained=sorted(self._done_seqs), is_complete=True
         )
 
     def summary(self) -> dict[str, Any]:
-        stats = self.buffer.stats
+        stats = self._buffer.stats
         return {
             "groups_replayed": stats.num_accepted,
             "groups_trained": stats.num_handed_out,
-            "accounting_ok": stats.num_accepted == stats.num_handed_out + len(self.buffer),
+            "accounting_ok": stats.num_accepted == stats.num_handed_out + len(self._buffer),
             "buffer": stats.as_dict(),
         }
-
-
-class _NoRewards:
-    """No stream, so no rewards of groups generated since the last step."""
-
-    def pop_mean(self) -> None:
-        return None
