@@ -25,6 +25,10 @@ from dataclasses import dataclass
 WINDOW_S = 60.0
 """A template is written at most once per window; the rest are counted."""
 
+PACED = {"is_paced": True}
+"""`extra=` of a warning whose caller already limits how often it is written (the stall
+report, once per `train.stall_warning_s`): never folded, each one says something new."""
+
 MAX_TEMPLATES = 1024
 """Templates remembered at once (the oldest is forgotten first): a message built with an
 f-string is its own template, and must not grow the table without bound."""
@@ -54,6 +58,8 @@ class RepeatFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or getattr(record, "is_repeat_count", False):
+            return True
+        if getattr(record, "is_paced", False):
             return True
         with self._lock:
             return self._is_written(record)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from streamrl.logs import MAX_TEMPLATES, RepeatFilter, report_pending
+from streamrl.logs import MAX_TEMPLATES, PACED, RepeatFilter, report_pending
 
 
 class FakeClock:
@@ -110,3 +110,9 @@ def test_messages_that_are_each_their_own_template_do_not_grow_the_table(logged)
         logger.warning(f"unique {index}")
     assert len(logged.lines()) == MAX_TEMPLATES + 10
     assert logged.repeats.num_templates == MAX_TEMPLATES
+
+
+def test_a_paced_warning_is_written_every_time(logged):
+    for step in range(3):  # its caller already writes it once an interval
+        logged.logger.warning("stalled before step %d", step, extra=PACED)
+    assert len(logged.lines()) == 3

@@ -34,7 +34,7 @@ from typing import Any
 
 import anyio
 
-from streamrl import checkpoint
+from streamrl import checkpoint, logs
 from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
 from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
@@ -186,7 +186,8 @@ class LearnerLoop:
 
     def _warn(self, waited_s: float, num_groups: int) -> None:
         report = self.source.progress(num_groups)
-        log.warning("%s", describe_stall(report, waited_s=waited_s, step=self.state.step + 1))
+        text = describe_stall(report, waited_s=waited_s, step=self.state.step + 1)
+        log.warning("%s", text, extra=logs.PACED)  # each report is new: not folded
         record = stall_record(
             report, waited_s=waited_s, step=self.state.step, elapsed_s=self.metrics.elapsed_s
         )

@@ -36,8 +36,15 @@ def run_command(args) -> int:
     # scope finishing cleanup) can end the run as if it had completed: exit 0, not 130.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
+    trainer = Trainer(cfg, resume=args.resume)
     try:
-        summary = anyio.run(run, cfg, args.resume)
+        try:
+            summary = anyio.run(run_trainer, trainer)
+        finally:
+            # Also here, outside the event loop: a KeyboardInterrupt raised in one of its
+            # tasks can end `anyio.run` before the main task's `finally` stopped the children,
+            # and a worker thread waiting on one would then hold the interpreter's exit.
+            trainer.stop()
     except KeyboardInterrupt:
         print("streamrl: interrupted; every process stopped", file=sys.stderr)
         return 130
@@ -79,6 +86,13 @@ def _raise_interrupt(signum, frame) -> None:
 
 async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Run training to `train.steps`; returns the summary (also written to summary.json)."""
+    return await run_trainer(Trainer(cfg, resume=resume))
+
+
+async def run_trainer(trainer: Trainer) -> dict[str, Any]:
+    """`trainer`'s run, after refusing what cannot start; every process it started is
+    stopped when it ends, however it ends (`Trainer.stop` is idempotent)."""
+    cfg = trainer.cfg
     if cfg.engine.backend == "sglang":
         from streamrl.fleet.sglang import check_sglang_backend
 
@@ -87,7 +101,6 @@ async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         from streamrl.launch.ray import require_ray
 
         require_ray()  # before anything starts
-    trainer = Trainer(cfg, resume=resume)
     try:
         trainer.prepare()
         if cfg.cluster.launcher == "ray":
