@@ -54,7 +54,7 @@ from docs_pages import (
 )
 
 from streamrl.config import ConfigError, RunConfig, load_config
-from streamrl.config.loading import config_from_dict
+from streamrl.config.loading import config_from_dict, dump_toml
 
 SHIPPED_CONFIGS = sorted(
     [
@@ -124,7 +124,8 @@ def test_every_shipped_config_passes_streamrl_check(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # data paths in shipped configs are relative to the repository
     raw = tomllib.loads(path.read_text())
     assert not (problems := check_problems(raw, str(path.relative_to(ROOT)))), report(problems)
-    assert isinstance(load_config(path), RunConfig)
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig) and dump_toml(cfg)  # and it round-trips as written
 
 
 # ---------------------------------------------------------------- commands

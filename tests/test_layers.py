@@ -73,6 +73,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.config",
         "streamrl.data",
         "streamrl.fleet",
+        "streamrl.logs",
         "streamrl.metrics",
         "streamrl.process",
         "streamrl.publish",

@@ -60,6 +60,9 @@ def test_docs_rewards_md_holds_the_table_the_script_makes():
         ("1234", r"\boxed{12,34}", False),
         ("rome", "Paris", False),
         (None, r"\boxed{1}", False),
+        (12, r"Adding them gives \boxed{12}.", True),
+        ("12", "7 + 5 = 12", True),
+        ("12", "The answer is 13.", False),
     ],
 )
 def test_the_earlier_graders_pairs_keep_their_grades(label, response, expected):

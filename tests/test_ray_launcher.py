@@ -228,10 +228,13 @@ def test_a_killed_actor_takes_its_process_with_it(local_ray, tmp_path):
 @pytest.mark.slow
 def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans(tmp_path):
     config_path = write_config(tmp_path, steps=2, extra=RAY)
-    result = streamrl_run(config_path, "--set", "rollout.generate_fn=tests.nowhere:generate")
+    # A generate function that does not import is an error a restart would repeat (it stops
+    # the run at once, tests/test_run_failures.py); this one takes the process down instead.
+    generate = "tests.e2e_generate:exits_the_process"
+    result = streamrl_run(config_path, "--set", f"rollout.generate_fn={generate}")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "rollout (Ray node" in result.stderr and "exited with code" in result.stderr
-    assert "tests.nowhere" in result.stderr  # the tail of its log
+    assert "the rollout process ends here" in result.stderr  # the tail of its log
     placed = json.loads((tmp_path / "out" / "ray.json").read_text())
     pids = [p["pid"] for p in placed["processes"].values()]
     pids += [n["actor_pid"] for n in placed["nodes"].values()]

@@ -274,7 +274,8 @@ def test_a_run_scores_its_samples_and_evals_with_a_reward_service(tmp_path, free
     records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     steps = [r for r in records if "kind" not in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert steps[-1]["rollout/reward_failures"] == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rollout"]["reward_failures"] == 0  # the rollout's final counters
     assert any(r.get("kind") == "eval" for r in records)
     samples = [s for body in bodies for s in body["samples"]]
     assert all(1 <= len(body["samples"]) <= 4 for body in bodies)

@@ -73,10 +73,13 @@ class Trainer:
         """(name, filter) pairs of buffer.filters, imported by `prepare`."""
         self._prepared: tuple[checkpoint.TrainState, str, Path | None] | None = None
         self.async_state: IntakeState | None = None
+        self._is_stopped = False
         """The checkpoint's asynchronous state when resuming (buffer, fates, groups in flight)."""
 
     def stop(self) -> None:
         """Stop every process this trainer started (idempotent; also after a failure)."""
+        if self._is_stopped:  # a second call would reach processes of a closed spawner
+            return
         for child in self.children:
             child.stop()
         if self.ranks is not None:
@@ -84,6 +87,7 @@ class Trainer:
         if self.supervisor is not None:
             self.supervisor.stop()
         self.spawner.close()
+        self._is_stopped = True
 
     async def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary (see the module docstring). A learner
