@@ -7,10 +7,15 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from engine_helpers import wait_until
 from test_run import start_run, streamrl_run, write_config
+
+REPO = Path(__file__).parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +107,44 @@ def _records(path) -> list[dict]:
         except json.JSONDecodeError:  # a line still being written
             continue
     return records
+
+
+def test_a_rollout_started_before_its_spec_exits_when_the_process_that_started_it_dies(
+    tmp_path,
+):
+    """The first rollout process starts with the engines and waits for `rollout.json`; if
+    the trainer dies before writing it, the rollout does not wait forever."""
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "out"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(config.read_text())
+    log = run_dir / "logs" / "rollout.log"
+    starter = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen(sys.argv[2:], stderr=open(sys.argv[1], 'w'))\n"
+        "print(child.pid, flush=True)\n"
+        "sys.stdin.read()\n"  # lives until the test closes its stdin
+    )
+    rollout = ["-m", "streamrl", "--log-level", "info", "_rollout", "--run-dir", str(run_dir)]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", starter, str(log), sys.executable, *rollout,
+         "--tokenizer", "random:qwen3-tiny"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    pid = int(parent.stdout.readline())
+    wait_until(lambda: "waiting for" in log.read_text(), what="the rollout waiting", timeout_s=120)
+    parent.stdin.close()
+    assert parent.wait(timeout=30) == 0
+    wait_until(lambda: _command_line(pid) == "", what="the orphaned rollout exited", timeout_s=60)
+    assert "exited before writing its spec" in log.read_text()
+    assert not (run_dir / "rollout.json").exists()
+
+
+def _command_line(pid: int) -> str:
+    """The command line of a live process; empty once it is gone (or a zombie)."""
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return ""
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""

@@ -11,6 +11,9 @@ The trainer writes the resolved `config.toml` and `rollout.json` (a
 `RolloutSpec`: where the buffer and the engines are, where the data resumes)
 into the run directory and starts this process through its spawner
 (`start_rollout`); it runs until the trainer's receiver says stop, or SIGTERM.
+The first process of a run starts early (`spawn_rollout`), while the engines load:
+it loads its tokenizer, then waits for `rollout.json`, which the trainer writes once
+the stream's receiver and the engines are up.
 
 An error that a restart would hit again (`fatal_of`: every sample failing, a
 malformed data line, a generate or reward function that does not import) is sent
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,8 +69,11 @@ class RolloutSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 def write_spec(run_dir: Path, spec: RolloutSpec) -> Path:
+    """Write `rollout.json` whole (a waiting process never reads half of it)."""
     path = run_dir / SPEC_FILE
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(spec)) + b"\n")
+    staging = path.with_suffix(".json.partial")
+    staging.write_bytes(msgspec.json.format(msgspec.json.encode(spec)) + b"\n")
+    staging.replace(path)
     return path
 
 
@@ -85,9 +93,22 @@ def start_rollout(
 ) -> ProcessHandle:
     """Write the spec and start the rollout process through `spawner` (log: logs/rollout.log)."""
     write_spec(run_dir, spec)
+    return _spawn(spawner, run_dir, tokenizer=spec.model_path, log_level=log_level)
+
+
+def spawn_rollout(spawner: Spawner, run_dir: Path, *, tokenizer: str, log_level: str):
+    """Start the rollout process before its spec exists: it loads `tokenizer` (the model
+    path, unless `model.tokenizer` names another) and waits for `write_spec`. A spec left
+    by an earlier start is removed first."""
+    (run_dir / SPEC_FILE).unlink(missing_ok=True)
+    return _spawn(spawner, run_dir, tokenizer=tokenizer, log_level=log_level)
+
+
+def _spawn(spawner: Spawner, run_dir: Path, *, tokenizer: str, log_level: str):
+    argv = ["--log-level", log_level, "_rollout", "--run-dir", str(run_dir)]
     return spawner.spawn(
         "rollout",
-        streamrl_argv("--log-level", log_level, "_rollout", "--run-dir", str(run_dir)),
+        streamrl_argv(*argv, "--tokenizer", tokenizer),
         log_path=run_dir / "logs" / "rollout.log",
     )
 
@@ -97,12 +118,27 @@ FATAL_ACK_TIMEOUT_S = 30.0
 (and is restarted, as any process that died)."""
 
 
+SPEC_POLL_S = 0.02
+
+
 def rollout_command(args) -> int:
+    from streamrl.models import load_tokenizer
+
+    parent = os.getppid()
     run_dir = Path(args.run_dir)
-    return anyio.run(rollout_main, load_config(run_dir / "config.toml"), read_spec(run_dir))
+    cfg = load_config(run_dir / "config.toml")
+    tokenizer = load_tokenizer(cfg.model.tokenizer or args.tokenizer)
+    if not (run_dir / SPEC_FILE).exists():
+        log.info("tokenizer loaded; waiting for %s", run_dir / SPEC_FILE)
+    while not (run_dir / SPEC_FILE).exists():
+        if os.getppid() != parent:
+            log.error("the process that started this rollout exited before writing its spec")
+            return 1
+        time.sleep(SPEC_POLL_S)
+    return anyio.run(rollout_main, cfg, read_spec(run_dir), tokenizer)
 
 
-async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> int:
+async def rollout_main(cfg: RunConfig, spec: RolloutSpec, tokenizer) -> int:
     """Run the rollout worker (and the evaluator) until the receiver says stop: 0; or
     until an error a restart cannot fix, sent to the trainer first: 1."""
     from streamrl.queues.transport import StreamSender
@@ -115,7 +151,7 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> int:
         tg.start_soon(_cancel_on_sigterm, tg.cancel_scope)
         await tg.start(sender.run)  # first: a bad data file is reported on the stream too
         try:
-            await _serve(cfg, spec, sender)
+            await _serve(cfg, spec, sender, tokenizer)
         except Exception as exc:
             fatal = fatal_of(exc, cfg)
             if fatal is None:
@@ -131,19 +167,15 @@ async def rollout_main(cfg: RunConfig, spec: RolloutSpec) -> int:
     return code
 
 
-async def _serve(cfg: RunConfig, spec: RolloutSpec, sender) -> None:
+async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     from streamrl.actors.evaluator import Evaluator
     from streamrl.actors.rollout import RolloutWorker
     from streamrl.agents.api import VersionRule
     from streamrl.data import PromptSource
     from streamrl.fleet.engine_set import EngineSet
-    from streamrl.models import load_tokenizer
     from streamrl.rewards import load_reward_fn
     from streamrl.utils import import_object
 
-    tokenizer = await anyio.to_thread.run_sync(
-        load_tokenizer, cfg.model.tokenizer or spec.model_path
-    )
     source = PromptSource.from_config(
         cfg.data, tokenizer, seed=cfg.train.seed, position=spec.position
     )

@@ -39,7 +39,8 @@ from streamrl.config import RunConfig, dump_toml
 from streamrl.data import position_after
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
-from streamrl.mains.rollout import RolloutSpec, start_rollout
+from streamrl.mains.rollout import RolloutSpec, spawn_rollout, start_rollout
+from streamrl.mains.rollout import write_spec as write_rollout_spec
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner
 from streamrl.queues.intake import IntakeState
@@ -67,6 +68,8 @@ class Trainer:
         self.spawner: Spawner = spawner or LocalSpawner()
         self.children: list[ProcessHandle] = []
         self.supervisor = None
+        self.early_rollout: ProcessHandle | None = None
+        """The first rollout process, started with the engines, until RolloutKeeper adopts it."""
         self.ranks = None
         self.leader = None
         self.filters = []
@@ -316,6 +319,11 @@ class Trainer:
                 ),
                 spawner=self.spawner,
             )
+            # The rollout loads its tokenizer while the engines load (RolloutKeeper.start).
+            self.early_rollout = spawn_rollout(
+                self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level
+            )
+            self.children.append(self.early_rollout)
             self.supervisor.start()  # in the main thread: children die with the thread that forks
             backend = await anyio.to_thread.run_sync(backend_future.result)
         return self.lead(backend)
@@ -494,20 +502,23 @@ class RolloutKeeper:
             resume_path.write_bytes(make_encoder().encode(pending))
             resume_file = str(resume_path)
         done = received | {group.prompt_seq for group in pending}
-        position = position_after(done, since=self.loop.start_position)
+        spec = RolloutSpec(
+            buffer_address=self.intake.bind(),
+            engine_urls=trainer.supervisor.urls,
+            router_url=trainer.supervisor.router_url,
+            model_path=self.model_path,
+            position=position_after(done, since=self.loop.start_position),
+            start_version=self.loop.version,
+            resume_file=resume_file,
+        )
+        if trainer.early_rollout is not None:
+            # Started with the engines and waiting for its spec (if it died meanwhile,
+            # `keep_alive` finds it exited and restarts it as any other).
+            self.process, trainer.early_rollout = trainer.early_rollout, None
+            write_rollout_spec(trainer.run_dir, spec)
+            return
         self.process = start_rollout(
-            trainer.spawner,
-            trainer.run_dir,
-            RolloutSpec(
-                buffer_address=self.intake.bind(),
-                engine_urls=trainer.supervisor.urls,
-                router_url=trainer.supervisor.router_url,
-                model_path=self.model_path,
-                position=position,
-                start_version=self.loop.version,
-                resume_file=resume_file,
-            ),
-            log_level=trainer.cfg.logging.level,
+            trainer.spawner, trainer.run_dir, spec, log_level=trainer.cfg.logging.level
         )
         trainer.children.append(self.process)
 
