@@ -520,6 +520,32 @@ def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
     return model, load_tokenizer(path)
 
 
+def read_checkpoint(path: str) -> dict[str, torch.Tensor] | None:
+    """A Hugging Face directory's tensors as saved (checkpoint names; floats in float32 on
+    the CPU, as `load_model` gives them), read from its safetensors files without
+    importing transformers' model code; None where ``path`` is not such a directory
+    (``random:`` shapes, other formats): build the model with `load_model` there."""
+    if path.startswith(RANDOM_PREFIX):
+        return None
+    directory = smollm2_model_dir() if path == SMOLLM2_NAME else Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(directory / name))
+    return {
+        name: tensor.float() if tensor.is_floating_point() else tensor
+        for name, tensor in tensors.items()
+    }
+
+
 def checkpoint_views(model) -> dict[str, torch.Tensor]:
     """Every tensor of ``model``'s checkpoint under its checkpoint name, as a live view.
 

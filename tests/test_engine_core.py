@@ -594,3 +594,29 @@ async def test_cuda_graph_decode_equals_eager_decode_on_cuda():
     for graphed, eager in zip(*results, strict=True):
         assert graphed.output_ids == eager.output_ids
         assert max(abs(a - b) for a, b in zip(graphed.logprobs, eager.logprobs, strict=True)) < 1e-3
+
+
+def test_the_compact_runner_reads_saved_files_and_leaves_unknown_names_to_transformers(
+    tmp_path, caplog
+):
+    from safetensors.torch import load_file, save_file
+
+    from streamrl.engine.runner.select import build_runner
+
+    path = models.save_random_model("qwen3-tiny", tmp_path / "m", seed=1)
+    options = dict(runner="compact", device=torch.device("cpu"), dtype=torch.float32,
+                   max_batch_size=2, max_seq_len=64, max_prefill_tokens=64,
+                   cuda_graphs=False, compile_elementwise=False, seed=0)  # fmt: skip
+    direct, _ = build_runner(str(path), **options)
+    # An extra tensor the compact model has no place for: transformers drops it on load.
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, "model.extra.weight": torch.ones(3)}, path / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    with caplog.at_level("INFO", logger="streamrl.engine.runner.select"):
+        mapped, _ = build_runner(str(path), **options)
+    assert "through transformers" in caplog.text and "model.extra.weight" in caplog.text
+    expected, _ = models.load_model("random:qwen3-tiny", seed=1)
+    for name, tensor in expected.state_dict().items():
+        for runner in (direct, mapped):
+            parameter, first, end = runner.targets[name]
+            assert torch.equal(parameter[first:end], tensor), name

@@ -77,6 +77,22 @@ def test_random_weights_are_drawn_once_per_machine_and_each_run_gets_its_own_cop
     assert (cached / "config.json").read_text() != "{}"
 
 
+def test_a_checkpoint_is_read_from_its_files_as_transformers_would_load_it(tmp_path):
+    model, _ = models.load_model("random:llama-tiny", seed=2)
+    model.save_pretrained(tmp_path / "whole")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    expected = model.state_dict()
+    for directory in ("whole", "sharded"):
+        read = models.read_checkpoint(str(tmp_path / directory))
+        # A tied head is saved once, as the embedding.
+        assert set(read) == set(expected) - {"lm_head.weight"}
+        assert all(torch.equal(read[name], expected[name]) for name in read)
+        assert all(tensor.dtype == torch.float32 for tensor in read.values())
+    assert models.read_checkpoint("random:llama-tiny") is None
+    assert models.read_checkpoint(str(tmp_path)) is None  # no model files there
+
+
 def test_dtype_and_device_names_resolve():
     assert models.resolve_dtype("auto", "cpu") == torch.float32
     assert models.resolve_dtype("auto", "cuda") == torch.bfloat16

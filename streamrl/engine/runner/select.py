@@ -69,18 +69,29 @@ def build_runner(
 
     from streamrl.engine.runner.compact import CompactRunner
 
+    def compact(state_dict) -> CompactRunner:
+        return CompactRunner(
+            config,
+            state_dict,
+            device=device,
+            dtype=dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=max_prefill_tokens,
+            cuda_graphs=cuda_graphs,
+            compile_elementwise=compile_elementwise,
+        )
+
+    # The compact model takes checkpoint tensors: straight from the files where it can
+    # (no transformers model built: seconds less at every engine start).
+    saved = models.read_checkpoint(model_path)
+    if saved is not None:
+        try:
+            return compact(saved), config
+        except ValueError as error:  # names it does not know: let transformers map them
+            logger.info("loading %s through transformers: %s", model_path, error)
+        del saved
     source, _ = models.load_model(model_path, device="cpu", dtype=torch.float32, seed=seed)
     state_dict = source.state_dict()
     del source
-    built = CompactRunner(
-        config,
-        state_dict,
-        device=device,
-        dtype=dtype,
-        max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
-        max_prefill_tokens=max_prefill_tokens,
-        cuda_graphs=cuda_graphs,
-        compile_elementwise=compile_elementwise,
-    )
-    return built, config
+    return compact(state_dict), config
