@@ -259,7 +259,7 @@ def test_sigterm_stops_a_ray_run_and_every_placed_process(tmp_path):
     pids = [p["pid"] for p in placed["processes"].values()]
     pids += [n["actor_pid"] for n in placed["nodes"].values()]
     wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
-    wait_until(lambda: ray_daemon_pids() <= daemons_before, "the run's Ray instance to stop", 10)
+    wait_until(lambda: ray_daemon_pids() <= daemons_before, "the run's Ray instance to stop", 60)
 
 
 @pytest.mark.slow
@@ -321,7 +321,7 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
     pids += [n["actor_pid"] for n in placed["nodes"].values()]
     assert len(pids) == 7
     wait_until(lambda: all(is_gone(pid) for pid in pids), "every placed process to be gone", 10)
-    wait_until(lambda: ray_daemon_pids() <= daemons_before, "the run's Ray instance to stop", 10)
+    wait_until(lambda: ray_daemon_pids() <= daemons_before, "the run's Ray instance to stop", 60)
 
 
 @pytest.mark.slow

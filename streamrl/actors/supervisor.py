@@ -106,8 +106,16 @@ class EngineSupervisor:
         """Start every engine (in parallel), wait until all serve, then the router if needed.
 
         Call from the main thread: children die with the thread that spawned them."""
+        self.spawn()
+        self.wait_serving()
+
+    def spawn(self) -> None:
+        """Start every engine process (from the main thread), without waiting for them."""
         for engine in self.engines:
             self._spawn(engine)
+
+    def wait_serving(self) -> None:
+        """Wait until every spawned engine serves, then start the router if one is needed."""
         for engine in self.engines:
             wait_http_ready(
                 engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process

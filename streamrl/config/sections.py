@@ -41,7 +41,8 @@ class ModelConfig(_Section):
     tokenizer: str = ""
     """Tokenizer directory; empty means the model's own."""
     seed: int = 0
-    """Seed for `random:` models, so every process builds the same weights."""
+    """Seed for `random:` models, so every process builds the same weights (drawn once per
+    machine, then copied from `~/.cache/streamrl/` or `$STREAMRL_CACHE_DIR`)."""
 
 
 class DataConfig(_Section):

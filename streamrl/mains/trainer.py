@@ -106,8 +106,6 @@ class Trainer:
             raise
 
     async def _run(self) -> dict[str, Any]:
-        from streamrl.backends.build import learner_devices
-
         state, model_path, resume_from = self.prepare()
         if self.cfg.train.mode == "train_only":
             from streamrl.mains.replay import run_replay
@@ -119,12 +117,17 @@ class Trainer:
             except ValueError as exc:
                 raise RunError(str(exc)) from None
             return await run_replay(self, intake, state, model_path, resume_from)
+        # First the processes that take longest to start: they load while this one
+        # imports torch and builds its learner.
+        self._spawn_engines_and_rollout(model_path, state.version)
+        from streamrl.backends.build import learner_devices
+
         device, dtype = learner_devices(self.cfg)
         is_training = self.cfg.train.mode != "rollout_only"
         if is_training:
             self.start_learner_ranks(model_path, device)
-        backend = await self._start_engines_and_backend(
-            model_path, device, dtype, state.version, build_learner=is_training
+        backend = await self._build_backend_while_engines_load(
+            device, dtype, build_learner=is_training
         )
         if resume_from is not None:
             await anyio.to_thread.run_sync(backend.load, resume_from)
@@ -299,32 +302,35 @@ class Trainer:
 
             torch.cuda.set_device(device)
 
-    async def _start_engines_and_backend(
-        self, model_path: str, device, dtype, version: int, *, build_learner: bool = True
-    ):
-        """Engines (and router) start while the learner loads its model in a thread (None
-        without `build_learner`: rollout_only)."""
+    def _spawn_engines_and_rollout(self, model_path: str, version: int) -> None:
+        """Start the engines, and the rollout process, which loads its tokenizer and then
+        waits for its spec (`RolloutKeeper.start`). From the main thread: children die with
+        the thread that spawned them."""
         from streamrl.actors.supervisor import EngineSupervisor
         from streamrl.fleet.commands import engine_argv_factory
 
+        self.supervisor = EngineSupervisor(
+            self.cfg,
+            run_dir=self.run_dir,
+            engine_argv=engine_argv_factory(
+                self.cfg, model_path, version, lora_adapter=self._start_adapter()
+            ),
+            spawner=self.spawner,
+        )
+        self.supervisor.spawn()
+        self.early_rollout = spawn_rollout(
+            self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level
+        )
+        self.children.append(self.early_rollout)
+
+    async def _build_backend_while_engines_load(self, device, dtype, *, build_learner: bool):
+        """The learner, built in a thread while the main thread waits for the engines (and
+        starts the router); None without `build_learner` (rollout_only)."""
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             backend_future = pool.submit(
                 self.build_learner if build_learner else lambda *args: None, device, dtype
             )
-            self.supervisor = EngineSupervisor(
-                self.cfg,
-                run_dir=self.run_dir,
-                engine_argv=engine_argv_factory(
-                    self.cfg, model_path, version, lora_adapter=self._start_adapter()
-                ),
-                spawner=self.spawner,
-            )
-            # The rollout loads its tokenizer while the engines load (RolloutKeeper.start).
-            self.early_rollout = spawn_rollout(
-                self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level
-            )
-            self.children.append(self.early_rollout)
-            self.supervisor.start()  # in the main thread: children die with the thread that forks
+            self.supervisor.wait_serving()
             backend = await anyio.to_thread.run_sync(backend_future.result)
         return self.lead(backend)
 
