@@ -1,5 +1,16 @@
-"""Shared fixtures: free ports, a tiny random model on disk, the anyio backend; and how
-pytest-xdist spreads the suite over its workers."""
+"""The suite's shared fixtures (free ports, a tiny random model on disk, the anyio
+backend) and how pytest-xdist spreads it over its workers.
+
+The tests live in rooms that mirror the package: actors/, agents/, algorithms/,
+backends/ (with backends/megatron/), bench/, compat/, config/, engine/, fleet/, launch/,
+models/, queues/, rewards/, tasks/, weights/; runs/ holds the end-to-end `streamrl run`
+tests, conformance/ the engine protocol suite that runs against both engines, house/ the
+checks on the repository itself (docs, import layers, lock). Scaffolding that several
+rooms share sits here, at the top: `engine_helpers` (engine processes), `run_helpers`
+(`streamrl run` and what a run leaves); a room's own scaffolding sits in the room. User
+code that configs name as `tests.<module>:<function>` (`e2e_rewards`, `e2e_generate`,
+`e2e_filters`, `gateway_agents`, `slime_functions`) also sits here, importable by the
+run's child processes from the repository root."""
 
 from __future__ import annotations
 

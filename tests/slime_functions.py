@@ -1,4 +1,4 @@
-"""Functions written the way slime users write them, for tests/test_compat_slime.py.
+"""Functions written the way slime users write them, for tests/compat/test_compat_slime.py.
 
 Only the imports differ from slime code: `streamrl.compat.slime` instead of
 `slime.utils.types`, `slime.utils.http_utils` and `slime.rollout.sglang_rollout`.

@@ -6,7 +6,7 @@
 For each (label, response) pair: the grade a reader would expect, `streamrl.rewards.math.grade`
 (what `math_reward` runs), math-verify called plainly, `verify(parse(label), parse(response))`
 with the label as the data set holds it, and the same with the label inside `$...$` (how
-math-verify reads a gold answer as LaTeX). tests/test_math_grader.py checks that the page
+math-verify reads a gold answer as LaTeX). tests/rewards/test_math_grader.py checks that the page
 holds this script's table and that streamrl gives every expected grade.
 """
 

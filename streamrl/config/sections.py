@@ -141,7 +141,7 @@ class RolloutConfig(_Section):
     deterministic: bool = False
     """Give every sample its own `sampling_seed`, a hash of `train.seed`, its prompt's seq and
     its index, so rollouts replay: with one engine and `max_concurrent_groups = 1` a CPU run
-    is reproducible bit for bit (tests/test_sync_equivalence.py). A resumed or retried call
+    is reproducible bit for bit (tests/runs/test_sync_equivalence.py). A resumed or retried call
     starts its seed's random stream again."""
     return_routed_experts: bool = False
     """Ask engines for the experts every token was routed to (MoE models; SGLang then starts with

@@ -1,7 +1,7 @@
 """The bounded, staleness-aware buffer between the rollout stream and the learner.
 
-Invariants (tested with hypothesis in tests/test_buffer.py, and for multi-turn
-episodes in tests/test_gateway_horizon.py):
+Invariants (tested with hypothesis in tests/queues/test_buffer.py, and for multi-turn
+episodes in tests/agents/test_gateway_horizon.py):
 - at most `capacity` groups are held;
 - a group handed to the learner at version v has staleness
   v - oldest_token_version <= max_staleness; under `staleness_rule = "per_turn"`

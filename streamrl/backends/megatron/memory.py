@@ -2,7 +2,7 @@
 SGLang engines, and what the learner's weights, gradients and optimizer hold per GPU.
 
 Pure arithmetic on a `ModelShape` (no torch): `streamrl check` runs `layout_problems`,
-and tests/test_model_configs.py holds each shipped config of configs/slime/ under a GPU's
+and tests/models/test_model_configs.py holds each shipped config of configs/slime/ under a GPU's
 memory with `learner_bytes_per_gpu` and `engine_weight_bytes_per_gpu`.
 """
 

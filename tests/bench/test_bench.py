@@ -1,0 +1,351 @@
+"""`streamrl bench`: the engine's busy clock, window arithmetic, recording, plots, and smokes.
+
+Fast tests use fakes and one tiny engine; the end-to-end smokes of `staleness` and
+`sync-vs-async` start whole runs and are marked slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from engine_helpers import engine_load, running_engines
+
+from streamrl.bench import phases, runs, staleness, sync_async
+from streamrl.bench.results import write_result
+from streamrl.bench.runs import EngineReading
+from streamrl.tasks import synthetic
+from streamrl.types import Group, Sample
+
+REPO = Path(__file__).parents[2]
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl", "bench", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- engine busy clock
+
+
+def test_get_load_reports_a_busy_clock_and_the_tokens_the_engine_generated(
+    tiny_model_dir, tmp_path
+):
+    with running_engines(tiny_model_dir, tmp_path) as (engine,):
+        idle = engine_load(engine.url)
+        assert idle["busy_s"] == 0.0 and idle["generated_tokens"] == 0
+        body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 16,
+                "ignore_eos": True}}  # fmt: skip
+        outputs = httpx.post(f"{engine.url}/generate", json=body, timeout=60).json()
+        after = engine_load(engine.url)
+    generated = sum(out["meta_info"]["completion_tokens"] for out in outputs)
+    assert after["generated_tokens"] == generated == 32
+    assert 0.0 < after["busy_s"] < after["uptime_s"]
+    assert after["uptime_s"] > idle["uptime_s"]
+
+
+# ---------------------------------------------------------------- window arithmetic
+
+
+def _fake_run(run_dir: Path, *, num_steps: int = 4, step_s: float = 2.0) -> None:
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "w") as handle:
+        for step in range(1, num_steps + 1):
+            record = {
+                "step": step, "version": step, "reward_mean": 0.1 * step, "staleness_mean": 1.0,
+                "samples_trained": 16 * step, "learner_idle_s": 0.5, "train_s": 1.5,
+                "time": 5.0 + step_s * step, "train/trained_tokens": 100.0,
+                "weights/learner_stall_s": 0.01, "weights/engine_pause_s": 0.02,
+                "weights/broadcast_s": 0.01, "weights/gb_per_s": 1.0,
+            }  # fmt: skip
+            handle.write(json.dumps(record) + "\n")
+        handle.write(json.dumps({"kind": "eval", "step": 2}) + "\n")
+    summary = {
+        "groups_started": 20, "groups_trained": 16, "groups_filtered": 0, "groups_evicted": 0,
+        "accounting_ok": True,
+        "buffer": {"staleness_histogram": {"0": 4, "1": 12}, "versions_spanned_histogram": {}},
+    }  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_window_leaves_out_the_first_step_and_uses_the_learner_clock(tmp_path):
+    _fake_run(tmp_path / "run")
+    readings = [
+        EngineReading(0, 0.0, [0.0], [10.0], [0]),
+        EngineReading(1, 1.0, [1.0], [17.0], [400]),
+        EngineReading(4, 2.0, [4.0], [23.0], [1000]),
+    ]
+    result = runs.summarize(tmp_path / "run", readings)
+    assert result["warmup_steps"] == 1
+    assert result["window_s"] == pytest.approx(6.0)  # end of step 1 to end of step 4
+    assert result["trained_tokens"] == 300.0
+    assert result["effective_tokens_per_s"] == pytest.approx(50.0)
+    assert result["samples_per_s"] == pytest.approx(48 / 6.0)
+    assert result["learner_idle_frac"] == pytest.approx(1.5 / 6.0)
+    assert result["engine_idle_frac"] == pytest.approx(1.0 - 3.0 / 6.0)
+    assert result["generated_tokens_per_s"] == pytest.approx(600 / 6.0)
+    assert [p["reward_mean"] for p in result["reward_curve"]] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_engine_figures_are_absent_rather_than_wrong_when_readings_are_missing(tmp_path):
+    _fake_run(tmp_path / "run")
+    result = runs.summarize(tmp_path / "run", [])
+    assert result["engine_idle_frac"] is None and result["generated_tokens_per_s"] is None
+
+
+def test_final_reward_averages_the_last_quarter_of_steps():
+    curve = [{"reward_mean": float(value)} for value in range(8)]
+    assert staleness.final_reward(curve) == pytest.approx(6.5)
+    assert staleness.final_reward(curve, fraction=1.0) == pytest.approx(3.5)
+
+
+# ---------------------------------------------------------------- recording and replay
+
+
+def _group(index: int, num_tokens: int = 5) -> Group:
+    sample = Sample(
+        prompt_ids=[1, 2, 3], response_ids=np.arange(num_tokens), logprobs=-np.ones(num_tokens),
+        versions=np.zeros(num_tokens), loss_mask=np.ones(num_tokens), reward=float(index),
+    )  # fmt: skip
+    return Group(group_id=f"g{index}", prompt_seq=index, prompt_index=index, samples=[sample])
+
+
+def test_recorded_batches_come_back_in_training_order(tmp_path, monkeypatch):
+    import streamrl.actors.learner as learner_module
+
+    calls = []
+    monkeypatch.setattr(
+        learner_module, "train_step", lambda backend, groups, cfg, *, pad_id: calls.append(groups)
+    )
+    path = tmp_path / "groups.msgpack"
+    with runs.record_trained_groups(path):
+        learner_module.train_step(None, [_group(0), _group(1)], None, pad_id=0)
+        learner_module.train_step(None, [_group(2)], None, pad_id=0)
+    assert len(calls) == 2  # the real step still ran
+    batches = runs.read_recorded_groups(path)
+    assert [[g.group_id for g in batch] for batch in batches] == [["g0", "g1"], ["g2"]]
+    assert batches[1][0].samples[0].reward == 2.0
+    assert np.array_equal(batches[0][0].samples[0].response_ids, np.arange(5))
+
+
+def test_training_alone_replays_recorded_batches_through_train_step(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    import streamrl.actors.learner as learner_module
+    from streamrl.config import config_from_dict
+
+    monkeypatch.setattr(learner_module, "train_step", lambda *args, **kwargs: None)
+    path = tmp_path / "groups.msgpack"
+    with runs.record_trained_groups(path):
+        for index in range(2):
+            group = _group(2 * index)
+            group.samples.append(_group(2 * index + 1).samples[0])  # two rewards: an advantage
+            learner_module.train_step(None, [group], None, pad_id=0)
+    cfg = config_from_dict({"data": {"path": "x"}, "model": {"path": tiny_model_dir},
+                            "rollout": {"batch_size": 1, "n_samples_per_prompt": 2},
+                            "learner": {"lr": 1e-3, "num_threads": 1}})  # fmt: skip
+    result = phases.replay(cfg, model_path=tiny_model_dir, groups_path=path)
+    assert result["batches"] == 2 and result["batches_timed"] == 1
+    assert result["trained_tokens_per_s"] > 0
+    start, end = result["window_monotonic"]  # the timed batch, on the GPU monitor's clock
+    assert end - start >= result["train_s"][1] > 0
+
+
+# ---------------------------------------------------------------- configs and rewards
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("bench/configs/*.toml")), ids=lambda p: p.name)
+def test_every_bench_config_loads_and_trains_every_generated_group(path):
+    from streamrl.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.rollout.generate_fn == "streamrl.tasks.synthetic:generate_scored"
+    assert cfg.buffer.filters == []  # throughput must not depend on what the policy learned
+
+
+def test_the_gpu_driver_names_configs_that_exist():
+    script = (REPO / "bench/gpu/run_benches.sh").read_text()
+    for name in ("gpu_2gpu", "gpu_1gpu", "cpu_tiny"):
+        assert name in script and (REPO / f"bench/configs/{name}.toml").exists()
+    check = subprocess.run(["bash", "-n", str(REPO / "bench/gpu/run_benches.sh")])
+    assert check.returncode == 0
+
+
+def test_synthetic_rewards_read_tokens_and_logprobs_only():
+    assert synthetic.confidence_reward([-1.0, -3.0]) == -2.0
+    assert synthetic.confidence_reward([]) == 0.0
+    assert synthetic.repeat_reward([5, 5, 5, 7]) == pytest.approx(2 / 4)
+    assert synthetic.repeat_reward([]) == 0.0
+    assert synthetic.token_mod_reward([8, 16, 3], modulus=8, max_new_tokens=4) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _staleness_result() -> dict:
+    def run(eta: int, correction: str) -> dict:
+        return {
+            "name": f"eta{eta}-{correction}", "eta": eta, "correction": correction,
+            "effective_tokens_per_s": 100.0 + eta, "generated_tokens_per_s": 120.0,
+            "learner_idle_frac": 0.2, "engine_idle_frac": 0.5, "final_reward": 0.3,
+            "mean_reward": 0.2, "staleness_histogram": {"0": 1, str(eta): 3},
+            "reward_curve": [{"samples_trained": 16 * s, "reward_mean": 0.1 * s}
+                             for s in range(1, 4)],
+        }  # fmt: skip
+
+    return {"runs": [run(0, "decoupled_ppo"), run(2, "decoupled_ppo"), run(2, "none")],
+            "baseline": 100.0}  # fmt: skip
+
+
+def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path):
+    path = write_result(tmp_path / "s.json", bench="staleness", config={},
+                        result=_staleness_result(), plot=staleness.plot_staleness,
+                        num_panels=(2, 2))  # fmt: skip
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    record = json.loads(path.read_text())
+    assert record["bench"] == "staleness" and "commit" in record and "machine" in record
+    on_gpus = _staleness_result()
+    for run in on_gpus["runs"]:
+        run["gpu_busy"] = {"0": 0.9}  # a third bar beside the idle shares
+    path = write_result(tmp_path / "g.json", bench="staleness", config={}, result=on_gpus,
+                        plot=staleness.plot_staleness, num_panels=(2, 2))  # fmt: skip
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    run = {"effective_tokens_per_s": 90.0, "learner_idle_frac": 0.1, "learner_train_frac": 0.8,
+           "engine_idle_frac": 0.3, "gpu_busy": {"0": 0.95}}  # fmt: skip
+    result = {"eta": 1, "runs": {"async": run, "sync": run}, "speedup": 1.0,
+              "generation_alone": {"trainable_tokens_per_s": 150.0},
+              "training_alone": {"trained_tokens_per_s": 100.0},
+              "bottleneck_tokens_per_s": 100.0, "pipeline_efficiency": 0.9,
+              "ideal_sync_tokens_per_s": 60.0, "shared_gpu_bound_tokens_per_s": 70.0}  # fmt: skip
+    path = write_result(tmp_path / "a.json", bench="sync-vs-async", config={}, result=result,
+                        plot=sync_async.plot_sync_async, num_panels=2)  # fmt: skip
+    assert path.with_suffix(".png").exists()
+    partial = {"eta": 1, "runs": {"async": run}, "speedup": None}  # a part cut short
+    path = write_result(tmp_path / "p.json", bench="sync-vs-async", config={}, result=partial,
+                        plot=sync_async.plot_sync_async, num_panels=2)  # fmt: skip
+    assert path.with_suffix(".png").exists()
+
+
+def test_merge_joins_staleness_parts_and_a_later_file_wins(tmp_path):
+    first, second = _staleness_result(), _staleness_result()
+    second["runs"] = [dict(second["runs"][1], effective_tokens_per_s=999.0)]
+    second["runs"].append(dict(second["runs"][0], name="eta8-decoupled_ppo", eta=8))
+    paths = []
+    for index, result in enumerate((first, second)):
+        paths.append(write_result(tmp_path / f"part{index}.json", bench="staleness",
+                                  config={"corrections": ["decoupled_ppo", "none"]},
+                                  result=result))  # fmt: skip
+    out = tmp_path / "merged.json"
+    code = staleness.merge_command(argparse.Namespace(inputs=[str(p) for p in paths], json=out))
+    assert code == 0
+    merged = json.loads(out.read_text())
+    names = [r["name"] for r in merged["result"]["runs"]]
+    assert names == ["eta0-decoupled_ppo", "eta2-decoupled_ppo", "eta8-decoupled_ppo", "eta2-none"]
+    assert merged["result"]["runs"][1]["effective_tokens_per_s"] == 999.0
+    assert len(merged["config"]["merged_from"]) == 2
+    assert out.with_suffix(".png").exists()
+
+
+# ---------------------------------------------------------------- command smokes
+
+
+def test_collective_measures_two_gloo_ranks(tmp_path):
+    result = _bench("collective", "--sizes-mb", "1", "--iterations", "2",
+                    "--json", str(tmp_path / "c.json"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "peak broadcast" in result.stdout
+    record = json.loads((tmp_path / "c.json").read_text())
+    assert record["result"]["runs"][0]["sizes"][0]["broadcast_gib_per_s"] > 0
+    assert (tmp_path / "c.png").exists()
+
+
+def test_weight_sync_publishes_to_a_real_engine_and_reports_its_cost(tmp_path):
+    result = _bench("weight-sync", "--shape", "qwen3-tiny", "--engines", "1", "--repeats", "1",
+                    "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "w.json"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads((tmp_path / "w.json").read_text())["result"]["engines"][0]
+    assert row["num_engines"] == 1 and len(row["samples"]) == 2
+    assert row["gb_per_s_mean"] > 0 and row["engine_pause_s_mean"] >= row["broadcast_s_mean"]
+    assert (tmp_path / "w.png").exists()
+
+
+def test_weight_sync_with_lora_ranks_publishes_adapters_that_engines_merge(tmp_path):
+    result = _bench("weight-sync", "--shape", "qwen3-tiny", "--engines", "1", "--repeats", "1",
+                    "--lora-rank", "0,4", "--work-dir", str(tmp_path / "work"),
+                    "--json", str(tmp_path / "w.json"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "w.json").read_text())["result"]
+    full, lora = record["engines"]
+    assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
+    assert full["bytes"] == record["setup"]["bytes"] and 0 < lora["bytes"] < full["bytes"] / 4
+    assert lora["num_tensors"] == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
+    assert lora["gb_per_s_mean"] > 0 and "rank 4" in result.stdout
+
+
+def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_path):
+    out = tmp_path / "e.json"
+    result = _bench("engine", "--device", "cpu", "--dtype", "float32", "--shape", "qwen3-tiny",
+                    "--requests", "2,6", "--prompt-tokens", "16", "--max-new-tokens", "8",
+                    "--repeats", "1", "--ttft-probes", "2", "--work-dir", str(tmp_path / "work"),
+                    "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["config"]["device"] == "cpu" and record["config"]["requests"] == [2, 6]
+    assert record["config"]["max_new_tokens"] == 8 and record["machine"]
+    engines = record["result"]["engines"]
+    if "sglang" not in engines:
+        assert "import sglang" in record["result"]["skipped"]["sglang"]
+    assert "--max-batch-size" in engines["embedded"]["argv"]
+    for name in ("embedded", "in-process"):
+        for count in (2, 6):
+            cell = engines[name]["counts"][str(count)]
+            measured = cell["median_round"]
+            assert cell["tokens_per_s"] > 0, (name, count)
+            assert measured["generated_tokens"] == count * 8 and measured["num_errors"] == 0
+            assert measured["num_short"] == 0 and measured["num_without_logprobs"] == 0
+    for count in (2, 6):
+        cell = engines["embedded"]["counts"][str(count)]
+        assert 0 < cell["ttft_s_median"] <= cell["median_round"]["latency_s_max"]
+        assert cell["median_round"]["engine_generated_tokens"] == count * 8
+    ratio = record["result"]["ratios"]["embedded_over_in-process"]
+    assert set(ratio) == {"2", "6"} and all(value > 0 for value in ratio.values())
+    assert (tmp_path / "e.png").stat().st_size > 0
+
+
+SMOKE_SETS = ["--set", "rollout.batch_size=2", "--set", "rollout.sampling.max_new_tokens=8"]
+
+
+@pytest.mark.slow
+def test_staleness_runs_each_eta_in_its_own_directory_and_reports_throughput(tmp_path):
+    result = _bench("staleness", "bench/configs/cpu_tiny.toml", "--eta", "0,1", "--steps", "3",
+                    *SMOKE_SETS, "--work-dir", str(tmp_path / "work"),
+                    "--json", str(tmp_path / "s.json"), timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs_ = json.loads((tmp_path / "s.json").read_text())["result"]["runs"]
+    assert [r["eta"] for r in runs_] == [0, 1]
+    for run in runs_:
+        assert (tmp_path / "work" / run["name"] / "summary.json").exists()
+        assert run["effective_tokens_per_s"] > 0 and run["accounting_ok"]
+        assert run["engine_idle_frac"] is not None
+        assert max(int(k) for k in run["staleness_histogram"]) <= run["eta"]
+
+
+@pytest.mark.slow
+def test_sync_vs_async_measures_both_runs_and_each_stage_alone(tmp_path):
+    result = _bench("sync-vs-async", "bench/configs/cpu_tiny.toml", "--steps", "3", *SMOKE_SETS,
+                    "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "a.json"),
+                    timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads((tmp_path / "a.json").read_text())["result"]
+    assert out["runs"]["sync"]["staleness_histogram"] == {"0": 6}
+    assert out["generation_alone"]["trainable_tokens_per_s"] > 0
+    assert out["training_alone"]["batches"] == 3
+    assert out["pipeline_efficiency"] > 0

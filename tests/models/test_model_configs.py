@@ -1,0 +1,101 @@
+"""The models slime users train, at their real sizes: configs/models/<name>/config.json (the
+shapes, no weights) and configs/slime/*.toml (parallel layouts for one node and several).
+
+Each layout passes `streamrl check` with the model checks on (the config.json loads, the
+layout splits the model: heads, KV heads, vocabulary, layers, experts), and its learner
+and engine hold the model within an H200's memory by `streamrl.backends.megatron.memory`'s
+count (activations and KV cache get the rest).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamrl.backends.megatron.families import shape_from_hf
+from streamrl.backends.megatron.memory import (
+    Parallelism,
+    engine_weight_bytes_per_gpu,
+    expert_parameters,
+    layout_problems,
+    learner_bytes_per_gpu,
+)
+from streamrl.check import find_problems
+from streamrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUTS = sorted((ROOT / "configs" / "slime").glob("*.toml"))
+H200_BYTES = 141e9
+
+PUBLISHED = {  # total and active parameters, in billions, as each model card gives them
+    "qwen3-4b": (4.0, 4.0),
+    "qwen3-30b-a3b": (30.5, 3.3),
+    "glm4-9b": (9.4, 9.4),
+    "llama3-8b": (8.0, 8.0),
+    "deepseek-v3": (671.0, 37.0),
+}
+
+
+def shape_of(name: str):
+    from transformers import AutoConfig
+
+    return shape_from_hf(AutoConfig.from_pretrained(ROOT / "configs" / "models" / name))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_shipped_config_json_has_the_published_parameter_count(name):
+    shape = shape_of(name)
+    total, active = PUBLISHED[name]
+    assert shape.num_parameters() / 1e9 == pytest.approx(total, rel=0.02)
+    assert shape.num_parameters(active=True) / 1e9 == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
+def test_each_layout_passes_streamrl_check_with_its_model_and_fits_an_h200(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(path)
+    assert find_problems(cfg, models=True) == []
+    shape = shape_of(Path(cfg.model.path).name)
+    megatron = cfg.learner.megatron
+    layout = Parallelism(
+        cfg.learner.num_gpus,
+        megatron.tensor_parallel_size,
+        megatron.pipeline_parallel_size,
+        megatron.expert_model_parallel_size,
+    )
+    learner = learner_bytes_per_gpu(shape, layout, reference=cfg.algorithm.kl_loss_coef > 0)
+    assert learner < 0.75 * H200_BYTES, f"{learner / 1e9:.0f} GB per learner GPU"
+    fp8 = "fp8" in cfg.engine.extra_args
+    engine = engine_weight_bytes_per_gpu(
+        shape, cfg.engine.tp_size, bytes_per_weight=1 if fp8 else 2
+    )
+    assert engine < 0.65 * H200_BYTES, f"{engine / 1e9:.0f} GB of weights per engine GPU"
+    gpus = cfg.learner.num_gpus + cfg.engine.num_engines * cfg.engine.tp_size
+    assert gpus % 8 == 0 and (gpus == 8) == (cfg.cluster.launcher == "local")
+
+
+def test_a_layout_that_does_not_split_the_model_is_refused_naming_the_key():
+    glm = shape_of("glm4-9b")  # 2 KV heads
+    (problem,) = layout_problems(glm, Parallelism(8, tp=4), engine_tp_size=1)
+    assert problem.startswith("learner.megatron.tensor_parallel_size = 4") and "= 2" in problem
+    deepseek = shape_of("deepseek-v3")  # 61 layers, 256 experts, 128 heads
+    problems = layout_problems(deepseek, Parallelism(64, tp=8, pp=2, ep=3), engine_tp_size=3)
+    assert [p.split(" =")[0] for p in problems] == [
+        "learner.megatron.pipeline_parallel_size",
+        "learner.megatron.expert_model_parallel_size",
+        "learner.megatron.expert_model_parallel_size",
+        "engine.tp_size",
+    ]
+
+
+def test_the_learner_count_splits_experts_over_expert_parallel_ranks_only():
+    moe = shape_of("qwen3-30b-a3b")
+    experts = expert_parameters(moe)
+    dense = moe.num_parameters() - experts
+    one = learner_bytes_per_gpu(moe, Parallelism(1), reference=False)
+    assert one == pytest.approx(18 * moe.num_parameters(), rel=1e-9)  # 2 + 4 + 12 bytes
+    split = learner_bytes_per_gpu(moe, Parallelism(4, ep=4), reference=False)
+    # EP 4 over DP 4: a quarter of the experts each, whose optimizer state is not split
+    # further (expert-DP 1); the dense part whole, its optimizer state split over DP 4.
+    assert split == pytest.approx(6 * dense + 3 * dense + 18 * experts / 4, rel=1e-9)
