@@ -17,7 +17,7 @@ from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet, EngineSetError
 from streamrl.models import load_tokenizer
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
-from streamrl.tasks.synthetic import confidence_reward, generate_scored
+from streamrl.agents.synthetic import confidence_reward, generate_scored
 from streamrl.types import PartialGroup
 
 pytestmark = pytest.mark.anyio

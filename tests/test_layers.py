@@ -53,7 +53,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.types",
         "streamrl.utils",
     ),
-    "streamrl.tasks": ("streamrl.agents", "streamrl.rewards", "streamrl.types"),
+    "streamrl.tasks": ("streamrl.rewards",),
     "streamrl.data": ("streamrl.tasks", "streamrl.types"),
     # the learner backends behind one interface
     "streamrl.backends": (
