@@ -45,7 +45,7 @@ def float_array(values: Any) -> np.ndarray:
 
 
 class Prompt(msgspec.Struct, kw_only=True):
-    """One rendered prompt (`streamrl.data.PromptSource` makes them), named by its position
+    """One rendered prompt (`streamrl.data.source.PromptSource` makes them), named by its position
     `seq` in the run's prompt stream: what a generate function gets."""
 
     seq: int

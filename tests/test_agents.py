@@ -27,7 +27,7 @@ from streamrl.agents.examples.guess_number import GuessNumber
 from streamrl.backends.batching import pack_micro_batches
 from streamrl.backends.step import train_step
 from streamrl.config import config_from_dict
-from streamrl.data import render_prompt, tokenize_prompt
+from streamrl.data.source import render_prompt, tokenize_prompt
 from streamrl.fleet.results import FinishReason, GenerateResult
 from streamrl.queues.buffer import Buffer
 from streamrl.types import NO_VERSION, Group, Prompt

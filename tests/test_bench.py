@@ -16,10 +16,10 @@ import httpx
 import numpy as np
 import pytest
 
+from streamrl.agents import synthetic
 from streamrl.bench import phases, runs, staleness, sync_async
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import EngineReading
-from streamrl.agents import synthetic
 from streamrl.types import Group, Sample
 from tests.engine_helpers import engine_load, running_engines
 

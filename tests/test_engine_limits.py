@@ -10,7 +10,7 @@ from engine_helpers import engine_load, running_engines
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents.api import GenerateContext, Trajectory
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.engine.protocol import SamplingBody
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import (

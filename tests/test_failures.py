@@ -19,9 +19,10 @@ from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents.api import Trajectory
 from streamrl.config import RunConfig
 from streamrl.config.sections import DataConfig, RolloutConfig
-from streamrl.data import DataError, DataPosition
+from streamrl.data.rows import DataError
 from streamrl.fleet.client import EngineError
 from streamrl.mains.rollout import fatal_of
+from streamrl.queues.accounting import DataPosition
 from streamrl.queues.intake import Intake
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
 from streamrl.types import Prompt

@@ -12,12 +12,12 @@ from engine_helpers import engine_load, running_engines
 from streamrl.actors.in_flight import InFlight
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
-from streamrl.data import PromptSource
+from streamrl.agents.synthetic import confidence_reward, generate_scored
+from streamrl.data.source import PromptSource
 from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet, EngineSetError
 from streamrl.models import load_tokenizer
 from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
-from streamrl.agents.synthetic import confidence_reward, generate_scored
 from streamrl.types import PartialGroup
 
 pytestmark = pytest.mark.anyio

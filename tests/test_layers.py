@@ -54,7 +54,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.utils",
     ),
     "streamrl.tasks": ("streamrl.rewards",),
-    "streamrl.data": ("streamrl.tasks", "streamrl.types"),
+    "streamrl.data": ("streamrl.queues.accounting", "streamrl.tasks", "streamrl.types"),
     # the learner backends behind one interface
     "streamrl.backends": (
         "streamrl.algorithms",

@@ -10,7 +10,7 @@ from engine_helpers import running_engines
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.models import load_tokenizer
 from streamrl.queues.admission import Admission

@@ -16,7 +16,7 @@ import numpy as np
 
 from streamrl.agents.api import GenerateContext, score_trajectory
 from streamrl.config import DataConfig, EvalDataset
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.queues.transport import StreamSender
 from streamrl.rewards import load_reward_fn

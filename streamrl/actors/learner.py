@@ -40,10 +40,9 @@ from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
-from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
 from streamrl.publish.publisher import WeightPublisher
-from streamrl.queues.accounting import AccountingError
+from streamrl.queues.accounting import AccountingError, DataPosition, position_after
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import RolloutWriter
 from streamrl.queues.source import StepSource

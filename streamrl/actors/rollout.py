@@ -41,10 +41,9 @@ from streamrl.agents.api import (
     VersionRule,
     score_trajectory,
 )
-from streamrl.data import DataPosition
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
-from streamrl.queues.accounting import StreamState
+from streamrl.queues.accounting import DataPosition, StreamState
 from streamrl.queues.transport import StreamSender
 from streamrl.types import (
     FinishReason,

@@ -37,8 +37,8 @@ import msgspec
 
 from streamrl import logs
 from streamrl.config import ConfigError, RunConfig, load_config
-from streamrl.data import DataPosition
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
+from streamrl.queues.accounting import DataPosition
 from streamrl.queues.protocol import Fatal
 from streamrl.types import PartialGroup, make_decoder
 
@@ -171,7 +171,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     from streamrl.actors.evaluator import Evaluator
     from streamrl.actors.rollout import RolloutWorker
     from streamrl.agents.api import VersionRule
-    from streamrl.data import PromptSource
+    from streamrl.data.source import PromptSource
     from streamrl.fleet.engine_set import EngineSet
     from streamrl.rewards import load_reward_fn
     from streamrl.utils import import_object
@@ -239,7 +239,7 @@ def fatal_of(exc: BaseException, cfg: RunConfig) -> Fatal | None:
     """`exc` (or the first error in its group) as a `Fatal` when a restart would hit it
     again; None for any other error (the process dies and the trainer restarts it)."""
     from streamrl.actors.failures import SystematicFailure
-    from streamrl.data import DataError
+    from streamrl.data.rows import DataError
 
     for error in _leaves(exc):
         if isinstance(error, SystematicFailure):

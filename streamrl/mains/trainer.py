@@ -36,13 +36,13 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.config import RunConfig, dump_toml
-from streamrl.data import position_after
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
 from streamrl.mains.rollout import RolloutSpec, spawn_rollout, start_rollout
 from streamrl.mains.rollout import write_spec as write_rollout_spec
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner
+from streamrl.queues.accounting import position_after
 from streamrl.queues.intake import IntakeState
 from streamrl.queues.protocol import Fatal
 from streamrl.types import make_decoder, make_encoder
