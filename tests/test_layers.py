@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "streamrl"
 
 LEAVES = ("streamrl.types", "streamrl.utils", "streamrl.process", "streamrl.placement")
 LEAVES += ("streamrl.models", "streamrl.schedules", "streamrl.metrics")
-LEAVES += ("streamrl.checkpoint", "streamrl.logs")
+LEAVES += ("streamrl.checkpoint", "streamrl.logs", "streamrl.events")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     # the wire types, the process helpers, placement, model shapes: nothing of streamrl
@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "streamrl.fleet": (
         "streamrl.config",
         "streamrl.engine.options",
+        "streamrl.events",
         "streamrl.placement",
         "streamrl.process",
         "streamrl.weights",

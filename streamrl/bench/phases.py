@@ -54,9 +54,9 @@ def generation_only(
     gpus: GpuMonitor | None = None,
 ) -> dict[str, Any]:
     """Generate `num_groups` groups with `window` in flight; see the module docstring."""
-    from streamrl.actors.supervisor import EngineSupervisor
     from streamrl.config import dump_toml
     from streamrl.fleet.commands import engine_argv_factory
+    from streamrl.fleet.supervisor import EngineSupervisor
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))

@@ -36,6 +36,7 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.config import RunConfig, dump_toml
+from streamrl.events import append_event
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
 from streamrl.mains.rollout import RolloutSpec, spawn_rollout, start_rollout
@@ -306,8 +307,8 @@ class Trainer:
         """Start the engines, and the rollout process, which loads its tokenizer and then
         waits for its spec (`RolloutKeeper.start`). From the main thread: children die with
         the thread that spawned them."""
-        from streamrl.actors.supervisor import EngineSupervisor
         from streamrl.fleet.commands import engine_argv_factory
+        from streamrl.fleet.supervisor import EngineSupervisor
 
         self.supervisor = EngineSupervisor(
             self.cfg,
@@ -598,10 +599,8 @@ def _fatal_message(fatal: Fatal, child: ProcessHandle) -> str:
 
 
 def _event(run_dir: Path, event: str, **details) -> None:
-    """Append to `run_dir/events.jsonl` (the engine supervisor writes its events there too)."""
-    record = {"time": time.time(), "component": "rollout", "event": event, **details}
-    with open(run_dir / "events.jsonl", "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    """A rollout event in `run_dir/events.jsonl`."""
+    append_event(run_dir, {"component": "rollout", "event": event, **details})
 
 
 async def _wait_exit(child: ProcessHandle, *, timeout_s: float) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +25,7 @@ from typing import Protocol
 import anyio
 
 from streamrl.config import RunConfig
+from streamrl.events import append_event
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.router import Router
 from streamrl.process import LocalSpawner, ProcessHandle, ServerArgv, Spawner, wait_http_ready
@@ -155,9 +155,7 @@ class EngineSupervisor:
 
     def _event(self, engine: Engine, event: str, **details) -> None:
         """Append to `run_dir/events.jsonl` (down, restarted, synced) and refresh engines.json."""
-        record = {"time": time.time(), "engine": engine.url, "event": event, **details}
-        with open(self.run_dir / "events.jsonl", "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_event(self.run_dir, {"engine": engine.url, "event": event, **details})
         self._write_state()
 
     async def versions(self) -> dict[str, int | None]:
