@@ -497,10 +497,10 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
     assert (group.oldest_version, group.newest_version, group.num_versions_spanned) == (0, 2, 3)
 
     # Staleness is measured from the oldest trained token, not the newest.
-    strict = Buffer(capacity=2, max_staleness=2)
+    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode")
     strict.put(group)
     assert strict.pop_batch(1, version=3) is None and strict.stats.evicted["stale"] == 1
-    buffer = Buffer(capacity=2, max_staleness=3)
+    buffer = Buffer(capacity=2, max_staleness=3, staleness_rule="episode")
     buffer.put(group)
     assert buffer.pop_batch(1, version=3) == [group]
     assert buffer.stats.staleness == {3: 1} and buffer.stats.versions_spanned == {3: 1}

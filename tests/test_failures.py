@@ -146,7 +146,9 @@ def worker(
 
 
 def intake() -> Intake:
-    return Intake("tcp://127.0.0.1:0", batch_size=2, max_staleness=1, capacity=64)
+    return Intake(
+        "tcp://127.0.0.1:0", batch_size=2, max_staleness=1, capacity=64, staleness_rule="episode"
+    )
 
 
 @pytest.mark.anyio

@@ -44,7 +44,7 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     )
     tokenizer = load_tokenizer(tiny_model_dir)
     batch_size, eta, n = 2, 1, 3
-    buffer = Buffer(capacity=100, max_staleness=eta)
+    buffer = Buffer(capacity=100, max_staleness=eta, staleness_rule="episode")
     admission = Admission(
         batch_size=batch_size, max_staleness=eta, capacity=100, num_buffered=lambda: len(buffer)
     )

@@ -45,6 +45,7 @@ from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.filters import GroupFilter, NamedFilter
+from streamrl.queues.horizon import StalenessRule
 from streamrl.queues.progress import ProgressReport, SourceStats, StepProgress
 from streamrl.queues.protocol import Fatal, Report
 from streamrl.queues.transport import StreamReceiver
@@ -103,9 +104,9 @@ class Intake:
         batch_size: int,
         max_staleness: int,
         capacity: int,
+        staleness_rule: StalenessRule,
         filters: Iterable[str | GroupFilter | NamedFilter] = (),
         start_version: int = 0,
-        staleness_rule: str = "episode",
         max_episode_staleness: int = 0,
         groups_per_step: int = 0,
     ) -> None:
