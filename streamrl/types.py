@@ -22,6 +22,9 @@ _NDARRAY_EXT = 1
 
 
 class FinishReason(enum.StrEnum):
+    """Why a sample's generation ended (the engine's report is `fleet.results.EngineFinish`;
+    `error`: every engine attempt failed)."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

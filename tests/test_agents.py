@@ -28,7 +28,7 @@ from streamrl.backends.batching import pack_micro_batches
 from streamrl.backends.step import train_step
 from streamrl.config import config_from_dict
 from streamrl.data.source import render_prompt, tokenize_prompt
-from streamrl.fleet.results import FinishReason, GenerateResult
+from streamrl.fleet.results import EngineFinish, GenerateResult
 from streamrl.queues.buffer import Buffer
 from streamrl.types import NO_VERSION, Group, Prompt
 
@@ -62,7 +62,7 @@ def result(
         versions=list(versions),
         versions_exact=True,
         weight_version=max(versions, default=0),
-        finish_reason=FinishReason(type=finish),
+        finish_reason=EngineFinish(type=finish),
         prompt_tokens=0,
         cached_tokens=0,
         meta={},
