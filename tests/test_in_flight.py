@@ -68,7 +68,7 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                     tokenizer,
                 )
                 tg.start_soon(first.run)
-                tg.start_soon(first.snapshot_loop)
+                tg.start_soon(first.in_flight_loop)
                 with anyio.fail_after(60):  # readiness: both groups are decoding
                     while len(first.in_flight.hold.active) < 4:
                         await anyio.sleep(0.02)
@@ -76,7 +76,7 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                     tokens = engine_load(url)["generated_tokens"]
                     while engine_load(url)["generated_tokens"] < tokens + 8:
                         await anyio.sleep(0.02)
-                    await receiver.request_snapshot(7)
+                    await receiver.request_in_flight(7)
                     while not [r for r in reports if r.kind == "in_flight"]:
                         await anyio.sleep(0.02)
                 tg.cancel_scope.cancel()
@@ -132,5 +132,5 @@ async def test_a_snapshot_goes_on_when_an_engine_is_restarting():
     (once this killed the rollout process during an engine restart)."""
     in_flight = InFlight(resumable=True)
     in_flight.started(3)
-    groups, cost = await in_flight.snapshot(_OneEngineLoading(), 2)
+    groups, cost = await in_flight.collect(_OneEngineLoading(), 2)
     assert [group.prompt_seq for group in groups] == [3] and cost["complete"]

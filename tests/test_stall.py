@@ -235,7 +235,7 @@ class StalledSource:
             self._warned_twice.set()
         return all_zero_report()
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         return IntakeState(is_complete=True)
 
     @property

@@ -78,7 +78,7 @@ class RolloutCounters:
     resume_prompt_tokens: int = 0
     """Prompt tokens sent again to resume aborted calls (the extra prefill of `abort`)."""
     snapshots: int = 0
-    """Snapshots of the groups in flight answered (one per checkpoint)."""
+    """In-flight reports answered (one per checkpoint's cut; the key keeps its first name)."""
     resumed_samples: int = 0
     """Samples a checkpoint saved in flight, continued from their tokens after a restart."""
     resumed_tokens: int = 0
@@ -205,11 +205,12 @@ class RolloutWorker:
             resumed=list(self.resumed_seqs),
         )
 
-    async def snapshot_loop(self) -> None:
-        """Answer every `Snapshot` request with the groups in flight (their tokens so far)."""
+    async def in_flight_loop(self) -> None:
+        """Answer every `CollectInFlight` request with the groups in flight (their tokens so
+        far)."""
         step = -1
-        while (step := await self.sender.next_snapshot(step)) >= 0:
-            groups, cost = await self.in_flight.snapshot(self.engines, self.n_samples_per_prompt)
+        while (step := await self.sender.next_in_flight_request(step)) >= 0:
+            groups, cost = await self.in_flight.collect(self.engines, self.n_samples_per_prompt)
             self.counters.snapshots += 1
             await self.sender.send_report(
                 "in_flight", {"step": step, "groups": msgspec.to_builtins(groups), **cost}
@@ -281,7 +282,7 @@ class RolloutWorker:
                 self.counters.resumed_tokens += len(sample.output_ids)
                 tg.start_soon(one, sample)
         missing = [i for i, result in enumerate(results) if result is None]
-        for index in missing:  # a sample the snapshot did not hold: made anew
+        for index in missing:  # a sample the in-flight report did not hold: made anew
             results[index] = await self._one(prompt, index)
         return results
 

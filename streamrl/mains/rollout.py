@@ -214,7 +214,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     )
     async with engines, _gateway(cfg, generate_fn), anyio.create_task_group() as tg:
         tg.start_soon(worker.report_loop)
-        tg.start_soon(worker.snapshot_loop)
+        tg.start_soon(worker.in_flight_loop)
         if cfg.eval.interval and cfg.eval.datasets:
             evaluator = Evaluator(
                 list(cfg.eval.datasets),

@@ -128,7 +128,7 @@ class ReplayIntake:
         """Nothing to wait for: the next file is read when the learner asks for it."""
         return ProgressReport(num_needed=num_needed, num_buffered=len(self._buffer))
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         """A checkpoint's async state: the trained seqs (nothing buffered between steps, no
         rollout to cut with)."""
         return IntakeState(

@@ -33,11 +33,11 @@ import zmq.asyncio
 
 from streamrl.queues.protocol import (
     Ack,
+    CollectInFlight,
     Credit,
     Fatal,
     Hello,
     Report,
-    Snapshot,
     Stop,
     ToReceiver,
     ToSender,
@@ -191,10 +191,11 @@ class StreamReceiver:
         session.announced_version = self.credits.version
         await self._send(session.identity, Credit(num_groups, self.credits.version))
 
-    async def request_snapshot(self, step: int) -> int:
-        """Ask every sender for its groups in flight (`Snapshot`); returns how many were asked."""
+    async def request_in_flight(self, step: int) -> int:
+        """Ask every sender for its groups in flight (`CollectInFlight`); returns how many were
+        asked."""
         for session in self._sessions.values():
-            await self._send(session.identity, Snapshot(step))
+            await self._send(session.identity, CollectInFlight(step))
         return len(self._sessions)
 
     async def stop(self, reason: str = "") -> None:
@@ -289,8 +290,8 @@ class StreamSender:
         self.session = uuid.uuid4().hex
         self.version = 0
         self.is_stopped = False
-        self.snapshot_step = -1
-        """The newest `Snapshot` request's step (-1: none yet)."""
+        self.in_flight_step = -1
+        """The newest `CollectInFlight` request's step (-1: none yet)."""
         self._credits = 0
         self._num_stops = 0
         self._unacked: dict[str, tuple[float, bytes]] = {}
@@ -369,12 +370,13 @@ class StreamSender:
             changed = self._changed
             await changed.wait()
 
-    async def next_snapshot(self, after: int) -> int:
-        """Wait for a `Snapshot` request newer than step `after`; its step (-1 once stopped)."""
-        while self.snapshot_step <= after and not self.is_stopped:
+    async def next_in_flight_request(self, after: int) -> int:
+        """Wait for a `CollectInFlight` request newer than step `after`; its step (-1 once
+        stopped)."""
+        while self.in_flight_step <= after and not self.is_stopped:
             changed = self._changed
             await changed.wait()
-        return -1 if self.is_stopped else self.snapshot_step
+        return -1 if self.is_stopped else self.in_flight_step
 
     async def wait_version(self, version: int) -> None:
         """Wait until the receiver reports engines at `version` or later (or stops)."""
@@ -397,8 +399,8 @@ class StreamSender:
         elif isinstance(message, Stop):
             self.is_stopped = True
             self._num_stops += 1
-        elif isinstance(message, Snapshot):
-            self.snapshot_step = max(self.snapshot_step, message.step)
+        elif isinstance(message, CollectInFlight):
+            self.in_flight_step = max(self.in_flight_step, message.step)
         self._changed.set()
         self._changed = anyio.Event()
 
