@@ -5,7 +5,7 @@
 
 Three writers share this one function: the engine supervisor (an engine down, restarted,
 serving again: `streamrl.fleet.supervisor`), the trainer (the rollout process restarted,
-or stopped by an error a restart would repeat: `streamrl.mains.trainer`) and the
+or stopped by an error a restart would repeat: `streamrl.mains.rollout_keeper`) and the
 learner ranks' launcher (where each rank runs: `streamrl.mains.ranks`). People and tests
 read it; nothing in a run does.
 """

@@ -59,8 +59,8 @@ from streamrl.launch.placement import (
     rank_order,
     split_tp_groups,
 )
+from streamrl.mains.errors import RunError
 from streamrl.mains.follower import NODE_IP_ENV
-from streamrl.mains.trainer import RunError
 from streamrl.process import ChildProcess, free_port, spawn
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 
 from streamrl.config import ConfigError, RunConfig, load_config
-from streamrl.mains.trainer import RunError, Trainer
+from streamrl.mains.errors import RunError
+from streamrl.mains.trainer import Trainer
 from streamrl.process import ProcessDied
 from streamrl.queues.accounting import AccountingError
 
