@@ -69,7 +69,7 @@ class EngineSupervisor:
 
     `spawner` decides where engine processes run and which address and port each gets:
     children of this process (`LocalSpawner`, the default) or of Ray actors on their nodes
-    (`streamrl.launch.ray.RaySpawner`); health checks and restarts are the same for both."""
+    (`streamrl.launch.ray.spawner.RaySpawner`); health checks and restarts are the same for both."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ learner loads its model, binds the intake, starts the rollout process (kept aliv
 `streamrl.mains.rollout_keeper`), trains to `train.steps`, then stops in order: final
 checkpoint, engines settled on the final version, rollout, learner ranks. It returns the summary (also written to
 `summary.json`). Where the processes run is the spawner's business
-(`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.RaySpawner`).
+(`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.spawner.RaySpawner`).
 
 `train.mode = "rollout_only"` starts the engines and the rollout process but no learner
 model and no weight publisher (the loop writes each step's groups); `"train_only"`
