@@ -20,7 +20,8 @@ from streamrl.fleet.limits import (
     context_length_of,
 )
 from streamrl.models import load_tokenizer
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import SampleStatus
 
 LIMITS = RequestLimits(vocab_size=100, context_length=20)

@@ -24,7 +24,8 @@ from streamrl.fleet.client import EngineError
 from streamrl.mains.rollout import fatal_of
 from streamrl.queues.accounting import DataPosition
 from streamrl.queues.intake import Intake
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import Prompt
 
 

@@ -17,7 +17,8 @@ from streamrl.data.source import PromptSource
 from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet, EngineSetError
 from streamrl.models import load_tokenizer
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import PartialGroup
 
 pytestmark = pytest.mark.anyio

@@ -15,7 +15,8 @@ from streamrl.fleet.engine_set import EngineSet
 from streamrl.models import load_tokenizer
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
-from streamrl.queues.transport import StreamReceiver, StreamSender
+from streamrl.queues.receiver import StreamReceiver
+from streamrl.queues.sender import StreamSender
 from streamrl.rewards import RewardInput
 from streamrl.types import SampleStatus
 

@@ -19,8 +19,8 @@ from streamrl.queues.intake import Intake, IntakeState
 from streamrl.queues.progress import ProgressReport, RewardStats, SourceStats, StepProgress
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import ReplayIntake, RolloutWriter
+from streamrl.queues.sender import StreamSender
 from streamrl.queues.source import StepSource
-from streamrl.queues.transport import StreamSender
 from streamrl.types import Group, Sample, SampleStatus
 
 

@@ -40,7 +40,7 @@ from streamrl.agents.api import (
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
 from streamrl.queues.accounting import DataPosition, StreamState
-from streamrl.queues.transport import StreamSender
+from streamrl.queues.sender import StreamSender
 from streamrl.types import (
     FinishReason,
     Group,

@@ -141,7 +141,7 @@ def rollout_command(args) -> int:
 async def rollout_main(cfg: RunConfig, spec: RolloutSpec, tokenizer) -> int:
     """Run the rollout worker (and the evaluator) until the receiver says stop: 0; or
     until an error a restart cannot fix, sent to the trainer first: 1."""
-    from streamrl.queues.transport import StreamSender
+    from streamrl.queues.sender import StreamSender
 
     sender = StreamSender(
         spec.buffer_address, sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups

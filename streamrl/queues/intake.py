@@ -48,7 +48,7 @@ from streamrl.queues.filters import GroupFilter, NamedFilter
 from streamrl.queues.horizon import StalenessRule
 from streamrl.queues.progress import ProgressReport, SourceStats, StepProgress
 from streamrl.queues.protocol import Fatal, Report
-from streamrl.queues.transport import StreamReceiver
+from streamrl.queues.receiver import StreamReceiver
 from streamrl.types import Group, PartialGroup
 
 
