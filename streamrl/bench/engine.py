@@ -201,12 +201,7 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
     for count in counts:
         rounds = []
         for repeat in range(args.repeats):
-            prompts = prompts_for(
-                count,
-                args.prompt_tokens,
-                seed=1000 * count + repeat + 2,
-                vocab_size=args.vocab_size,
-            )
+            prompts = _round_prompts(count, repeat, args)
             before = await _load(url)
             t0 = time.monotonic()
             measured = await measure_http(
@@ -262,12 +257,7 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
         for count in counts:
             rounds = []
             for repeat in range(args.repeats):
-                prompts = prompts_for(
-                    count,
-                    args.prompt_tokens,
-                    seed=1000 * count + repeat + 2,
-                    vocab_size=args.vocab_size,
-                )
+                prompts = _round_prompts(count, repeat, args)
                 t0 = time.monotonic()
                 measured = await measure_in_process(
                     core, prompts, max_new_tokens=args.max_new_tokens
@@ -283,6 +273,13 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
         del core
         _free_device_memory()
     return row
+
+
+def _round_prompts(count: int, repeat: int, args: argparse.Namespace) -> list[list[int]]:
+    """Round `repeat`'s `count` prompts: fresh ones every round, the same for every engine."""
+    return prompts_for(
+        count, args.prompt_tokens, seed=1000 * count + repeat + 2, vocab_size=args.vocab_size
+    )
 
 
 def _free_device_memory() -> None:

@@ -130,14 +130,10 @@ class PromptSource:
             tokenizer=tokenizer,
             input_key=cfg.input_key,
             label_key=cfg.label_key,
-            metadata_key=cfg.metadata_key,
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
             shuffle=cfg.shuffle,
             seed=seed,
-            on_bad_line=cfg.on_bad_line,
-            max_prompt_tokens=cfg.max_prompt_tokens,
             position=position,
+            **_rendering(cfg),
         )
 
     @classmethod
@@ -148,12 +144,8 @@ class PromptSource:
             tokenizer=tokenizer,
             input_key=dataset.input_key,
             label_key=dataset.label_key,
-            metadata_key=data.metadata_key,
-            apply_chat_template=data.apply_chat_template,
-            system_prompt=data.system_prompt,
             shuffle=False,
-            on_bad_line=data.on_bad_line,
-            max_prompt_tokens=data.max_prompt_tokens,
+            **_rendering(data),
         )
 
     def _load(self, path, input_key, label_key, metadata_key, on_bad_line) -> list[Row]:
@@ -256,3 +248,15 @@ class PromptSource:
         """Checkpoint position: `position_after` over `trained_seqs` (handed out by this
         source since it was built), the position it started from, and its length skips."""
         return position_after(set(trained_seqs) | self.too_long_seqs, since=self._start)
+
+
+def _rendering(data: Any) -> dict[str, Any]:
+    """What a `DataConfig` says about reading and rendering rows, as `PromptSource`'s keywords
+    (the training source's and every eval source's)."""
+    return {
+        "metadata_key": data.metadata_key,
+        "apply_chat_template": data.apply_chat_template,
+        "system_prompt": data.system_prompt,
+        "on_bad_line": data.on_bad_line,
+        "max_prompt_tokens": data.max_prompt_tokens,
+    }
