@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from streamrl.agents.api import GenerateContext, score_trajectory
+from streamrl.actors.samples import score_trajectory
+from streamrl.agents.api import GenerateContext
 from streamrl.config import DataConfig, EvalDataset
 from streamrl.data.source import PromptSource
 from streamrl.fleet.engine_set import EngineSet

@@ -4,7 +4,8 @@ The rollout worker (`streamrl.actors.rollout`) makes trajectories from prompts; 
 comes here with the error that ended it, if any. A generation failure is kept as a
 sample with status `generation_failed`; a reward that raises or times out gives reward 0
 with status `reward_failed` and the error in the metadata. Both go to the worker's failure
-window (`streamrl.actors.failures`). `RolloutCounters` is what the worker reports.
+window (`streamrl.actors.failures`). `RolloutCounters` is what the worker reports;
+`score_trajectory` runs `rollout.reward_fn` on a trajectory (the evaluator's too).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from streamrl.actors.failures import Failure, FailureWindow, Stage
-from streamrl.agents.api import Trajectory, score_trajectory
+from streamrl.agents.api import Trajectory
+from streamrl.rewards import RewardInput, RewardOutcome, score
 from streamrl.types import Prompt, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -146,3 +148,20 @@ def routed_experts_rows(
     out = np.full((rows, routed.shape[1]), -1, dtype=np.int16)
     out[: len(routed)] = routed
     return out
+
+
+async def score_trajectory(
+    reward_fn: Any, prompt: Prompt, trajectory: Trajectory, *, timeout_s: float
+) -> RewardOutcome:
+    """`reward_fn` on the trajectory's text with the prompt's label and metadata (never raises:
+    a failing reward comes back as an outcome with `error` set)."""
+    return await score(
+        reward_fn,
+        RewardInput(
+            prompt=prompt.text,
+            response=trajectory.text,
+            label=prompt.label,
+            metadata=dict(prompt.metadata),
+        ),
+        timeout_s=timeout_s,
+    )

@@ -31,7 +31,6 @@ import anyio
 from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.results import GenerateResult
-from streamrl.rewards import RewardInput, RewardOutcome, score
 from streamrl.types import NO_VERSION, FinishReason, Prompt
 
 log = logging.getLogger(__name__)
@@ -369,20 +368,3 @@ class GenerateContext:
             return self.engines.router
         key = self.session_key if num_failures == 0 else f"{self.session_key}#{num_failures}"
         return self.engines.session(key)
-
-
-async def score_trajectory(
-    reward_fn: Any, prompt: Prompt, trajectory: Trajectory, *, timeout_s: float
-) -> RewardOutcome:
-    """`reward_fn` on the trajectory's text with the prompt's label and metadata (never raises:
-    a failing reward comes back as an outcome with `error` set)."""
-    return await score(
-        reward_fn,
-        RewardInput(
-            prompt=prompt.text,
-            response=trajectory.text,
-            label=prompt.label,
-            metadata=dict(prompt.metadata),
-        ),
-        timeout_s=timeout_s,
-    )
