@@ -64,6 +64,17 @@ class WeightSink(Protocol):
     async def resync(self) -> None: ...
 
 
+class InitialWeights:
+    """The weight sink of a run without a publisher (`rollout_only`): a restarted engine
+    loads the initial model, which is the policy, so there is nothing to resync."""
+
+    def invalidate(self) -> None:
+        pass
+
+    async def resync(self) -> None:
+        pass
+
+
 class EngineSupervisor:
     """The run's engines (started, or attached with `engine.urls`) and their router.
 

@@ -354,13 +354,15 @@ class Trainer:
     ) -> dict[str, int | None]:
         """Run the learner loop to `train.steps` with everything around it; stop in order:
         final checkpoint, engines settled on the final version, rollout, learner ranks."""
+        from streamrl.fleet.supervisor import InitialWeights
+
         cfg, supervisor = self.cfg, self.supervisor
         async with anyio.create_task_group() as tg:
             await tg.start(intake.run)
             if publisher is not None:
                 await tg.start(publisher.run)
             if not cfg.engine.urls:
-                tg.start_soon(supervisor.monitor, publisher or _InitialWeights())
+                tg.start_soon(supervisor.monitor, publisher or InitialWeights())
             watch = anyio.CancelScope()
             tg.start_soon(rollout.keep_alive, watch)
             if self.ranks is not None:
@@ -385,17 +387,6 @@ class Trainer:
             self.leader.close()
             await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
         return engine_versions
-
-
-class _InitialWeights:
-    """The weight sink of rollout_only: a restarted engine loads the initial model, which is
-    the policy, so there is nothing to resync."""
-
-    def invalidate(self) -> None:
-        pass
-
-    async def resync(self) -> None:
-        pass
 
 
 async def _final_resync(publisher, supervisor) -> None:
