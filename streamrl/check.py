@@ -2,7 +2,7 @@
 
 Beyond the config's own validation (types, ranges, rules across sections), it imports the
 user's code (reward, generate and filter functions), reads every data file (each record
-up to `MAX_DATA_ROWS`, parsed and validated by the run's own reader, `streamrl.data`; the
+up to `MAX_DATA_ROWS`, parsed and validated by the run's own reader, `streamrl.data.rows`; the
 first bad record is named as `path:line` with the number of bad ones; the first record must
 hold the label key), and checks that every model path exists and that its config loads.
 Each problem names its dotted key; any problem gives exit code 2. On success the resolved
@@ -142,13 +142,13 @@ checked up to here (a warning says so) and the run still validates every row at 
 
 def check_data_file(path: str, input_key: str, label_key: str, cfg: RunConfig) -> None:
     """Every record up to `MAX_DATA_ROWS` parses and passes the run's own row checks
-    (`streamrl.data.checked_rows`, with `data.metadata_key` and `data.apply_chat_template`),
+    (`streamrl.data.rows.checked_rows`, with `data.metadata_key` and `data.apply_chat_template`),
     and the first record holds `label_key`. Raises naming the first bad record (`path:line`)
     and the number of bad ones; with `data.on_bad_line = "skip"` bad records are only
     warned about, as the run skips them, unless every record is bad."""
-    from streamrl import data
+    from streamrl.data import rows
 
-    scan = data.scan_rows(
+    scan = rows.scan_rows(
         path,
         max_rows=MAX_DATA_ROWS,
         input_key=input_key,
@@ -170,11 +170,11 @@ def check_data_file(path: str, input_key: str, label_key: str, cfg: RunConfig) -
 
 def _check_first_label(path: str, label_key: str) -> None:
     """The first record holds `label_key` (built-in tasks always use their own keys)."""
-    from streamrl import data
+    from streamrl.data import rows
 
     if path.startswith("builtin:"):
         label_key = "label"
-    line, obj = next(iter(data._records(path)))
+    line, obj = next(iter(rows.records(path)))
     if isinstance(obj, dict) and label_key not in obj:
         where = path if path.startswith("builtin:") else f"{path}:{line}"
         raise ValueError(

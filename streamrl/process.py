@@ -126,7 +126,7 @@ class ProcessHandle(Protocol):
 
 class Spawner(Protocol):
     """Where component processes run: here (`LocalSpawner`) or in Ray actors
-    (`streamrl.launch.ray.RaySpawner`). The handles it returns act like `ChildProcess`."""
+    (`streamrl.launch.ray.spawner.RaySpawner`). The handles it returns act like `ChildProcess`."""
 
     name: str
     """The launcher's name, `local` or `ray` (recorded in engines.json)."""

@@ -22,6 +22,9 @@ _NDARRAY_EXT = 1
 
 
 class FinishReason(enum.StrEnum):
+    """Why a sample's generation ended (the engine's report is `fleet.results.EngineFinish`;
+    `error`: every engine attempt failed)."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -45,7 +48,7 @@ def float_array(values: Any) -> np.ndarray:
 
 
 class Prompt(msgspec.Struct, kw_only=True):
-    """One rendered prompt (`streamrl.data.PromptSource` makes them), named by its position
+    """One rendered prompt (`streamrl.data.source.PromptSource` makes them), named by its position
     `seq` in the run's prompt stream: what a generate function gets."""
 
     seq: int
@@ -194,7 +197,7 @@ class Group(msgspec.Struct, kw_only=True, tag="group"):
 
 
 class PartialSample(msgspec.Struct, kw_only=True, frozen=True):
-    """One sample of a group in flight at a snapshot: the tokens its model turn had so far
+    """One sample of a group in flight at a checkpoint's cut: the tokens its model turn had so far
     (each with its behaviour logprob and version), or all of them if it had finished."""
 
     index: int
@@ -208,7 +211,7 @@ class PartialSample(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class PartialGroup(msgspec.Struct, kw_only=True, frozen=True):
-    """A group in flight at a snapshot (`Report(kind="in_flight")`), saved with a checkpoint
+    """A group in flight at a checkpoint's cut (`Report(kind="in_flight")`), saved with a checkpoint
     and continued on resume: its prompt is named by `prompt_seq`. `samples` is empty when
     the generate function cannot be continued from tokens (multi-turn episodes): the group
     is then generated again from its prompt."""

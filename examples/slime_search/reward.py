@@ -1,7 +1,7 @@
 """A reward function written for slime (`--custom-rm-path reward.reward_func`).
 
 A random tiny model can learn nothing about search or answers, so the example scores a
-property of its own tokens that it can learn (streamrl.tasks.synthetic's `repeat`): the
+property of its own tokens that it can learn (streamrl.agents.synthetic's `repeat`): the
 share of the model's tokens that repeat the token before them in the same turn. Tool
 output (loss mask 0) is not the model's and is not counted.
 """

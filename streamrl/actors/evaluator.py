@@ -14,11 +14,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from streamrl.agents.api import GenerateContext, score_trajectory
+from streamrl.actors.samples import score_trajectory
+from streamrl.agents.api import GenerateContext
 from streamrl.config import DataConfig, EvalDataset
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.fleet.engine_set import EngineSet
-from streamrl.queues.transport import StreamSender
+from streamrl.queues.sender import StreamSender
 from streamrl.rewards import load_reward_fn
 
 log = logging.getLogger(__name__)

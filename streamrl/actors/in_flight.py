@@ -1,10 +1,11 @@
-"""The groups a rollout worker has in flight: what a snapshot reads and a restart continues.
+"""The groups a rollout worker has in flight: what a checkpoint's cut reads and a restart
+continues.
 
-A snapshot (the trainer's `Snapshot(step)`, sent when it writes a checkpoint) closes the
-worker's `Hold`, aborts every engine request (each comes back with its partial output),
+Collecting them (the trainer's `CollectInFlight(step)`, sent when it writes a checkpoint)
+closes the worker's `Hold`, aborts every engine request (each comes back with its partial output),
 waits until every call has parked, and reports each group's samples as `PartialGroup`s:
 their tokens, behaviour logprobs and versions so far. Then the hold opens and every call
-goes on from its tokens: generation stops for the snapshot alone.
+goes on from its tokens: generation stops for the collection alone.
 
 On resume the trainer hands the saved groups to the new rollout process, which starts
 them before new prompts: each sample continues from its tokens on the restored engines
@@ -27,8 +28,8 @@ from streamrl.types import FinishReason, PartialGroup, PartialSample
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_TIMEOUT_S = 60.0
-"""A snapshot whose calls have not all parked by then reports no partial samples (their
+COLLECT_TIMEOUT_S = 60.0
+"""A collection whose calls have not all parked by then reports no partial samples (their
 groups are then generated again on resume)."""
 
 
@@ -61,19 +62,21 @@ class InFlight:
     def sent(self, seq: int) -> None:
         self._groups.pop(seq, None)
 
-    async def snapshot(self, engines, num_samples: int) -> tuple[list[PartialGroup], dict]:
+    async def collect(self, engines, num_samples: int) -> tuple[list[PartialGroup], dict]:
         """Stop every call at its tokens, read them, let them go on. Returns the groups and
         what it cost (`seconds`, `complete`: every call parked in time)."""
         started = time.perf_counter()
         self.hold.close()
         try:
-            with anyio.move_on_after(SNAPSHOT_TIMEOUT_S) as timeout:
+            with anyio.move_on_after(COLLECT_TIMEOUT_S) as timeout:
                 try:
                     await engines.abort_all()
                 except EngineSetError as exc:
                     # An engine that is down or still loading holds no call to stop: the
                     # calls it had fail, are retried, and park at the closed hold too.
-                    log.warning("snapshot: %s; waiting for their calls to park", exc)
+                    log.warning(
+                        "collecting the groups in flight: %s; waiting for their calls to park", exc
+                    )
                 await self.hold.wait_parked()
             complete = not timeout.cancelled_caught
             groups = [

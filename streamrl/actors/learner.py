@@ -40,10 +40,9 @@ from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
-from streamrl.data import DataPosition, position_after
 from streamrl.metrics import MetricsWriter
 from streamrl.publish.publisher import WeightPublisher
-from streamrl.queues.accounting import AccountingError
+from streamrl.queues.accounting import AccountingError, DataPosition, position_after
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import RolloutWriter
 from streamrl.queues.source import StepSource
@@ -51,9 +50,9 @@ from streamrl.types import Group, make_encoder
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_TIMEOUT_S = 120.0
+CUT_TIMEOUT_S = 120.0
 """A checkpoint waits this long for the rollout's groups in flight (it holds generation
-for the snapshot alone), else is written without them."""
+for the cut alone), else is written without them."""
 
 
 class LearnerLoop:
@@ -205,7 +204,7 @@ class LearnerLoop:
         """A checkpoint of the model, the optimizer and the run's asynchronous state: the
         intake at a cut with the rollout (buffered groups, every prompt's fate, the groups
         in flight with their tokens) and this process's random states."""
-        cut = await self.source.snapshot(self.state.step, timeout_s=SNAPSHOT_TIMEOUT_S)
+        cut = await self.source.cut(self.state.step, timeout_s=CUT_TIMEOUT_S)
         position = position_after(self.source.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
         files = {
@@ -228,7 +227,7 @@ class LearnerLoop:
                 "step": self.state.step,
                 "version": self.version,
                 "time": self.metrics.elapsed_s,
-                "checkpoint/snapshot_s": cut.snapshot_s,
+                "checkpoint/snapshot_s": cut.cut_s,  # the cut's time, under its first name
                 "checkpoint/rollout_pause_s": cut.rollout_pause_s,
                 "checkpoint/write_s": time.perf_counter() - started,
                 "checkpoint/bytes": checkpoint.size_bytes(path),
@@ -244,11 +243,11 @@ class LearnerLoop:
             step=self.state.step,
         )
         log.info(
-            "checkpoint %s (version %d): %d groups buffered, %d in flight (snapshot %.2f s)",
+            "checkpoint %s (version %d): %d groups buffered, %d in flight (cut %.2f s)",
             path,
             self.version,
             len(cut.buffered),
             len(cut.in_flight),
-            cut.snapshot_s,
+            cut.cut_s,
         )
         return path

@@ -5,12 +5,12 @@
            start_soon(run_group(prompt))        # n samples concurrently, each via generate_fn
     run_group: samples = generate + score (x n) -> Group -> sender.send (kept until acked)
 
-Nothing generated is dropped: a sample whose generate function fails after
-its retries is kept with status `generation_failed` (the buffer's `failed`
-filter counts the group); a reward that raises or times out gives reward 0
-with status `reward_failed` and the error in the sample's metadata. When every
-one of the last `max_consecutive_failures` samples failed (`streamrl.actors.failures`),
-the worker stops starting groups, reports its counters and raises `SystematicFailure`.
+Nothing generated is dropped: each trajectory becomes a `Sample` in
+`streamrl.actors.samples`, a failed generation with status `generation_failed` (the
+buffer's `failed` filter counts the group), a failed reward with reward 0 and status
+`reward_failed`. When every one of the last `max_consecutive_failures` samples failed
+(`streamrl.actors.failures`), the worker stops starting groups, reports its counters and
+raises `SystematicFailure`.
 """
 
 from __future__ import annotations
@@ -18,34 +18,29 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import msgspec
-import numpy as np
 
 from streamrl.actors.failures import (
     Failure,
     FailureWindow,
-    Stage,
     generation_failure,
     is_engine_outage,
 )
 from streamrl.actors.in_flight import InFlight, resume_completion
+from streamrl.actors.samples import RolloutCounters, make_sample
 from streamrl.agents.api import (
     GenerateContext,
     GenerateFn,
     Trajectory,
     VersionRule,
-    score_trajectory,
 )
-from streamrl.data import DataPosition
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import RequestRejected
-from streamrl.queues.accounting import StreamState
-from streamrl.queues.transport import StreamSender
+from streamrl.queues.accounting import DataPosition, StreamState
+from streamrl.queues.sender import StreamSender
 from streamrl.types import (
     FinishReason,
     Group,
@@ -53,7 +48,6 @@ from streamrl.types import (
     PartialSample,
     Prompt,
     Sample,
-    SampleStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -65,44 +59,6 @@ def sample_seed(seed: int, prompt_seq: int, index: int) -> int:
     of its sample 0, and the engine seeds sample j with it + j (SGLang's `n` does too)."""
     key = f"{seed}/{prompt_seq}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") // 4 + index
-
-
-@dataclass
-class RolloutCounters:
-    groups_started: int = 0
-    groups_sent: int = 0
-    samples: int = 0
-    response_tokens: int = 0
-    generation_failures: int = 0
-    reward_failures: int = 0
-    resumes: int = 0
-    resume_prompt_tokens: int = 0
-    """Prompt tokens sent again to resume aborted calls (the extra prefill of `abort`)."""
-    snapshots: int = 0
-    """Snapshots of the groups in flight answered (one per checkpoint)."""
-    resumed_samples: int = 0
-    """Samples a checkpoint saved in flight, continued from their tokens after a restart."""
-    resumed_tokens: int = 0
-    """Their tokens kept (not generated again)."""
-    regenerated_groups: int = 0
-    """Groups a checkpoint saved in flight that had to be generated again from the prompt
-    (their generate function cannot be continued from tokens)."""
-    inexact_version_samples: int = 0
-    """Samples some of whose tokens carry a lower bound of their version (`VersionRule`)."""
-    rejected: Counter = field(default_factory=Counter)
-    """Samples whose request the client refused before sending, by reason."""
-    routed_experts_dropped: int = 0
-    """Samples whose engine-reported routed experts did not fit their tokens (not replayed)."""
-    finish_reasons: Counter = field(default_factory=Counter)
-    busy_s: float = 0.0
-    """Sum over samples of generate-call wall time (engine-side occupancy proxy)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **self.__dict__,
-            "finish_reasons": dict(self.finish_reasons),
-            "rejected": dict(self.rejected),
-        }
 
 
 class RolloutWorker:
@@ -206,11 +162,12 @@ class RolloutWorker:
             resumed=list(self.resumed_seqs),
         )
 
-    async def snapshot_loop(self) -> None:
-        """Answer every `Snapshot` request with the groups in flight (their tokens so far)."""
+    async def in_flight_loop(self) -> None:
+        """Answer every `CollectInFlight` request with the groups in flight (their tokens so
+        far)."""
         step = -1
-        while (step := await self.sender.next_snapshot(step)) >= 0:
-            groups, cost = await self.in_flight.snapshot(self.engines, self.n_samples_per_prompt)
+        while (step := await self.sender.next_in_flight_request(step)) >= 0:
+            groups, cost = await self.in_flight.collect(self.engines, self.n_samples_per_prompt)
             self.counters.snapshots += 1
             await self.sender.send_report(
                 "in_flight", {"step": step, "groups": msgspec.to_builtins(groups), **cost}
@@ -282,7 +239,7 @@ class RolloutWorker:
                 self.counters.resumed_tokens += len(sample.output_ids)
                 tg.start_soon(one, sample)
         missing = [i for i, result in enumerate(results) if result is None]
-        for index in missing:  # a sample the snapshot did not hold: made anew
+        for index in missing:  # a sample the in-flight report did not hold: made anew
             results[index] = await self._one(prompt, index)
         return results
 
@@ -365,71 +322,14 @@ class RolloutWorker:
     async def _to_sample(
         self, prompt: Prompt, index: int, trajectory: Trajectory, error: str | None
     ) -> Sample:
-        """Score one trajectory; a failing reward is recorded in the sample, never raised."""
-        status = SampleStatus.OK if error is None else SampleStatus.GENERATION_FAILED
-        metadata: dict[str, Any] = {"index": index, **trajectory.metadata}
-        metadata["num_turns"] = trajectory.num_turns
-        if error is not None:
-            metadata["error"] = error
-        reward = trajectory.reward
-        where = f"prompt {prompt.seq} sample {index}"
-        if trajectory.reward_error is not None and status is SampleStatus.OK:
-            self.counters.reward_failures += 1
-            status = SampleStatus.REWARD_FAILED
-            metadata["reward_error"] = trajectory.reward_error
-            self._count_failure(Failure(Stage.REWARD, trajectory.reward_error, where))
-        if reward is None and status is SampleStatus.OK:
-            outcome = await score_trajectory(
-                self.reward_fn, prompt, trajectory, timeout_s=self.reward_timeout_s
-            )
-            reward = outcome.reward
-            metadata.update({f"reward/{k}": v for k, v in outcome.metrics.items()})
-            if outcome.error is not None:
-                self.counters.reward_failures += 1
-                status = SampleStatus.REWARD_FAILED
-                metadata["reward_error"] = outcome.error
-                log.warning("reward failed for %s: %s", where, outcome.error)
-                failure = Failure(Stage.REWARD, outcome.error, where, outcome.traceback)
-                self._count_failure(failure)
-        if status is SampleStatus.OK:
-            self.failures.succeeded()
-        self.counters.samples += 1
-        self.counters.resumes += trajectory.num_resumes
-        self.counters.resume_prompt_tokens += trajectory.resume_prompt_tokens
-        self.counters.inexact_version_samples += not trajectory.versions_exact
-        self.counters.response_tokens += len(trajectory.response_ids)
-        self.counters.finish_reasons[str(trajectory.finish_reason)] += 1
-        prompt_ids = prompt.input_ids if trajectory.prompt_ids is None else trajectory.prompt_ids
-        return Sample(
-            prompt_ids=prompt_ids,
-            response_ids=trajectory.response_ids,
-            logprobs=trajectory.logprobs,
-            versions=trajectory.versions,
-            loss_mask=trajectory.loss_mask,
-            reward=float(reward or 0.0),
-            finish_reason=trajectory.finish_reason,
-            status=status,
-            response_text=trajectory.text,
-            metadata=metadata,
-            versions_exact=trajectory.versions_exact,
-            routed_experts=self._routed_experts(trajectory, len(prompt_ids)),
-            turn_starts=trajectory.turn_starts,
+        return await make_sample(
+            prompt,
+            index,
+            trajectory,
+            error,
+            reward_fn=self.reward_fn,
+            reward_timeout_s=self.reward_timeout_s,
+            counters=self.counters,
+            failures=self.failures,
+            count_failure=self._count_failure,
         )
-
-    def _routed_experts(self, trajectory: Trajectory, num_prompt_tokens: int):
-        """The last model turn's routed experts as the sample's `[tokens - 1, layers * k]`:
-        rows after the last model token (a closing observation) are -1; a report with more
-        rows than the sample has tokens belongs to other tokens and is dropped (counted)."""
-        routed = trajectory.routed_experts
-        if routed is None:
-            return None
-        rows = num_prompt_tokens + len(trajectory.response_ids) - 1
-        if len(routed) > rows or rows <= 0:
-            self.counters.routed_experts_dropped += 1
-            log.warning(
-                "routed experts for %d tokens, the sample has %d: dropped", len(routed), rows
-            )
-            return None
-        out = np.full((rows, routed.shape[1]), -1, dtype=np.int16)
-        out[: len(routed)] = routed
-        return out

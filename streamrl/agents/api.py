@@ -31,7 +31,6 @@ import anyio
 from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.results import GenerateResult
-from streamrl.rewards import RewardInput, RewardOutcome, score
 from streamrl.types import NO_VERSION, FinishReason, Prompt
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ class Trajectory:
 
 
 class Hold:
-    """Stops generation at a consistent point for a snapshot of the samples in flight.
+    """Stops generation at a consistent point to collect the samples in flight (a checkpoint's cut).
 
     While closed, every call parks before its next engine call: calls decoding when it
     closes come back aborted (the worker aborts the engines' requests) with their partial
@@ -242,9 +241,9 @@ class GenerateContext:
     return_routed_experts: bool = False
     """Ask engines for each token's routed experts (`rollout.return_routed_experts`)."""
     hold: Hold | None = None
-    """Lets the rollout worker stop every call at a consistent point (a snapshot)."""
+    """Lets the rollout worker stop every call at a consistent point (a checkpoint's cut)."""
     completions: list[Completion] = field(default_factory=list)
-    """Every completion this context's calls made, in order (what a snapshot reads)."""
+    """Every completion this context's calls made, in order (what the in-flight report reads)."""
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -299,7 +298,7 @@ class GenerateContext:
                     completion.finish_reason = FinishReason(result.finish_reason.type)
                     completion.is_finished = True
                     return completion
-                # Aborted by a weight update (pause mode "abort") or a snapshot: continue
+                # Aborted by a weight update (pause mode "abort") or a checkpoint's cut: continue
                 # from what we have.
                 completion.num_resumes += 1
         finally:
@@ -316,7 +315,7 @@ class GenerateContext:
         budget = params.get("max_new_tokens", 128)
         completions = [Completion() for _ in range(n)]
         self.completions.extend(completions)
-        if self.hold is not None:  # parked like the calls it becomes, until a snapshot is done
+        if self.hold is not None:  # parked like the calls it becomes, until the cut is done
             for completion in completions:
                 self.hold.begin(completion)
                 await self.hold.checkpoint(completion)
@@ -333,9 +332,9 @@ class GenerateContext:
                 raise
             log.warning("batched engine call failed (%s); generating samples one by one", exc)
             results = []
-        if len(results) != n:  # one by one, into the same completions (a snapshot's order)
+        if len(results) != n:  # one by one, into the same completions (in order)
             results = [None] * n
-        # Every result lands in its completion before anything else runs, so a snapshot
+        # Every result lands in its completion before anything else runs, so a cut
         # waiting for the calls to park sees the tokens.
         for completion, result in zip(completions, results, strict=True):
             if result is None:
@@ -369,20 +368,3 @@ class GenerateContext:
             return self.engines.router
         key = self.session_key if num_failures == 0 else f"{self.session_key}#{num_failures}"
         return self.engines.session(key)
-
-
-async def score_trajectory(
-    reward_fn: Any, prompt: Prompt, trajectory: Trajectory, *, timeout_s: float
-) -> RewardOutcome:
-    """`reward_fn` on the trajectory's text with the prompt's label and metadata (never raises:
-    a failing reward comes back as an outcome with `error` set)."""
-    return await score(
-        reward_fn,
-        RewardInput(
-            prompt=prompt.text,
-            response=trajectory.text,
-            label=prompt.label,
-            metadata=dict(prompt.metadata),
-        ),
-        timeout_s=timeout_s,
-    )

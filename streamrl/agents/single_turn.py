@@ -29,6 +29,6 @@ async def generate_group(ctx: GenerateContext, prompt: Prompt, n: int) -> list[T
 generate.for_group = generate_group
 generate.resumable = True
 """A sample is one completion of the prompt, scored by `rollout.reward_fn`: a sample saved
-mid-way (a checkpoint's snapshot) can be continued from its tokens. A generate function
+mid-way (at a checkpoint's cut) can be continued from its tokens. A generate function
 that wraps this one declares `resumable = True` too, and names what it does after the
 completion as `finish(ctx, trajectory) -> trajectory` (applied to a continued sample)."""

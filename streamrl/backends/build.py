@@ -8,7 +8,7 @@ from streamrl.config import RunConfig
 
 
 def learner_devices(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
-    from streamrl.models import resolve_device, resolve_dtype
+    from streamrl.models.devices import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.learner.device)
     if device.type == "cuda" and cfg.cluster.learner_gpus:

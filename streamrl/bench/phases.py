@@ -54,9 +54,9 @@ def generation_only(
     gpus: GpuMonitor | None = None,
 ) -> dict[str, Any]:
     """Generate `num_groups` groups with `window` in flight; see the module docstring."""
-    from streamrl.actors.supervisor import EngineSupervisor
     from streamrl.config import dump_toml
     from streamrl.fleet.commands import engine_argv_factory
+    from streamrl.fleet.supervisor import EngineSupervisor
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
@@ -79,7 +79,7 @@ async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout
     from streamrl.mains.rollout import RolloutSpec, start_rollout
     from streamrl.process import LocalSpawner
     from streamrl.queues.buffer import FILTERS
-    from streamrl.queues.transport import StreamReceiver, UnlimitedCredits
+    from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
 
     filters = [FILTERS[name] for name in ["generation_failed", *cfg.buffer.filters]]
     skip = cfg.rollout.batch_size * WARMUP_STEPS if num_groups > 2 * cfg.rollout.batch_size else 1

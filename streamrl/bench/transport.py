@@ -21,7 +21,8 @@ import numpy as np
 
 from streamrl.bench.results import write_result
 from streamrl.process import spawn, streamrl_argv
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import Group, Sample
 
 

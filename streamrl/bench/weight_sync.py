@@ -54,7 +54,8 @@ def parse_counts(text: str) -> list[int]:
 def weight_sync_command(args: argparse.Namespace) -> int:
     import torch
 
-    from streamrl.models import resolve_device, resolve_dtype, save_random_model
+    from streamrl.models import save_random_model
+    from streamrl.models.devices import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

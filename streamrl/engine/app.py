@@ -1,13 +1,9 @@
 """The embedded engine's HTTP server: SGLang's native protocol in front of `EngineCore`.
 
-    aiohttp app ─ /generate ───────────► protocol.parse_generate ─► pause gate ─► core
-                ─ health, info, load ──► this module
-                ─ pause, continue, abort, flush
-                ─ weight routes ───────► weight_endpoints.WeightEndpoints
+    aiohttp app ─ /generate, pause, continue, abort ─► generate_endpoints.GenerateEndpoints
+                ─ weight routes ───────────────────► weight_endpoints.WeightEndpoints
+                ─ health, info, load, flush ───────► this module
 
-While paused, new `/generate` calls wait in the server until
-`/continue_generation` (an abort ends the wait with an empty abort result);
-`/abort_request {rid}` aborts that rid and its n-expansion samples (`rid-j`).
 The request and response bodies are `streamrl.engine.protocol`'s; docs/engine.md
 lists the subset and where the embedded engine differs from SGLang.
 """
@@ -16,42 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
 
-from streamrl.engine.core import EngineCore, Output, Request, SamplingParams
+from streamrl.engine.core import EngineCore, Request, SamplingParams
+from streamrl.engine.generate_endpoints import GenerateEndpoints
 from streamrl.engine.options import EngineOptions
 from streamrl.engine.protocol import (
-    SSE_DONE,
     BadRequest,
-    GenerateCall,
-    TextDecoder,
-    aborted_before_start,
     error_response,
     json_response,
-    parse_generate,
-    read_json,
-    render_result,
-    sse_event,
 )
 from streamrl.engine.weight_endpoints import WeightEndpoints
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-@dataclass
-class _Flight:
-    """A request the server holds: waiting at the pause gate or inside the core."""
-
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
-    is_in_core: bool = False
 
 
 class EngineServer:
@@ -62,17 +40,12 @@ class EngineServer:
         self.model_path = options.model
         """Where the weights came from (`/update_weights_from_disk` changes it)."""
         self.core: EngineCore | None = None
-        self._decode: TextDecoder | None = None
         self.is_ready = False
         self.is_closing = False
-        self._gate = asyncio.Event()  # set while not paused
-        self._gate.set()
-        self._flights: dict[str, _Flight] = {}
-        self._warned_keys: set[str] = set()
-        self.num_finished_reqs = 0  # samples answered by /generate since start
+        self.generation = GenerateEndpoints(lambda: self.core)
         self.weights = WeightEndpoints(
             lambda: self.core,
-            abort_all=lambda: self._abort(None),
+            abort_all=lambda: self.generation.abort(None),
             on_loaded_from_disk=self._loaded_from_disk,
         )
         self.app = self._build_app()
@@ -81,16 +54,13 @@ class EngineServer:
     async def load(self) -> None:
         """Build and start the core in a worker thread; /health turns 200 after."""
         self.core = await asyncio.to_thread(EngineCore, self.options)
-        self._decode = TextDecoder(self.core.tokenizer)
         self.core.start()
         self.is_ready = True
 
     async def close(self) -> None:
         """Refuse new work; calls held by a pause and requests in the core end as aborts."""
         self.is_closing = True
-        for flight in self._flights.values():
-            flight.aborted.set()
-        self._gate.set()
+        self.generation.close()
         if self.core is not None:
             # Aborts everything queued or running (partial outputs), then stops the thread.
             await asyncio.to_thread(self.core.shutdown)
@@ -107,11 +77,8 @@ class EngineServer:
             ("/get_load", self.get_load),
         ]
         post = [
-            ("/generate", self.generate),
+            *self.generation.routes(),
             ("/flush_cache", self.flush_cache),
-            ("/abort_request", self.abort_request),
-            ("/pause_generation", self.pause_generation),
-            ("/continue_generation", self.continue_generation),
             *self.weights.routes(),
         ]
         for path, handler in get:
@@ -191,14 +158,14 @@ class EngineServer:
         return json_response(self._model_info())
 
     def _load(self) -> dict:
-        num_gated = sum(not flight.is_in_core for flight in self._flights.values())
+        num_gated = self.generation.num_gated
         return {
             "dp_rank": 0,
             "num_reqs": self.core.num_running + self.core.num_waiting + num_gated,
             "num_running_reqs": self.core.num_running,
             "num_waiting_reqs": self.core.num_waiting,
             "num_paused_reqs": num_gated,
-            "num_finished_reqs": self.num_finished_reqs,
+            "num_finished_reqs": self.generation.num_finished_reqs,
             "is_receiving_weights": self.weights.is_receiving,
             "is_paused": self.core.is_paused,
             "weight_version": self.core.weight_version,
@@ -234,175 +201,8 @@ class EngineServer:
     async def get_load(self, request: web.Request) -> web.Response:
         return json_response([self._load()])
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        start = time.perf_counter()
-        if self.is_closing:
-            return error_response("the engine is shutting down", 503)
-        call = parse_generate(
-            await read_json(request),
-            tokenizer=self.core.tokenizer,
-            in_flight=self._flights,
-            warned=self._warned_keys,
-        )
-        if call.stream:
-            return await self._stream(request, call, start)
-        outputs = await self._run(call, self._requests(call))
-        latency_s = time.perf_counter() - start
-        results = [self._render(call, output, latency_s) for output in outputs]
-        return json_response(results[0] if call.is_single else results)
-
-    def _requests(self, call: GenerateCall, on_token=None) -> list[Request]:
-        """The core requests of a parsed call (ValueError is a 400: checked before running)."""
-        requests = [
-            Request(
-                rid=rid,
-                input_ids=prompt,
-                params=params,
-                return_routed_experts=call.return_routed_experts,
-                on_token=on_token,
-            )
-            for rid, prompt, params in zip(call.rids, call.prompts, call.params, strict=True)
-        ]
-        try:
-            self.core.check(requests)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        return requests
-
-    async def _run(self, call: GenerateCall, requests: list[Request]) -> list[Output]:
-        """Hold the call at the pause gate, run what was not aborted there; outputs in call order."""
-        flights = {rid: _Flight() for rid in call.rids}
-        self._flights.update(flights)
-        try:
-            await self._wait_for_gate(flights)
-            to_run = [r for r in requests if not flights[r.rid].aborted.is_set()]
-            for request_ in to_run:
-                flights[request_.rid].is_in_core = True
-            ran = await self.core.generate(to_run) if to_run else []
-        finally:
-            for rid in call.rids:
-                self._flights.pop(rid, None)
-        self.num_finished_reqs += len(call.rids)
-        if len(ran) == len(requests):
-            return ran
-        by_rid = {output.rid: output for output in ran}
-        return [
-            by_rid.get(rid) or aborted_before_start(rid, len(prompt))
-            for rid, prompt in zip(call.rids, call.prompts, strict=True)
-        ]
-
-    def _render(self, call: GenerateCall, output: Output, latency_s: float) -> dict:
-        return render_result(
-            call,
-            output,
-            decode=self._decode,
-            weight_version=self.core.weight_version,
-            latency_s=latency_s,
-        )
-
-    async def _stream(
-        self, request: web.Request, call: GenerateCall, start: float
-    ) -> web.StreamResponse:
-        """Server-sent events: the response up to each token the interval rule marks (see
-        `GenerateCall.stream_interval`), then the final one and `[DONE]`."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[str] = []
-        marks: list[int] = []  # token counts to send an event at, oldest first
-        arrived = asyncio.Event()
-        interval = call.stream_interval
-
-        def on_token(token: int, logprob: float, version: str) -> None:
-            tokens.append(token)
-            logprobs.append(logprob)
-            versions.append(version)
-            if interval == 1 or len(tokens) % interval == 1:
-                marks.append(len(tokens))
-                arrived.set()
-
-        async def send(output: Output) -> None:
-            elapsed = time.perf_counter() - start
-            await response.write(sse_event(self._render(call, output, elapsed)))
-
-        def upto(count: int) -> Output:
-            return Output(
-                rid=call.rids[0],
-                output_ids=tokens[:count],
-                logprobs=logprobs[:count],
-                versions=versions[:count],
-                finish_reason=None,
-                prompt_tokens=len(call.prompts[0]),
-            )
-
-        requests = self._requests(call, on_token)
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        run = asyncio.ensure_future(self._run(call, requests))
-        try:
-            while not run.done():
-                waiter = asyncio.ensure_future(arrived.wait())
-                await asyncio.wait([run, waiter], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                arrived.clear()
-                while marks and not run.done():
-                    await send(upto(marks.pop(0)))
-            (output,) = run.result()
-            for count in marks:  # marked before the end; the final event covers the last one
-                if count < len(output.output_ids):
-                    await send(upto(count))
-            await send(output)
-            await response.write(SSE_DONE)
-        finally:
-            run.cancel()  # a client gone mid-stream: cancelling aborts the request in the core
-        await response.write_eof()
-        return response
-
-    async def _wait_for_gate(self, flights: dict[str, _Flight]) -> None:
-        """Wait while paused, or until every request of the call is aborted."""
-        while not self._gate.is_set() and not all(f.aborted.is_set() for f in flights.values()):
-            waits = [asyncio.ensure_future(self._gate.wait())]
-            waits += [asyncio.ensure_future(f.aborted.wait()) for f in flights.values()]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for wait in waits:
-                    wait.cancel()
-
     # ---- control ---------------------------------------------------------
-    def _abort(self, rid: str | None) -> None:
-        """Abort one rid (and its `rid-j` samples) or, with None, everything."""
-        for flight_rid, flight in list(self._flights.items()):
-            if rid is None or flight_rid == rid or flight_rid.startswith(f"{rid}-"):
-                flight.aborted.set()
-                if rid is not None and flight.is_in_core:
-                    self.core.abort(flight_rid)
-        if rid is None:
-            self.core.abort(None)
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        if body.get("abort_all"):
-            self._abort(None)
-        elif body.get("rid"):
-            self._abort(str(body["rid"]))
-        return web.Response(status=200)
-
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.core.flush_cache():
             return web.Response(status=200, text="Cache flushed.")
         return web.Response(status=400, text="Cache not flushed: requests are running.")
-
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = (await read_json(request)).get("mode") or "abort"
-        if mode not in PAUSE_MODES:
-            raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
-        self._gate.clear()
-        await self.core.pause(mode)
-        return json_response({"message": f"Generation paused ({mode}).", "status": "ok"})
-
-    async def continue_generation(self, request: web.Request) -> web.Response:
-        self.core.resume()
-        self._gate.set()
-        return json_response({"message": "Generation continued.", "status": "ok"})

@@ -33,6 +33,7 @@ from streamrl.engine.options import EngineOptions
 from streamrl.engine.runner.scheduler import PAUSE_MODES, Scheduler
 from streamrl.engine.runner.select import build_runner
 from streamrl.engine.runner.sequence import Sequence, StopStringChecker
+from streamrl.models import devices
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,8 @@ class EngineCore:
         if options.num_threads > 0:
             torch.set_num_threads(options.num_threads)
         self.options = options
-        self.device = models.resolve_device(options.device)
-        self.dtype = models.resolve_dtype(options.dtype, self.device)
+        self.device = devices.resolve_device(options.device)
+        self.dtype = devices.resolve_dtype(options.dtype, self.device)
         self.tokenizer = models.load_tokenizer(options.tokenizer or options.model)
         max_prefill_tokens = options.max_prefill_tokens
         if max_prefill_tokens <= 0:

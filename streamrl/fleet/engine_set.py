@@ -4,7 +4,8 @@ Generation goes through the router (or round-robin over engines without one);
 control calls (pause, continue, abort, weight updates) go to every engine
 directly and concurrently, because the router answers 404 to them;
 `session(key)` pins a multi-turn episode to one engine (rendezvous hashing,
-skipping engines marked down).
+skipping engines marked down). `each_engine` is the one way streamrl calls every engine
+at once (the set's control calls, `EngineSet.each`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,32 @@ class EngineSetError(EngineError):
         )
 
 
+async def each_engine(
+    engines: Sequence[EngineClient],
+    call: Callable[[EngineClient], Awaitable[T]],
+    *,
+    what: str = "call",
+) -> list[T]:
+    """`call(engine)` on every engine at once; the results in engine order, once all have
+    answered. An engine's `EngineError` does not cancel the others' calls: every engine that
+    failed is named in one `EngineSetError`, raised after all finished."""
+    results: list[Any] = [None] * len(engines)
+    errors: dict[str, EngineError] = {}
+
+    async def one(index: int, engine: EngineClient) -> None:
+        try:
+            results[index] = await call(engine)
+        except EngineError as exc:
+            errors[engine.url] = exc
+
+    async with anyio.create_task_group() as group:
+        for index, engine in enumerate(engines):
+            group.start_soon(one, index, engine)
+    if errors:
+        raise EngineSetError(what, errors, len(engines))
+    return results
+
+
 def _affinity(key: str, url: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
 
@@ -58,6 +85,10 @@ class EngineSet:
         self._down: set[str] = set()
         self._round_robin = itertools.count()
 
+    def _clients(self) -> list[EngineClient]:
+        """Every engine's client, and the router's when there is one."""
+        return [*self.engines, *([self.router] if self.router else [])]
+
     async def __aenter__(self) -> EngineSet:
         return self
 
@@ -65,19 +96,19 @@ class EngineSet:
         await self.aclose()
 
     async def aclose(self) -> None:
-        for client in [*self.engines, *([self.router] if self.router else [])]:
+        for client in self._clients():
             await client.aclose()
 
     def set_limits(self, limits: RequestLimits | None) -> None:
         """Check every `/generate` of every client against `limits` before sending."""
         self.limits = limits
-        for client in [*self.engines, *([self.router] if self.router else [])]:
+        for client in self._clients():
             client.limits = limits
 
     def route_to_adapters(self, version: Callable[[], int]) -> None:
         """Every `/generate` names the LoRA adapter of `version()` (SGLang with a LoRA run:
         `streamrl.publish.adapter_files`), and its tokens carry that version."""
-        for client in [*self.engines, *([self.router] if self.router else [])]:
+        for client in self._clients():
             client.adapter_version = version
 
     async def read_limits(self, *, vocab_size: int, model_max: int) -> RequestLimits:
@@ -133,24 +164,8 @@ class EngineSet:
     async def each(
         self, call: Callable[[EngineClient], Awaitable[T]], *, what: str = "call"
     ) -> list[T]:
-        """Run `call` on every engine concurrently; results in engine order.
-
-        Raises `EngineSetError` naming every engine that failed (after all finished)."""
-        results: list[Any] = [None] * len(self.engines)
-        errors: dict[str, EngineError] = {}
-
-        async def one(index: int, engine: EngineClient) -> None:
-            try:
-                results[index] = await call(engine)
-            except EngineError as exc:
-                errors[engine.url] = exc
-
-        async with anyio.create_task_group() as group:
-            for index, engine in enumerate(self.engines):
-                group.start_soon(one, index, engine)
-        if errors:
-            raise EngineSetError(what, errors, len(self.engines))
-        return results
+        """`each_engine` over this set's engines."""
+        return await each_engine(self.engines, call, what=what)
 
     async def pause(self, mode: str = "abort") -> None:
         await self.each(lambda engine: engine.pause(mode), what="pause")

@@ -26,9 +26,10 @@ import msgspec
 import numpy as np
 
 
-class FinishReason(msgspec.Struct, frozen=True, kw_only=True):
-    """Why generation ended: `type` is stop | length | abort; `matched` is the stop token id
-    or string, `length` the token budget, `message` the abort reason."""
+class EngineFinish(msgspec.Struct, frozen=True, kw_only=True):
+    """Why the engine ended a request, as it reports it (`meta_info.finish_reason`): `type`
+    is stop | length | abort; `matched` is the stop token id or string, `length` the token
+    budget, `message` the abort reason. A sample's own reason is `streamrl.types.FinishReason`."""
 
     type: str
     matched: int | str | None = None
@@ -47,7 +48,7 @@ class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
     versions: list[int]
     versions_exact: bool
     weight_version: int
-    finish_reason: FinishReason
+    finish_reason: EngineFinish
     prompt_tokens: int
     cached_tokens: int
     meta: dict[str, Any]
@@ -114,7 +115,7 @@ def parse_result(payload: dict) -> GenerateResult:
         versions=versions,
         versions_exact=exact,
         weight_version=final_version,
-        finish_reason=FinishReason(
+        finish_reason=EngineFinish(
             type=str(finish.get("type")),
             matched=finish.get("matched"),
             length=finish.get("length"),

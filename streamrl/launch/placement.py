@@ -68,7 +68,7 @@ def placement_bundles(cfg: RunConfig, *, engines_on_gpu: bool) -> dict[str, dict
 
 def learner_on_gpu(cfg: RunConfig) -> bool:
     """Whether the learner ranks train on CUDA (`learner.device`, `auto` as this machine has)."""
-    from streamrl.models import resolve_device
+    from streamrl.models.devices import resolve_device
 
     return resolve_device(cfg.learner.device).type == "cuda"
 

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 
 from streamrl.config import ConfigError, RunConfig, load_config
-from streamrl.mains.trainer import RunError, Trainer
+from streamrl.mains.errors import RunError
+from streamrl.mains.trainer import Trainer
 from streamrl.process import ProcessDied
 from streamrl.queues.accounting import AccountingError
 
@@ -98,13 +99,13 @@ async def run_trainer(trainer: Trainer) -> dict[str, Any]:
 
         check_sglang_backend(cfg)  # before anything starts
     if cfg.cluster.launcher == "ray":
-        from streamrl.launch.ray import require_ray
+        from streamrl.launch.ray.spawner import require_ray
 
         require_ray()  # before anything starts
     try:
         trainer.prepare()
         if cfg.cluster.launcher == "ray":
-            from streamrl.launch.ray import RaySpawner
+            from streamrl.launch.ray.spawner import RaySpawner
 
             trainer.spawner = RaySpawner.start(cfg, trainer.run_dir)
         return await trainer.run()

@@ -16,7 +16,6 @@ every rank loads the checkpoint from the shared run directory.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ import anyio
 
 from streamrl import checkpoint
 from streamrl.backends.rendezvous import RankGroup, init_distributed, start_ranks
+from streamrl.events import append_event
 from streamrl.process import ProcessDied, ProcessHandle, Spawner, free_port, streamrl_argv
 
 log = logging.getLogger(__name__)
@@ -111,14 +111,12 @@ def _record_ranks(run_dir: Path, group: RankGroup, spawner: Spawner) -> None:
     for entry in ranks:
         log.info("learner rank %d: %s", entry["rank"], entry)
     record = {
-        "time": time.time(),
         "component": "learner",
         "event": "ranks_started",
         "master": f"{group.master_addr}:{group.master_port}",
         "ranks": ranks,
     }
-    with open(run_dir / "events.jsonl", "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    append_event(run_dir, record)
 
 
 def rank_lost(group: RankGroup, run_dir: Path, *, during: str = "during training"):

@@ -37,8 +37,8 @@ import msgspec
 
 from streamrl import logs
 from streamrl.config import ConfigError, RunConfig, load_config
-from streamrl.data import DataPosition
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
+from streamrl.queues.accounting import DataPosition
 from streamrl.queues.protocol import Fatal
 from streamrl.types import PartialGroup, make_decoder
 
@@ -141,7 +141,7 @@ def rollout_command(args) -> int:
 async def rollout_main(cfg: RunConfig, spec: RolloutSpec, tokenizer) -> int:
     """Run the rollout worker (and the evaluator) until the receiver says stop: 0; or
     until an error a restart cannot fix, sent to the trainer first: 1."""
-    from streamrl.queues.transport import StreamSender
+    from streamrl.queues.sender import StreamSender
 
     sender = StreamSender(
         spec.buffer_address, sender_id="rollout-0", want=cfg.rollout.max_concurrent_groups
@@ -171,7 +171,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     from streamrl.actors.evaluator import Evaluator
     from streamrl.actors.rollout import RolloutWorker
     from streamrl.agents.api import VersionRule
-    from streamrl.data import PromptSource
+    from streamrl.data.source import PromptSource
     from streamrl.fleet.engine_set import EngineSet
     from streamrl.rewards import load_reward_fn
     from streamrl.utils import import_object
@@ -214,7 +214,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     )
     async with engines, _gateway(cfg, generate_fn), anyio.create_task_group() as tg:
         tg.start_soon(worker.report_loop)
-        tg.start_soon(worker.snapshot_loop)
+        tg.start_soon(worker.in_flight_loop)
         if cfg.eval.interval and cfg.eval.datasets:
             evaluator = Evaluator(
                 list(cfg.eval.datasets),
@@ -239,7 +239,7 @@ def fatal_of(exc: BaseException, cfg: RunConfig) -> Fatal | None:
     """`exc` (or the first error in its group) as a `Fatal` when a restart would hit it
     again; None for any other error (the process dies and the trainer restarts it)."""
     from streamrl.actors.failures import SystematicFailure
-    from streamrl.data import DataError
+    from streamrl.data.rows import DataError
 
     for error in _leaves(exc):
         if isinstance(error, SystematicFailure):

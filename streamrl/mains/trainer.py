@@ -11,12 +11,12 @@ processes it starts.
                                                                    streamrl.mains.ranks)
 
 `Trainer.run()` prepares the run directory (or resumes from its newest
-checkpoint), starts the learner ranks and the engines while the learner loads
-its model, binds the intake, starts the rollout process, trains to
-`train.steps`, then stops in order: final checkpoint, engines settled on the
-final version, rollout, learner ranks. It returns the summary (also written to
+checkpoint: `streamrl.mains.run_dir`), starts the learner ranks and the engines while the
+learner loads its model, binds the intake, starts the rollout process (kept alive by
+`streamrl.mains.rollout_keeper`), trains to `train.steps`, then stops in order: final
+checkpoint, engines settled on the final version, rollout, learner ranks. It returns the summary (also written to
 `summary.json`). Where the processes run is the spawner's business
-(`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.RaySpawner`).
+(`streamrl.process.LocalSpawner`, or `streamrl.launch.ray.spawner.RaySpawner`).
 
 `train.mode = "rollout_only"` starts the engines and the rollout process but no learner
 model and no weight publisher (the loop writes each step's groups); `"train_only"`
@@ -35,27 +35,18 @@ from typing import Any
 import anyio
 
 from streamrl import checkpoint
-from streamrl.config import RunConfig, dump_toml
-from streamrl.data import position_after
+from streamrl.config import RunConfig
+from streamrl.mains.errors import RolloutFatal, RunError
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
-from streamrl.mains.rollout import RolloutSpec, spawn_rollout, start_rollout
-from streamrl.mains.rollout import write_spec as write_rollout_spec
+from streamrl.mains.rollout import spawn_rollout
+from streamrl.mains.rollout_keeper import RolloutKeeper
+from streamrl.mains.run_dir import initial_model, load_user_code, metrics_writer, prepare_run_dir
 from streamrl.metrics import MetricsWriter
 from streamrl.process import LocalSpawner, ProcessHandle, Spawner
 from streamrl.queues.intake import IntakeState
-from streamrl.queues.protocol import Fatal
-from streamrl.types import make_decoder, make_encoder
 
 log = logging.getLogger(__name__)
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on; the message says why and where to look."""
-
-
-class RolloutFatal(RunError):
-    """The rollout process reported an error that a restart would repeat (`Fatal`)."""
 
 
 class Trainer:
@@ -134,7 +125,7 @@ class Trainer:
         metrics = self.metrics_writer()
         try:
             intake, publisher, loop = self._actors(backend, device, state, metrics)
-            rollout = RolloutKeeper(self, intake, loop, model_path)
+            rollout = self._rollout_keeper(intake, loop, model_path)
             rollout.start()
             started = time.monotonic()
             try:
@@ -180,92 +171,15 @@ class Trainer:
         checkpoint to restore or None). RunError when `--resume` finds nothing to resume, or
         a new run finds checkpoints."""
         if self._prepared is None:
-            self._prepared = self._prepare_run_dir()
+            self.filters = load_user_code(self.cfg)
+            start = prepare_run_dir(self.cfg, self.run_dir, resume=self.resume)
+            self.async_state = start.async_state
+            self._prepared = (start.state, start.model_path, start.resume_from)
         return self._prepared
 
-    def _prepare_run_dir(self) -> tuple[checkpoint.TrainState, str, Path | None]:
-        self._load_user_code()
-        latest = checkpoint.latest(self.run_dir)
-        if self.resume and latest is None:
-            raise RunError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
-        if not self.resume and latest is not None:
-            raise RunError(
-                f"{self.run_dir} already holds checkpoints: pass --resume to continue, "
-                f"or set train.output_dir to a new directory"
-            )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
-        if latest is None:
-            return checkpoint.TrainState(), self._initial_model(), None
-        state = checkpoint.read_state(latest)
-        log.info("resuming from %s: step %d, version %d", latest, state.step, state.version)
-        if (latest / checkpoint.ASYNC_STATE_FILE).exists():
-            data = (latest / checkpoint.ASYNC_STATE_FILE).read_bytes()
-            self.async_state = make_decoder(IntakeState).decode(data)
-        if (latest / checkpoint.RNG_FILE).exists():
-            checkpoint.restore_rng((latest / checkpoint.RNG_FILE).read_bytes())
-        if self.cfg.learner.lora.is_enabled:  # the checkpoint holds only the adapters
-            return state, self._initial_model(), latest
-        return state, str(latest), latest
-
-    def _load_user_code(self) -> None:
-        """Import the filters (and check the W&B and peft packages) before anything starts: a
-        ConfigError names the key."""
-        from streamrl.config import ConfigError
-        from streamrl.mains.filters import load_filters
-
-        buffer = self.cfg.buffer
-        try:
-            self.filters = load_filters(
-                buffer.filters,
-                min_response_tokens=buffer.min_response_tokens,
-                max_response_tokens=buffer.max_response_tokens,
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        import importlib.util
-
-        if self.cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "logging.wandb = true needs the wandb package: pip install 'streamrl[wandb]'"
-            )
-        lora_with_peft = self.cfg.learner.lora.is_enabled and self.cfg.learner.backend == "torch"
-        if lora_with_peft and importlib.util.find_spec("peft") is None:
-            raise ConfigError(
-                "learner.lora with learner.backend = 'torch' needs the peft package: "
-                "pip install 'streamrl[lora]'"
-            )
-
     def metrics_writer(self) -> MetricsWriter:
-        logging_cfg = self.cfg.logging
-        wandb = None
-        if logging_cfg.wandb:
-            from streamrl.config import to_toml_dict
-
-            wandb = {
-                "project": logging_cfg.wandb_project,
-                "name": logging_cfg.wandb_name,
-                "mode": logging_cfg.wandb_mode,
-                "config": to_toml_dict(self.cfg),
-            }
-        return MetricsWriter(
-            self.run_dir,
-            tensorboard=logging_cfg.tensorboard,
-            progress=logging_cfg.progress,
-            wandb=wandb,
-        )
-
-    def _initial_model(self) -> str:
-        """The model every process loads; a `random:` model is written once so all agree."""
-        path = self.cfg.model.path
-        if not path.startswith("random:"):
-            return path
-        from streamrl.models import save_random_model
-
-        target = self.run_dir / "initial_model"
-        if not (target / "config.json").exists():
-            save_random_model(path.removeprefix("random:"), target, seed=self.cfg.model.seed)
-        return str(target)
+        """The run's metrics writer (`run_dir/metrics.jsonl` and what `logging` adds)."""
+        return metrics_writer(self.cfg, self.run_dir)
 
     # ---- starting ------------------------------------------------------------
 
@@ -283,7 +197,7 @@ class Trainer:
     def reference_path(self) -> str:
         """The KL reference: the run's initial model, on every start and every resume (a
         resume loads the policy from its checkpoint, never the reference)."""
-        return self._initial_model()
+        return initial_model(self.cfg, self.run_dir)
 
     def start_learner_ranks(self, model_path: str, device) -> None:
         """Learner ranks 1..N-1 (megatron with learner.num_gpus > 1), through the spawner:
@@ -306,8 +220,8 @@ class Trainer:
         """Start the engines, and the rollout process, which loads its tokenizer and then
         waits for its spec (`RolloutKeeper.start`). From the main thread: children die with
         the thread that spawned them."""
-        from streamrl.actors.supervisor import EngineSupervisor
         from streamrl.fleet.commands import engine_argv_factory
+        from streamrl.fleet.supervisor import EngineSupervisor
 
         self.supervisor = EngineSupervisor(
             self.cfg,
@@ -388,6 +302,24 @@ class Trainer:
         loop = self.learner_loop(backend, intake, publisher, state, metrics, advance=advance)
         return intake, publisher, loop
 
+    def _rollout_keeper(self, intake, loop, model_path: str) -> RolloutKeeper:
+        """The keeper of the rollout process; it adopts the one started with the engines."""
+        saved = self.async_state
+        keeper = RolloutKeeper(
+            self.cfg,
+            run_dir=self.run_dir,
+            spawner=self.spawner,
+            engines=self.supervisor,
+            intake=intake,
+            loop=loop,
+            model_path=model_path,
+            children=self.children,
+            saved_in_flight=list(saved.in_flight) if saved is not None else [],
+            waiting=self.early_rollout,
+        )
+        self.early_rollout = None
+        return keeper
+
     def learner_loop(self, backend, source, publisher, state, metrics, *, advance=None):
         """The run's learner loop on a step source: the live intake, or the saved rollouts
         of `train_only` (`streamrl.mains.replay`)."""
@@ -422,13 +354,15 @@ class Trainer:
     ) -> dict[str, int | None]:
         """Run the learner loop to `train.steps` with everything around it; stop in order:
         final checkpoint, engines settled on the final version, rollout, learner ranks."""
+        from streamrl.fleet.supervisor import InitialWeights
+
         cfg, supervisor = self.cfg, self.supervisor
         async with anyio.create_task_group() as tg:
             await tg.start(intake.run)
             if publisher is not None:
                 await tg.start(publisher.run)
             if not cfg.engine.urls:
-                tg.start_soon(supervisor.monitor, publisher or _InitialWeights())
+                tg.start_soon(supervisor.monitor, publisher or InitialWeights())
             watch = anyio.CancelScope()
             tg.start_soon(rollout.keep_alive, watch)
             if self.ranks is not None:
@@ -446,7 +380,7 @@ class Trainer:
                 await _final_resync(publisher, supervisor)
             engine_versions = await supervisor.versions()
             await intake.stop("training finished")
-            await _wait_exit(rollout.process, timeout_s=30.0)
+            await rollout.wait_exit(timeout_s=30.0)
             loop.record_eval_reports()
             tg.cancel_scope.cancel()
         if self.leader is not None:
@@ -455,155 +389,9 @@ class Trainer:
         return engine_versions
 
 
-class _InitialWeights:
-    """The weight sink of rollout_only: a restarted engine loads the initial model, which is
-    the policy, so there is nothing to resync."""
-
-    def invalidate(self) -> None:
-        pass
-
-    async def resync(self) -> None:
-        pass
-
-
 async def _final_resync(publisher, supervisor) -> None:
     """Engines that came back during the last step hold the version of the snapshot they
     were synced from; bring every engine to the final one."""
     versions = await supervisor.versions()
     if len(set(versions.values())) > 1:
         await publisher.resync()
-
-
-class RolloutKeeper:
-    """The run's rollout process: started, watched, and started again when it dies.
-
-    A new process resumes the prompt stream after every group that arrived
-    (`Intake.received_seqs`), so the groups the dead one had in flight, or had sent
-    without an ack that never came, are generated again, and none is trained twice
-    (groups are de-duplicated by id). Its credits are revoked when the new process says
-    hello. After `rollout.max_restarts` restarts a death fails the run; a `Fatal` from the
-    process (an error a restart would repeat) fails it at once."""
-
-    def __init__(self, trainer: Trainer, intake, loop, model_path: str) -> None:
-        self.trainer = trainer
-        self.intake = intake
-        self.loop = loop
-        self.model_path = model_path
-        self.process: ProcessHandle | None = None
-        self.num_restarts = 0
-        saved = trainer.async_state
-        self.saved_in_flight = list(saved.in_flight) if saved is not None else []
-        """Groups a checkpoint saved in flight: continued first by the (next) process."""
-
-    def start(self) -> None:
-        """Start a rollout process from where the stream stands now: after every group that
-        arrived, with the checkpoint's groups in flight that have not arrived continued
-        first (their seqs are not handed out again)."""
-        trainer = self.trainer
-        received = self.intake.received_seqs
-        pending = [g for g in self.saved_in_flight if g.prompt_seq not in received]
-        resume_file = ""
-        if pending:
-            resume_path = trainer.run_dir / "rollout_resume.msgpack"
-            resume_path.write_bytes(make_encoder().encode(pending))
-            resume_file = str(resume_path)
-        done = received | {group.prompt_seq for group in pending}
-        spec = RolloutSpec(
-            buffer_address=self.intake.bind(),
-            engine_urls=trainer.supervisor.urls,
-            router_url=trainer.supervisor.router_url,
-            model_path=self.model_path,
-            position=position_after(done, since=self.loop.start_position),
-            start_version=self.loop.version,
-            resume_file=resume_file,
-        )
-        if trainer.early_rollout is not None:
-            # Started with the engines and waiting for its spec (if it died meanwhile,
-            # `keep_alive` finds it exited and restarts it as any other).
-            self.process, trainer.early_rollout = trainer.early_rollout, None
-            write_rollout_spec(trainer.run_dir, spec)
-            return
-        self.process = start_rollout(
-            trainer.spawner, trainer.run_dir, spec, log_level=trainer.cfg.logging.level
-        )
-        trainer.children.append(self.process)
-
-    async def keep_alive(self, scope: anyio.CancelScope) -> None:
-        """Restart the process whenever it exits before `scope` is cancelled (it was told to
-        stop); RunError once it has died `rollout.max_restarts` + 1 times, RolloutFatal as
-        soon as it reports a `Fatal`."""
-        while True:
-            with scope:
-                code = await self._exit_or_fatal()
-            if scope.cancel_called:
-                return
-            child = self.process
-            fatal = self.intake.fatal
-            if fatal is not None:
-                _event(self.trainer.run_dir, "rollout_fatal", reason=fatal.reason, code=code)
-                raise RolloutFatal(_fatal_message(fatal, child))
-            if self.num_restarts >= self.trainer.cfg.rollout.max_restarts:
-                raise RunError(
-                    f"the {child.name} process exited with code {code} during training "
-                    f"(after {self.num_restarts} restarts, rollout.max_restarts); last lines "
-                    f"of {child.log_path}:\n{child.log_tail()}"
-                )
-            self.num_restarts += 1
-            log.error(
-                "the rollout process exited with code %s; restarting it (restart %d): "
-                "groups whose prompt has not arrived are generated again",
-                code,
-                self.num_restarts,
-            )
-            _event(
-                self.trainer.run_dir,
-                "rollout_restarted",
-                code=code,
-                restart=self.num_restarts,
-                log_tail=child.log_tail(),  # why it died, kept beside the event
-            )
-            self.trainer.children.remove(child)
-            self.start()
-
-    async def _exit_or_fatal(self) -> int | None:
-        """The process's exit code, or None as soon as it reported a `Fatal`."""
-        code = None
-        async with anyio.create_task_group() as tg:
-
-            async def exited() -> None:
-                nonlocal code
-                code = await anyio.to_thread.run_sync(self.process.wait, abandon_on_cancel=True)
-                tg.cancel_scope.cancel()
-
-            async def fatal() -> None:
-                await self.intake.fatal_arrived.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(exited)
-            tg.start_soon(fatal)
-        return code
-
-
-def _fatal_message(fatal: Fatal, child: ProcessHandle) -> str:
-    """The terminal's account of a rollout's `Fatal`: what, the error, where to look, the
-    traceback."""
-    lines = [f"the rollout stopped on an error a restart would repeat: {fatal.reason}"]
-    if fatal.look_at:
-        lines.append(f"  look at: {fatal.look_at}")
-    if fatal.traceback:
-        lines.append("  the first failure's traceback:")
-        lines.extend(f"    {line}" for line in fatal.traceback.splitlines())
-    lines.append(f"  the rollout's log: {child.log_path}")
-    return "\n".join(lines)
-
-
-def _event(run_dir: Path, event: str, **details) -> None:
-    """Append to `run_dir/events.jsonl` (the engine supervisor writes its events there too)."""
-    record = {"time": time.time(), "component": "rollout", "event": event, **details}
-    with open(run_dir / "events.jsonl", "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-
-
-async def _wait_exit(child: ProcessHandle, *, timeout_s: float) -> None:
-    with anyio.move_on_after(timeout_s):
-        await anyio.to_thread.run_sync(child.wait, abandon_on_cancel=True)

@@ -16,6 +16,9 @@ Two checks, each on sets of prompt seqs rather than counts:
 
 `Accounting.problems()` lists what breaks either check (empty when all is well); the
 learner loop stops the run with them.
+
+The seqs done for good (trained, filtered or evicted) are also where a resume starts:
+`position_after` turns them into a `DataPosition`, the prompt stream's resume state.
 """
 
 from __future__ import annotations
@@ -25,6 +28,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+
+class DataPosition(msgspec.Struct, kw_only=True):
+    """Resume state: hand out `next_seq`, `next_seq + 1`, ... except the seqs in `skip`."""
+
+    next_seq: int = 0
+    """Low-water mark: every seq below it is done."""
+    skip: list[int] = []
+    """Done seqs at or above `next_seq` (sorted); they are not handed out again."""
+
+
+def position_after(
+    trained_seqs: Iterable[int], *, since: DataPosition | None = None
+) -> DataPosition:
+    """The position that resumes after `trained_seqs` (and everything `since` had done).
+
+    "Trained" means done for good: trained, or deliberately dropped (e.g. a
+    group filtered for zero reward variance). Seqs neither trained nor covered
+    by `since` come back on resume, even if they were handed out before.
+    """
+    since = since or DataPosition()
+    done = {s for s in trained_seqs if s >= since.next_seq}
+    done.update(since.skip)
+    low = since.next_seq
+    while low in done:
+        done.discard(low)
+        low += 1
+    return DataPosition(next_seq=low, skip=sorted(s for s in done if s > low))
 
 
 class AccountingError(RuntimeError):

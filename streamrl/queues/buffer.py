@@ -114,12 +114,13 @@ class Buffer:
         *,
         capacity: int,
         max_staleness: int,
+        staleness_rule: horizon.StalenessRule,
         filters: Iterable[str | GroupFilter | NamedFilter] = (),
         clock: Callable[[], float] = time.monotonic,
         on_discard: Callable[[Group, str], None] | None = None,
-        staleness_rule: horizon.StalenessRule = "episode",
         max_episode_staleness: int = 0,
     ) -> None:
+        """`staleness_rule` has no default here: the run's is `buffer.staleness_rule`'s."""
         if capacity <= 0:
             raise ValueError("buffer capacity must be positive")
         self.capacity = capacity

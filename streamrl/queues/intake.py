@@ -11,7 +11,7 @@ Every group goes one way: the receiver de-duplicates it and hands it to the
 buffer; the learner takes batches with `take`, which is also where credits
 return (the buffer has room again); the publisher reports new versions with
 `on_published`. The parts are private: the learner asks through the `StepSource`
-interface (`streamrl.queues.source`: `take`, `stats`, `progress`, `snapshot`,
+interface (`streamrl.queues.source`: `take`, `stats`, `progress`, `cut`,
 `done_seqs`, `pop_eval_reports`), the trainer through the methods below.
 
 `progress(B)` reports what became of the groups since the learner's last batch
@@ -26,7 +26,7 @@ exactly one fate and every prompt the rollout started is received or in flight.
 `summary()` gives the same accounting in counts at the end (over the run's whole
 lineage: a resumed run restores the fates with `restore`).
 
-`snapshot(step)` takes the intake's state at a consistent cut with the rollout for a
+`cut(step)` takes the intake's state at a consistent cut with the rollout for a
 checkpoint (`IntakeState`): the buffered groups, every seq's fate and the groups in
 flight with their tokens so far.
 """
@@ -45,9 +45,10 @@ from streamrl.queues.accounting import Accounting, StreamState
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.filters import GroupFilter, NamedFilter
+from streamrl.queues.horizon import StalenessRule
 from streamrl.queues.progress import ProgressReport, SourceStats, StepProgress
 from streamrl.queues.protocol import Fatal, Report
-from streamrl.queues.transport import StreamReceiver
+from streamrl.queues.receiver import StreamReceiver
 from streamrl.types import Group, PartialGroup
 
 
@@ -86,10 +87,10 @@ class IntakeState(msgspec.Struct, kw_only=True):
     is_complete: bool = False
     """False when the rollout did not answer in time: `in_flight` is then empty and those
     groups are generated again on resume."""
-    snapshot_s: float = 0.0
+    cut_s: float = 0.0
     """From the request to the rollout's answer (generation was held for part of it)."""
     rollout_pause_s: float = 0.0
-    """How long the rollout held its generation for the cut (`rollout_pause_s` <= `snapshot_s`):
+    """How long the rollout held its generation for the cut (`rollout_pause_s` <= `cut_s`):
     every engine request aborted, every call parked, the tokens read."""
 
 
@@ -103,9 +104,9 @@ class Intake:
         batch_size: int,
         max_staleness: int,
         capacity: int,
+        staleness_rule: StalenessRule,
         filters: Iterable[str | GroupFilter | NamedFilter] = (),
         start_version: int = 0,
-        staleness_rule: str = "episode",
         max_episode_staleness: int = 0,
         groups_per_step: int = 0,
     ) -> None:
@@ -213,18 +214,18 @@ class Intake:
             num_startable=self._admission.available(),
         )
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         """This intake's state at a cut with the rollout worker (`IntakeState`): the worker
         is asked for its groups in flight, and the cut is taken when its answer arrives.
         Without an answer within `timeout_s` the state is taken now, without them."""
         started = time.perf_counter()
-        if await self._receiver.request_snapshot(step):
+        if await self._receiver.request_in_flight(step):
             with anyio.move_on_after(timeout_s):
                 while step not in self._cuts:
                     arrived = self._cut_arrived
                     await arrived.wait()
-        state = self._cuts.pop(step, None) or self._cut([], is_complete=False)
-        state.snapshot_s = time.perf_counter() - started
+        state = self._cuts.pop(step, None) or self._state_at_cut([], is_complete=False)
+        state.cut_s = time.perf_counter() - started
         return state
 
     def restore(self, state: IntakeState) -> None:
@@ -238,7 +239,7 @@ class Intake:
         accounting.evicted.update(state.evicted)
         self._admission.add_live(len(state.buffered))
 
-    def _cut(self, in_flight: list[PartialGroup], *, is_complete: bool) -> IntakeState:
+    def _state_at_cut(self, in_flight: list[PartialGroup], *, is_complete: bool) -> IntakeState:
         accounting = self._accounting
         return IntakeState(
             buffered=self._buffer.groups(),
@@ -304,7 +305,7 @@ class Intake:
             payload = report.payload
             in_flight = msgspec.convert(payload.get("groups", []), list[PartialGroup])
             complete = bool(payload.get("complete", False))
-            cut = self._cut(in_flight, is_complete=complete)
+            cut = self._state_at_cut(in_flight, is_complete=complete)
             cut.rollout_pause_s = float(payload.get("seconds", 0.0))
             self._cuts[int(payload["step"])] = cut
             self._cut_arrived.set()

@@ -7,7 +7,7 @@
                                        ◄──    Ack(group_ids)       sender forgets them
       Report(kind, payload)            ──►    evaluation results, rollout counters
                                        ◄──    Stop()               no more groups are wanted
-                                       ◄──    Snapshot(step)       report the groups in flight
+                                       ◄──    CollectInFlight(step)  report the groups in flight
       Report("in_flight", ...)         ──►    (their tokens so far: a checkpoint)
       Fatal(reason, error, ...)        ──►    the run stops: a restart cannot fix this
                                        ◄──    Stop("fatal")        (the sender may exit)
@@ -73,12 +73,12 @@ class Fatal(msgspec.Struct, tag="fatal", kw_only=True):
     """The formatted traceback of the (first) error, where there is one."""
 
 
-class Snapshot(msgspec.Struct, tag="snapshot"):
-    """Report the groups in flight now (a checkpoint at learner step `step`): the sender
+class CollectInFlight(msgspec.Struct, tag="collect_in_flight"):
+    """Report the groups in flight now (a checkpoint's cut at learner step `step`): the sender
     answers with `Report(kind="in_flight", payload={"step": step, "groups": [...]})`."""
 
     step: int
 
 
 ToReceiver = Hello | Group | Report | Fatal
-ToSender = Credit | Ack | Stop | Snapshot
+ToSender = Credit | Ack | Stop | CollectInFlight

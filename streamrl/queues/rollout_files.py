@@ -74,7 +74,7 @@ class ReplayIntake:
     def __init__(self, directory: Path, *, start_step: int = 0) -> None:
         self.directory = Path(directory)
         self.next_step = start_step + 1
-        self._buffer = Buffer(capacity=1 << 30, max_staleness=1 << 30)
+        self._buffer = Buffer(capacity=1 << 30, max_staleness=1 << 30, staleness_rule="episode")
         self._done_seqs: set[int] = set()
 
     def check(self, last_step: int) -> None:
@@ -128,7 +128,7 @@ class ReplayIntake:
         """Nothing to wait for: the next file is read when the learner asks for it."""
         return ProgressReport(num_needed=num_needed, num_buffered=len(self._buffer))
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         """A checkpoint's async state: the trained seqs (nothing buffered between steps, no
         rollout to cut with)."""
         return IntakeState(

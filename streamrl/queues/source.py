@@ -3,7 +3,7 @@
     StepSource ─ take(B, v) ───────────► a step's batch (waits while short)
                ─ stats() ──────────────► counters for the step's metrics (`SourceStats`)
                ─ progress(B) ──────────► what the learner waits for (`ProgressReport`)
-               ─ snapshot(step), done_seqs ► a checkpoint's cut
+               ─ cut(step), done_seqs ─────► a checkpoint's cut
                ─ pop_eval_reports() ───► evaluation results that arrived
 
 Two implementations: the live stream (`streamrl.queues.intake.Intake`: receiver,
@@ -40,7 +40,7 @@ class StepSource(Protocol):
         `num_needed` groups waits for (the stall report)."""
         ...
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         """The source's state at a consistent cut, for the checkpoint of `step`."""
         ...
 

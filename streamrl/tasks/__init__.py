@@ -1,7 +1,7 @@
 """Built-in tasks: small prompt sets with verifiable answers, generated from a seed.
 
 `data.path = "builtin:<name>"` (optionally `builtin:<name>?n=500&seed=1`)
-reads one of these through `streamrl.data.PromptSource`. Generation is
+reads one of these through `streamrl.data.source.PromptSource`. Generation is
 deterministic: the same (name, seed, n) gives the same rows on every machine
 and Python version. The generation seed is the `seed` query parameter
 (default 0), independent of `train.seed`, which only shuffles the order.

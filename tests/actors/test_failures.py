@@ -19,11 +19,13 @@ from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents.api import Trajectory
 from streamrl.config import RunConfig
 from streamrl.config.sections import DataConfig, RolloutConfig
-from streamrl.data import DataError, DataPosition
+from streamrl.data.rows import DataError
 from streamrl.fleet.client import EngineError
 from streamrl.mains.rollout import fatal_of
+from streamrl.queues.accounting import DataPosition
 from streamrl.queues.intake import Intake
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import Prompt
 
 
@@ -145,7 +147,9 @@ def worker(
 
 
 def intake() -> Intake:
-    return Intake("tcp://127.0.0.1:0", batch_size=2, max_staleness=1, capacity=64)
+    return Intake(
+        "tcp://127.0.0.1:0", batch_size=2, max_staleness=1, capacity=64, staleness_rule="episode"
+    )
 
 
 @pytest.mark.anyio

@@ -12,12 +12,13 @@ from engine_helpers import engine_load, running_engines
 from streamrl.actors.in_flight import InFlight
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
-from streamrl.data import PromptSource
+from streamrl.agents.synthetic import confidence_reward, generate_scored
+from streamrl.data.source import PromptSource
 from streamrl.fleet.client import EngineError
 from streamrl.fleet.engine_set import EngineSet, EngineSetError
 from streamrl.models import load_tokenizer
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
-from streamrl.tasks.synthetic import confidence_reward, generate_scored
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import PartialGroup
 
 pytestmark = pytest.mark.anyio
@@ -68,7 +69,7 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                     tokenizer,
                 )
                 tg.start_soon(first.run)
-                tg.start_soon(first.snapshot_loop)
+                tg.start_soon(first.in_flight_loop)
                 with anyio.fail_after(60):  # readiness: both groups are decoding
                     while len(first.in_flight.hold.active) < 4:
                         await anyio.sleep(0.02)
@@ -76,7 +77,7 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
                     tokens = engine_load(url)["generated_tokens"]
                     while engine_load(url)["generated_tokens"] < tokens + 8:
                         await anyio.sleep(0.02)
-                    await receiver.request_snapshot(7)
+                    await receiver.request_in_flight(7)
                     while not [r for r in reports if r.kind == "in_flight"]:
                         await anyio.sleep(0.02)
                 tg.cancel_scope.cancel()
@@ -132,5 +133,5 @@ async def test_a_snapshot_goes_on_when_an_engine_is_restarting():
     (once this killed the rollout process during an engine restart)."""
     in_flight = InFlight(resumable=True)
     in_flight.started(3)
-    groups, cost = await in_flight.snapshot(_OneEngineLoading(), 2)
+    groups, cost = await in_flight.collect(_OneEngineLoading(), 2)
     assert [group.prompt_seq for group in groups] == [3] and cost["complete"]

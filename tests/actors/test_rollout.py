@@ -10,12 +10,13 @@ from engine_helpers import running_engines
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.models import load_tokenizer
 from streamrl.queues.admission import Admission
 from streamrl.queues.buffer import Buffer
-from streamrl.queues.transport import StreamReceiver, StreamSender
+from streamrl.queues.receiver import StreamReceiver
+from streamrl.queues.sender import StreamSender
 from streamrl.rewards import RewardInput
 from streamrl.types import SampleStatus
 
@@ -44,7 +45,7 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     )
     tokenizer = load_tokenizer(tiny_model_dir)
     batch_size, eta, n = 2, 1, 3
-    buffer = Buffer(capacity=100, max_staleness=eta)
+    buffer = Buffer(capacity=100, max_staleness=eta, staleness_rule="episode")
     admission = Admission(
         batch_size=batch_size, max_staleness=eta, capacity=100, num_buffered=lambda: len(buffer)
     )

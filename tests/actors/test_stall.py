@@ -19,8 +19,8 @@ from streamrl.queues.intake import Intake, IntakeState
 from streamrl.queues.progress import ProgressReport, RewardStats, SourceStats, StepProgress
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import ReplayIntake, RolloutWriter
+from streamrl.queues.sender import StreamSender
 from streamrl.queues.source import StepSource
-from streamrl.queues.transport import StreamSender
 from streamrl.types import Group, Sample, SampleStatus
 
 
@@ -235,7 +235,7 @@ class StalledSource:
             self._warned_twice.set()
         return all_zero_report()
 
-    async def snapshot(self, step: int, *, timeout_s: float) -> IntakeState:
+    async def cut(self, step: int, *, timeout_s: float) -> IntakeState:
         return IntakeState(is_complete=True)
 
     @property
@@ -312,7 +312,12 @@ async def test_an_error_of_the_step_source_reaches_the_caller_as_itself(tmp_path
 @pytest.mark.anyio
 async def test_the_live_intake_reports_what_its_filters_dropped_and_starts_again_after_take():
     intake = Intake(
-        "tcp://127.0.0.1:0", batch_size=1, max_staleness=4, capacity=8, filters=["zero_std"]
+        "tcp://127.0.0.1:0",
+        batch_size=1,
+        max_staleness=4,
+        capacity=8,
+        staleness_rule="episode",
+        filters=["zero_std"],
     )
     assert isinstance(intake, StepSource)
     async with anyio.create_task_group() as tg:

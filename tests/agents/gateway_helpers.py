@@ -12,7 +12,7 @@ from typing import Any
 from streamrl.agents.api import GenerateContext
 from streamrl.agents.gateway import serving
 from streamrl.fleet.engine_set import EngineSet
-from streamrl.fleet.results import FinishReason, GenerateResult
+from streamrl.fleet.results import EngineFinish, GenerateResult
 
 IM_END = 2  # SmolLM2's <|im_end|>
 
@@ -93,7 +93,7 @@ def result(
         versions=[version] * len(ids),
         versions_exact=True,
         weight_version=version,
-        finish_reason=FinishReason(type=finish),
+        finish_reason=EngineFinish(type=finish),
         prompt_tokens=0,
         cached_tokens=0,
         meta={},

@@ -27,8 +27,8 @@ from streamrl.agents.examples.guess_number import GuessNumber
 from streamrl.backends.batching import pack_micro_batches
 from streamrl.backends.step import train_step
 from streamrl.config import config_from_dict
-from streamrl.data import render_prompt, tokenize_prompt
-from streamrl.fleet.results import FinishReason, GenerateResult
+from streamrl.data.source import render_prompt, tokenize_prompt
+from streamrl.fleet.results import EngineFinish, GenerateResult
 from streamrl.queues.buffer import Buffer
 from streamrl.types import NO_VERSION, Group, Prompt
 
@@ -62,7 +62,7 @@ def result(
         versions=list(versions),
         versions_exact=True,
         weight_version=max(versions, default=0),
-        finish_reason=FinishReason(type=finish),
+        finish_reason=EngineFinish(type=finish),
         prompt_tokens=0,
         cached_tokens=0,
         meta={},
@@ -497,10 +497,10 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
     assert (group.oldest_version, group.newest_version, group.num_versions_spanned) == (0, 2, 3)
 
     # Staleness is measured from the oldest trained token, not the newest.
-    strict = Buffer(capacity=2, max_staleness=2)
+    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode")
     strict.put(group)
     assert strict.pop_batch(1, version=3) is None and strict.stats.evicted["stale"] == 1
-    buffer = Buffer(capacity=2, max_staleness=3)
+    buffer = Buffer(capacity=2, max_staleness=3, staleness_rule="episode")
     buffer.put(group)
     assert buffer.pop_batch(1, version=3) == [group]
     assert buffer.stats.staleness == {3: 1} and buffer.stats.versions_spanned == {3: 1}

@@ -70,7 +70,7 @@ def test_turn_versions_and_the_bound_come_from_the_turn_offsets():
 
 def test_an_episode_older_than_the_bound_is_trained_under_the_per_turn_rule_and_reported():
     long = group("long", episode([0, 1, 2, 3, 4, 5], 1.0), episode([5, 5], 0.0))
-    strict = Buffer(capacity=4, max_staleness=2)
+    strict = Buffer(capacity=4, max_staleness=2, staleness_rule="episode")
     strict.put(long)
     assert strict.pop_batch(1, version=6) is None and strict.stats.evicted == {"stale": 1}
     per_turn = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn")
@@ -258,7 +258,7 @@ async def test_a_20_turn_episode_across_7_versions_at_eta_2_is_trained_with_per_
     assert episodes.num_versions_spanned == 7
 
     # The learner is at version 7: the first turn is 7 versions old, the last 1.
-    strict = Buffer(capacity=2, max_staleness=2)
+    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode")
     strict.put(episodes)
     assert strict.pop_batch(1, version=7) is None and strict.stats.evicted == {"stale": 1}
     buffer = Buffer(capacity=2, max_staleness=2, staleness_rule="per_turn")

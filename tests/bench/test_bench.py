@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from engine_helpers import engine_load, running_engines
 
+from streamrl.agents import synthetic
 from streamrl.bench import phases, runs, staleness, sync_async
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import EngineReading
-from streamrl.tasks import synthetic
 from streamrl.types import Group, Sample
 
 REPO = Path(__file__).parents[2]
@@ -167,7 +167,7 @@ def test_every_bench_config_loads_and_trains_every_generated_group(path):
     from streamrl.config import load_config
 
     cfg = load_config(path)
-    assert cfg.rollout.generate_fn == "streamrl.tasks.synthetic:generate_scored"
+    assert cfg.rollout.generate_fn == "streamrl.agents.synthetic:generate_scored"
     assert cfg.buffer.filters == []  # throughput must not depend on what the policy learned
 
 

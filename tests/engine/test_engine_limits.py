@@ -10,7 +10,7 @@ from engine_helpers import engine_load, running_engines
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents.api import GenerateContext, Trajectory
-from streamrl.data import PromptSource
+from streamrl.data.source import PromptSource
 from streamrl.engine.protocol import SamplingBody
 from streamrl.fleet.engine_set import EngineSet
 from streamrl.fleet.limits import (
@@ -20,7 +20,8 @@ from streamrl.fleet.limits import (
     context_length_of,
 )
 from streamrl.models import load_tokenizer
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import SampleStatus
 
 LIMITS = RequestLimits(vocab_size=100, context_length=20)

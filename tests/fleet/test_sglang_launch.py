@@ -209,7 +209,7 @@ def test_launching_without_sglang_installed_fails_before_anything_starts_and_say
 
 @pytest.mark.skipif(sglang_available(), reason="SGLang is installed here: it would really start")
 def test_a_server_that_dies_at_start_fails_the_fleet_with_the_tail_of_its_log(tmp_path):
-    from streamrl.actors.supervisor import EngineSupervisor
+    from streamrl.fleet.supervisor import EngineSupervisor
     from streamrl.process import ProcessDied
 
     cfg = sglang_config(startup_timeout_s=60)

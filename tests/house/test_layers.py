@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "streamrl"
 
 LEAVES = ("streamrl.types", "streamrl.utils", "streamrl.process", "streamrl.placement")
 LEAVES += ("streamrl.models", "streamrl.schedules", "streamrl.metrics")
-LEAVES += ("streamrl.checkpoint", "streamrl.logs")
+LEAVES += ("streamrl.checkpoint", "streamrl.logs", "streamrl.events")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     # the wire types, the process helpers, placement, model shapes: nothing of streamrl
@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "streamrl.fleet": (
         "streamrl.config",
         "streamrl.engine.options",
+        "streamrl.events",
         "streamrl.placement",
         "streamrl.process",
         "streamrl.weights",
@@ -53,8 +54,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.types",
         "streamrl.utils",
     ),
-    "streamrl.tasks": ("streamrl.agents", "streamrl.rewards", "streamrl.types"),
-    "streamrl.data": ("streamrl.tasks", "streamrl.types"),
+    "streamrl.tasks": ("streamrl.rewards",),
+    "streamrl.data": ("streamrl.queues.accounting", "streamrl.tasks", "streamrl.types"),
     # the learner backends behind one interface
     "streamrl.backends": (
         "streamrl.algorithms",
@@ -190,7 +191,7 @@ def test_only_the_ray_launcher_imports_ray():
         for path in PATHS
         if any(t == "ray" or t.startswith("ray.") for t in imports_of(path))
     )
-    assert importers == ["streamrl.launch.ray"]
+    assert importers == ["streamrl.launch.ray.hosts", "streamrl.launch.ray.spawner"]
 
 
 def test_the_wire_types_import_nothing_of_streamrl():

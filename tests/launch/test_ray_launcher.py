@@ -35,7 +35,7 @@ from streamrl.launch.placement import (  # noqa: E402 - after the skip
     gpus_for_own_instance,
     placement_bundles,
 )
-from streamrl.launch.ray import LOST_EXIT_CODE, ProcessHost, RayProcess  # noqa: E402
+from streamrl.launch.ray.hosts import LOST_EXIT_CODE, ProcessHost, RayProcess  # noqa: E402
 
 # One xdist group for every module that starts Ray (tests/conftest.py says why).
 pytestmark = [pytest.mark.timeout(150), pytest.mark.xdist_group("ray")]

@@ -141,7 +141,7 @@ def test_ray_keeps_each_tensor_parallel_group_on_one_node_or_refuses_the_placeme
     best effort: Ray sometimes keeps 2-3 together, so it cannot be the case that must fail.)"""
     from ray.cluster_utils import Cluster
 
-    from streamrl.launch.ray import RayLaunchError, RaySpawner
+    from streamrl.launch.ray.spawner import RayLaunchError, RaySpawner
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):

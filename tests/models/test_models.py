@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from streamrl import models  # noqa: E402
+from streamrl.models import devices  # noqa: E402
 
 
 def _same_weights(a, b) -> bool:
@@ -94,12 +95,12 @@ def test_a_checkpoint_is_read_from_its_files_as_transformers_would_load_it(tmp_p
 
 
 def test_dtype_and_device_names_resolve():
-    assert models.resolve_dtype("auto", "cpu") == torch.float32
-    assert models.resolve_dtype("auto", "cuda") == torch.bfloat16
-    assert models.resolve_dtype("bf16", "cpu") == torch.bfloat16
-    assert models.resolve_device("cpu") == torch.device("cpu")
+    assert devices.resolve_dtype("auto", "cpu") == torch.float32
+    assert devices.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert devices.resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert devices.resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError):
-        models.resolve_dtype("float7", "cpu")
+        devices.resolve_dtype("float7", "cpu")
 
 
 def test_the_smollm2_gguf_is_found_without_importing_its_package():

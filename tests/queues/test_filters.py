@@ -36,7 +36,7 @@ def test_truncated_and_length_bounds_drop_groups_and_count_them_by_name():
         "min_response_tokens",
         "max_response_tokens",
     ]
-    buffer = Buffer(capacity=10, max_staleness=1, filters=filters)
+    buffer = Buffer(capacity=10, max_staleness=1, filters=filters, staleness_rule="episode")
     cut_off = [FinishReason.STOP, FinishReason.LENGTH]
     assert buffer.put(make_group(0, finish=cut_off)) == "filtered:truncated"
     assert buffer.put(make_group(1, lengths=(1, 4))) == "filtered:min_response_tokens"
@@ -52,7 +52,12 @@ def test_truncated_and_length_bounds_drop_groups_and_count_them_by_name():
 
 def test_a_module_function_filter_is_imported_applied_and_counted_under_its_spec():
     spec = "tests.e2e_filters:drop_odd_prompts"
-    buffer = Buffer(capacity=10, max_staleness=1, filters=load_filters(["zero_std", spec]))
+    buffer = Buffer(
+        capacity=10,
+        max_staleness=1,
+        filters=load_filters(["zero_std", spec]),
+        staleness_rule="episode",
+    )
     results = [buffer.put(make_group(seq)) for seq in range(6)]
     assert results == ["accepted", f"filtered:{spec}"] * 3
     assert buffer.put(make_group(6, rewards=(1.0, 1.0))) == "filtered:zero_std"
@@ -97,6 +102,7 @@ def simulate(batch_size: int, groups_per_step: int, eta: int, steps: int, keep) 
     buffer = Buffer(
         capacity=(eta + 2) * groups_per_step,
         max_staleness=eta,
+        staleness_rule="episode",
         filters=[("keep", keep)],
         on_discard=lambda group, reason: admission.discarded(),
     )

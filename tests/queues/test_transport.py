@@ -12,7 +12,8 @@ import zmq
 from streamrl.bench.transport import make_group
 from streamrl.process import spawn, streamrl_argv
 from streamrl.queues.protocol import Fatal
-from streamrl.queues.transport import StreamReceiver, StreamSender, UnlimitedCredits
+from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
+from streamrl.queues.sender import StreamSender
 from streamrl.types import Group, make_decoder, make_encoder
 
 pytestmark = pytest.mark.anyio

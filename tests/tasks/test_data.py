@@ -10,13 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrl.config import DataConfig
-from streamrl.data import (
-    DataError,
-    DataPosition,
-    PromptSource,
-    position_after,
-    render_prompt,
-)
+from streamrl.data.rows import DataError
+from streamrl.data.source import PromptSource, render_prompt
+from streamrl.queues.accounting import DataPosition, position_after
 
 TEMPLATE = (
     "<s>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -40,32 +40,26 @@ class Message:
 
     def to_template(self) -> dict[str, Any]:
         """The dict `apply_chat_template` takes (arguments as objects, as HF templates expect)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
-                }
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        return self._as_dict(content=self.content, arguments_json=False)
 
     def to_openai(self) -> dict[str, Any]:
         """This message as an OpenAI chat message (what an episode's reward function sees)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        content = (self.content or None) if self.tool_calls else self.content
+        return self._as_dict(content=content, arguments_json=True)
+
+    def _as_dict(self, *, content: str | None, arguments_json: bool) -> dict[str, Any]:
+        """role, content, and the tool fields this message has; a call's arguments as an
+        object or (`arguments_json`) as the JSON string OpenAI sends."""
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
-            out["content"] = self.content or None
             out["tool_calls"] = [
                 {
                     "id": call.id,
                     "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments_json},
+                    "function": {
+                        "name": call.name,
+                        "arguments": call.arguments_json if arguments_json else call.arguments,
+                    },
                 }
                 for call in self.tool_calls
             ]

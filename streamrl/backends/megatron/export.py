@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from streamrl.backends.megatron import convert, parallel
+from streamrl.backends.megatron import convert, parallel, rules
 from streamrl.backends.megatron.shapes import ModelShape
 
 
@@ -59,17 +59,17 @@ def stage_hf_weights(
     is_publisher = layout.is_stage_publisher
     publisher = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_rank)
     position = {"pp_rank": layout.pp_rank, "pp_size": layout.pp_size, "ep_size": ep}
-    rules_by_ep = [convert.stage_rules(shape, ep_rank=r, **position) for r in range(ep)]
+    rules_by_ep = [rules.stage_rules(shape, ep_rank=r, **position) for r in range(ep)]
     expert_group, order = _expert_group_order(layout)
     tensors = convert.iter_stage_tensors(model, shape, ep_rank=layout.ep_rank, **position)
     for index, (rule, param) in enumerate(tensors):
-        if not convert.is_exported(rule, shape, pp_size=layout.pp_size):
+        if not rules.is_exported(rule, shape, pp_size=layout.pp_size):
             continue
         local = param.detach()
         if rule.expert is None:
             if layout.dp_rank != 0:
                 continue
-            if tp == 1 or rule.kind == convert.REPLICATED:
+            if tp == 1 or rule.kind == rules.REPLICATED:
                 shards = [local]
             else:
                 shards = _gather(

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from streamrl.backends.megatron import convert
+from streamrl.backends.megatron import convert, rules
 from streamrl.backends.megatron.shapes import ModelShape
 
-COLUMN_KINDS = (convert.QKV, convert.GATE_UP, convert.GATE_UP_FUSED, convert.COLUMN)
+COLUMN_KINDS = (rules.QKV, rules.GATE_UP, rules.GATE_UP_FUSED, rules.COLUMN)
 ADAPTED_LINEARS = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
@@ -123,7 +123,7 @@ def adapter_plans(
 ) -> list[AdapterPlan]:
     """The adapted linears of one PP stage in a fixed order (the same on every rank)."""
     plans = []
-    for rule in convert.stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
+    for rule in rules.stage_rules(shape, pp_rank=pp_rank, pp_size=pp_size):
         linear = rule.megatron.removesuffix(".weight")
         if not rule.megatron.endswith(".weight") or not linear.endswith(ADAPTED_LINEARS):
             continue
@@ -132,7 +132,7 @@ def adapter_plans(
         if not targeted:
             continue
         sizes = tuple(_part_size(shape, m) for m in targeted)
-        if rule.kind == convert.ROW:
+        if rule.kind == rules.ROW:
             plans.append(AdapterPlan(linear, rule.kind, tuple(targeted), sizes))
             continue
         plans.append(_column_plan(rule, linear, modules, targeted, sizes, shape, tp_rank, tp_size))

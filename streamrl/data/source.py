@@ -1,4 +1,4 @@
-"""Prompt data: JSONL/Parquet/builtin rows, chat rendering, and a resumable stream.
+"""Prompts from the data set's rows: chat rendering, and a resumable stream.
 
 A `PromptSource` hands out an endless stream of prompts. Stream position
 `seq` (0, 1, 2, ...) maps to a row as
@@ -8,14 +8,14 @@ A `PromptSource` hands out an endless stream of prompts. Stream position
 
 where `order(epoch)` is a permutation seeded by `seed + epoch` when shuffling
 is on and the identity otherwise. So a prompt is named by its `seq` alone and
-a resume needs only a `DataPosition`: the low-water mark `next_seq` (every
-seq below it is done) plus the few done seqs above it (`skip`), which arise
-because async rollouts finish out of order. `position_after` builds one from
-the seqs a checkpoint has trained, so a resume repeats no trained prompt and
-loses no untrained one.
+a resume needs only a `DataPosition` (`streamrl.queues.accounting`, beside the
+fates of the seqs it is built from): the low-water mark `next_seq` (every seq below it
+is done) plus the few done seqs above it (`skip`), which arise because async rollouts
+finish out of order. `position_after` builds one from the seqs a checkpoint has
+trained, so a resume repeats no trained prompt and loses no untrained one.
 
-Every row is parsed and validated when the source is built (errors carry
-`path:line:`); rendering and tokenizing happen lazily, one prompt at a time.
+Every row is parsed and validated when the source is built (`streamrl.data.rows`; errors
+carry `path:line:`); rendering and tokenizing happen lazily, one prompt at a time.
 
 BOS handling: a chat template writes every special token the model expects
 (SmolLM2's starts with `<|im_start|>`, Llama 3's with `<|begin_of_text|>`),
@@ -29,48 +29,14 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
-from urllib.parse import parse_qs
 
-import msgspec
-
+from streamrl.data.rows import DataError, Row, checked_rows
+from streamrl.queues.accounting import DataPosition, position_after
 from streamrl.types import Prompt
 
 log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """Unusable prompt data; the message starts with `path:line:` where a line is at fault."""
-
-
-class DataPosition(msgspec.Struct, kw_only=True):
-    """Resume state: hand out `next_seq`, `next_seq + 1`, ... except the seqs in `skip`."""
-
-    next_seq: int = 0
-    """Low-water mark: every seq below it is done."""
-    skip: list[int] = []
-    """Done seqs at or above `next_seq` (sorted); they are not handed out again."""
-
-
-def position_after(
-    trained_seqs: Iterable[int], *, since: DataPosition | None = None
-) -> DataPosition:
-    """The position that resumes after `trained_seqs` (and everything `since` had done).
-
-    "Trained" means done for good: trained, or deliberately dropped (e.g. a
-    group filtered for zero reward variance). Seqs neither trained nor covered
-    by `since` come back on resume, even if they were handed out before.
-    """
-    since = since or DataPosition()
-    done = {s for s in trained_seqs if s >= since.next_seq}
-    done.update(since.skip)
-    low = since.next_seq
-    while low in done:
-        done.discard(low)
-        low += 1
-    return DataPosition(next_seq=low, skip=sorted(s for s in done if s > low))
 
 
 # ---------------------------------------------------------------- rendering
@@ -105,158 +71,6 @@ def tokenize_prompt(tokenizer: Any, text: str, *, apply_chat_template: bool) -> 
     """Token ids of rendered text; special tokens added only when no template wrote them."""
     encoded = tokenizer(text, add_special_tokens=not apply_chat_template)
     return list(encoded["input_ids"])
-
-
-# ---------------------------------------------------------------- rows
-
-
-class _Row(msgspec.Struct, frozen=True, gc=False):
-    value: str | list[dict[str, str]]
-    label: Any
-    metadata: dict[str, Any]
-
-
-def _check_row(
-    obj: Any, *, input_key: str, label_key: str, metadata_key: str, allow_messages: bool
-) -> _Row:
-    """Validate one decoded row; raises DataError with a message (no location)."""
-    if not isinstance(obj, dict):
-        raise DataError(f"expected a JSON object, got {type(obj).__name__}")
-    if input_key not in obj:
-        raise DataError(f"missing input key {input_key!r} (keys: {sorted(obj)})")
-    value = obj[input_key]
-    if isinstance(value, list):
-        if not allow_messages:
-            raise DataError(
-                f"{input_key!r} is a list of chat messages but data.apply_chat_template = false"
-            )
-        if not value:
-            raise DataError(f"{input_key!r} is an empty message list")
-        for i, message in enumerate(value):
-            if not (
-                isinstance(message, dict)
-                and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
-            ):
-                raise DataError(
-                    f"{input_key}[{i}] must be an object with string 'role' and 'content', "
-                    f"got {message!r:.80}"
-                )
-    elif not isinstance(value, str):
-        raise DataError(
-            f"{input_key!r} must be a string or a list of chat messages, got {type(value).__name__}"
-        )
-    metadata = obj.get(metadata_key)
-    if metadata is None:
-        metadata = {}
-    elif not isinstance(metadata, dict):
-        raise DataError(f"{metadata_key!r} must be an object, got {type(metadata).__name__}")
-    return _Row(value=value, label=obj.get(label_key), metadata=metadata)
-
-
-def checked_rows(
-    path: str,
-    *,
-    input_key: str = "prompt",
-    label_key: str = "label",
-    metadata_key: str = "metadata",
-    allow_messages: bool = True,
-) -> Iterator[tuple[int, _Row | DataError]]:
-    """(line number, row or its error) for every non-blank record of `path`, in file order.
-
-    The one parser and validator of prompt data: `PromptSource` loads through it and
-    `streamrl check` scans with it. An error's message starts with `path:line:`; a file
-    that cannot be opened raises DataError instead. Built-in tasks use their own keys.
-    """
-    if path.startswith("builtin:"):
-        input_key, label_key, metadata_key = "prompt", "label", "metadata"
-    for number, record in _records(path):
-        if isinstance(record, DataError):
-            yield number, DataError(f"{path}:{number}: {record}")
-            continue
-        try:
-            row = _check_row(
-                record,
-                input_key=input_key,
-                label_key=label_key,
-                metadata_key=metadata_key,
-                allow_messages=allow_messages,
-            )
-        except DataError as exc:
-            yield number, DataError(f"{path}:{number}: {exc}")
-            continue
-        yield number, row
-
-
-class DataScan(msgspec.Struct, kw_only=True):
-    """What `scan_rows` found in the first `max_rows` records of a data file."""
-
-    num_rows: int = 0
-    """Records read (blank lines are not records)."""
-    num_bad: int = 0
-    """Records that `PromptSource` would refuse (or skip with `data.on_bad_line = "skip"`)."""
-    first_error: str = ""
-    """The first bad record's error, `path:line: ...`; empty when none was bad."""
-    is_complete: bool = True
-    """False when the file has records past `max_rows`, which were not read."""
-
-
-def scan_rows(path: str, *, max_rows: int, **keys: Any) -> DataScan:
-    """Read and validate up to `max_rows` records of `path` as `PromptSource` would
-    (`keys`: those of `checked_rows`), counting the bad ones."""
-    scan = DataScan()
-    for _, row in checked_rows(path, **keys):
-        if scan.num_rows == max_rows:
-            scan.is_complete = False
-            break
-        scan.num_rows += 1
-        if isinstance(row, DataError):
-            scan.num_bad += 1
-            scan.first_error = scan.first_error or str(row)
-    return scan
-
-
-def _records(path: str, default_seed: int = 0) -> Iterable[tuple[int, Any | Exception]]:
-    """(line number, decoded object or the decode error) for every non-blank record."""
-    if path.startswith("builtin:"):
-        from streamrl import tasks
-
-        name, _, query = path.removeprefix("builtin:").partition("?")
-        try:
-            params = {k: v[-1] for k, v in parse_qs(query, strict_parsing=bool(query)).items()}
-            unknown = set(params) - {"n", "seed"}
-            if unknown:
-                raise ValueError(f"unknown parameter(s) {sorted(unknown)}; known: n, seed")
-            task = tasks.get_task(name)
-            num_rows = int(params.get("n", task.default_num_rows))
-            seed = int(params.get("seed", default_seed))
-        except (KeyError, ValueError) as exc:
-            raise DataError(f"{path}: {exc.args[0] if exc.args else exc}") from None
-        return enumerate(task.rows(seed, num_rows), start=1)
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"{path}: no such file")
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(file).to_pylist()
-        except Exception as exc:
-            raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
-        return enumerate(rows, start=1)
-    return _jsonl_records(file)
-
-
-def _jsonl_records(file: Path) -> Iterable[tuple[int, Any | Exception]]:
-    decoder = msgspec.json.Decoder()
-    with file.open("rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, decoder.decode(line)
-            except msgspec.DecodeError as exc:
-                yield number, DataError(f"malformed JSON: {exc}")
 
 
 # ---------------------------------------------------------------- the source
@@ -316,14 +130,10 @@ class PromptSource:
             tokenizer=tokenizer,
             input_key=cfg.input_key,
             label_key=cfg.label_key,
-            metadata_key=cfg.metadata_key,
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
             shuffle=cfg.shuffle,
             seed=seed,
-            on_bad_line=cfg.on_bad_line,
-            max_prompt_tokens=cfg.max_prompt_tokens,
             position=position,
+            **_rendering(cfg),
         )
 
     @classmethod
@@ -334,16 +144,12 @@ class PromptSource:
             tokenizer=tokenizer,
             input_key=dataset.input_key,
             label_key=dataset.label_key,
-            metadata_key=data.metadata_key,
-            apply_chat_template=data.apply_chat_template,
-            system_prompt=data.system_prompt,
             shuffle=False,
-            on_bad_line=data.on_bad_line,
-            max_prompt_tokens=data.max_prompt_tokens,
+            **_rendering(data),
         )
 
-    def _load(self, path, input_key, label_key, metadata_key, on_bad_line) -> list[_Row]:
-        rows: list[_Row] = []
+    def _load(self, path, input_key, label_key, metadata_key, on_bad_line) -> list[Row]:
+        rows: list[Row] = []
         for _, row in checked_rows(
             path,
             input_key=input_key,
@@ -351,7 +157,7 @@ class PromptSource:
             metadata_key=metadata_key,
             allow_messages=self.apply_chat_template,
         ):
-            if isinstance(row, _Row):
+            if isinstance(row, Row):
                 rows.append(row)
                 continue
             if on_bad_line == "error":
@@ -442,3 +248,15 @@ class PromptSource:
         """Checkpoint position: `position_after` over `trained_seqs` (handed out by this
         source since it was built), the position it started from, and its length skips."""
         return position_after(set(trained_seqs) | self.too_long_seqs, since=self._start)
+
+
+def _rendering(data: Any) -> dict[str, Any]:
+    """What a `DataConfig` says about reading and rendering rows, as `PromptSource`'s keywords
+    (the training source's and every eval source's)."""
+    return {
+        "metadata_key": data.metadata_key,
+        "apply_chat_template": data.apply_chat_template,
+        "system_prompt": data.system_prompt,
+        "on_bad_line": data.on_bad_line,
+        "max_prompt_tokens": data.max_prompt_tokens,
+    }

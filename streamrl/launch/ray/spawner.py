@@ -1,46 +1,14 @@
-"""`cluster.launcher = "ray"`: engines, the rollout process and learner ranks placed by Ray.
-
-    streamrl run (this process: learner rank 0, buffer, publisher, engine fleet, router)
-      │  ray.init(cluster.ray_address), or a Ray instance of its own for the run
-      │  learner placement group (Megatron, learner.num_gpus = N > 1), strategy
-      │  cluster.ray_learner_placement_strategy: one bundle per rank 1..N-1,
-      │    {"GPU": 1, "CPU": k} (or {"CPU": k} on CPU); ranks 1..TP-1 on this node
-      │  engine placement group, strategy cluster.ray_placement_strategy:
-      │    bundle i < num_engines   {"GPU": engine.tp_size, "CPU": 1}  (or {"CPU": 1} on CPU)
-      │    last bundle              {"CPU": 1}
-      ├── ProcessHost "learner-rankR" ──► `streamrl _learner`, rank R, on its node
-      ├── ProcessHost "engine-i" in bundle i ──► `streamrl engine serve` / SGLang, on its node
-      └── ProcessHost "rollout" in the last ──► `streamrl _rollout`, on its node
-
-Learner ranks are numbered node by node once Ray has placed their bundles (this
-node first: `streamrl.launch.placement.rank_order`), so each tensor-parallel group
-is on one node and data and pipeline parallelism span nodes; a placement that
-splits a TP group is refused. Their rendezvous master is rank 0: this node's IP
-and a port free here.
-
-A `ProcessHost` is a small async actor that runs one component as its child
-process: the same argv as the local launcher, with `CUDA_VISIBLE_DEVICES` set
-to the GPUs Ray gave the actor, the driver's working directory, and its log at
-the same path on its own node. `RayProcess` is the driver's handle to it, with
-`ChildProcess`'s interface, so `EngineSupervisor` and the launcher drive both alike.
-An engine binds its node's IP on a port free there (chosen by its actor);
-the buffer, the router and the weight-update master bind this machine's IP
-instead of loopback (`RaySpawner.reachable`).
-
-`RaySpawner.close` stops every child, kills the actors, removes the placement
-group and disconnects; a Ray instance the run started is shut down with it.
-Ray is imported here only (and by tests): nothing below the launcher knows it.
-"""
+"""The run's Ray side: the connection, the placement groups, one `ProcessHost` per
+component, and the `Spawner` interface the trainer and the engine supervisor use
+(see `streamrl.launch.ray` for the picture)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -59,17 +27,12 @@ from streamrl.launch.placement import (
     rank_order,
     split_tp_groups,
 )
-from streamrl.mains.follower import NODE_IP_ENV
-from streamrl.mains.trainer import RunError
-from streamrl.process import ChildProcess, free_port, spawn
+from streamrl.launch.ray.hosts import CALL_TIMEOUT_S, ProcessHost, RayProcess
+from streamrl.mains.errors import RunError
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-LOST_EXIT_CODE = -int(signal.SIGKILL)
-"""What `RayProcess.poll` reports once its actor is gone: the child died with it (PDEATHSIG)."""
-CALL_TIMEOUT_S = 60.0
-"""Bound on one call to a ProcessHost (they answer in milliseconds unless the node is lost)."""
 
 
 class RayUnavailable(ConfigError):
@@ -90,161 +53,6 @@ def require_ray():
             f"({exc}): pip install 'streamrl[ray]'"
         ) from None
     return ray
-
-
-# ---------------------------------------------------------------- the actor
-
-
-class ProcessHost:
-    """Ray actor body: one component process on the actor's node (its child, so it dies
-    with the actor: PDEATHSIG). Async, so `wait` never blocks `stop` or `log_tail`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.child: ChildProcess | None = None
-
-    async def node(self) -> dict[str, Any]:
-        """Where this actor runs: Ray node id and IP, its own pid, the GPUs Ray gave it."""
-        import ray
-
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "actor_pid": os.getpid(),
-            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
-        }
-
-    async def free_port(self) -> int:
-        """A port free on this node's IP a moment ago."""
-        import ray
-
-        return free_port(ray.util.get_node_ip_address())
-
-    async def start(
-        self, argv: list[str], env: dict[str, str], log_path: str | None, cwd: str
-    ) -> int:
-        """Start `argv` (again, after an exit); returns its pid. `CUDA_VISIBLE_DEVICES` is
-        the actor's GPUs (empty without), `STREAMRL_NODE_IP` this node's IP; `cwd` is used
-        where it exists on this node."""
-        import ray
-
-        if self.child is not None and self.child.is_alive():
-            raise RuntimeError(f"{self.name} still runs as pid {self.child.pid}")
-        env = {
-            **env,
-            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in ray.get_gpu_ids()),
-            NODE_IP_ENV: ray.util.get_node_ip_address(),
-        }
-        # Spawned from the actor's event-loop thread, which lives as long as the actor.
-        self.child = spawn(
-            self.name,
-            argv,
-            log_path=Path(log_path) if log_path else None,
-            env=env,
-            cwd=Path(cwd) if Path(cwd).is_dir() else None,
-        )
-        return self.child.pid
-
-    async def poll(self) -> int | None:
-        return self.child.poll()
-
-    async def wait(self, timeout_s: float | None = None) -> int | None:
-        """The exit code; None if it still runs after `timeout_s`."""
-        try:
-            return await asyncio.to_thread(self.child.wait, timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    async def log_tail(self, num_lines: int = 30) -> str:
-        return self.child.log_tail(num_lines) if self.child is not None else "(not started)"
-
-    async def stop(self, timeout_s: float = 10.0) -> int | None:
-        if self.child is None:
-            return None
-        return await asyncio.to_thread(self.child.stop, timeout_s)
-
-    async def kill(self) -> None:
-        if self.child is not None:
-            await asyncio.to_thread(self.child.kill)
-
-
-# ---------------------------------------------------------------- the driver's handle
-
-
-class RayProcess:
-    """A component process started by a ProcessHost; `ChildProcess`'s interface, over Ray.
-
-    Each call is a round trip to the actor (milliseconds on a healthy cluster). Once the
-    actor is gone the process is too: `poll` answers LOST_EXIT_CODE."""
-
-    def __init__(self, name: str, host, pid: int, node: dict[str, Any], log_path: Path | None):
-        self.name = f"{name} (Ray node {node['node_ip']})"
-        self.log_path = log_path
-        self._host = host
-        self._pid = pid
-        self._node = node
-
-    @property
-    def pid(self) -> int:
-        """The pid on its node."""
-        return self._pid
-
-    @property
-    def placement(self) -> dict[str, Any]:
-        return {
-            "node_id": self._node["node_id"],
-            "node_ip": self._node["node_ip"],
-            "actor_pid": self._node["actor_pid"],
-        }
-
-    def _call(self, method: str, *args: Any, timeout_s: float | None = CALL_TIMEOUT_S) -> Any:
-        import ray
-
-        return ray.get(getattr(self._host, method).remote(*args), timeout=timeout_s)
-
-    def poll(self) -> int | None:
-        import ray
-
-        try:
-            return self._call("poll")
-        except ray.exceptions.RayActorError:
-            return LOST_EXIT_CODE
-
-    def is_alive(self) -> bool:
-        return self.poll() is None
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        import ray
-
-        try:
-            code = self._call("wait", timeout_s, timeout_s=None)
-        except ray.exceptions.RayActorError:
-            return LOST_EXIT_CODE
-        if code is None:
-            raise subprocess.TimeoutExpired(self.name, timeout_s)
-        return code
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        import ray
-
-        try:
-            return self._call("log_tail", num_lines)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            return f"(the log on node {self._node['node_ip']} is out of reach: {exc})"
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        import ray
-
-        try:
-            return self._call("stop", timeout_s, timeout_s=timeout_s + CALL_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            return LOST_EXIT_CODE
-
-    def kill(self) -> None:
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayActorError):
-            self._call("kill")
 
 
 # ---------------------------------------------------------------- the spawner

@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +25,7 @@ from typing import Protocol
 import anyio
 
 from streamrl.config import RunConfig
+from streamrl.events import append_event
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.router import Router
 from streamrl.process import LocalSpawner, ProcessHandle, ServerArgv, Spawner, wait_http_ready
@@ -64,12 +64,23 @@ class WeightSink(Protocol):
     async def resync(self) -> None: ...
 
 
+class InitialWeights:
+    """The weight sink of a run without a publisher (`rollout_only`): a restarted engine
+    loads the initial model, which is the policy, so there is nothing to resync."""
+
+    def invalidate(self) -> None:
+        pass
+
+    async def resync(self) -> None:
+        pass
+
+
 class EngineSupervisor:
     """The run's engines (started, or attached with `engine.urls`) and their router.
 
     `spawner` decides where engine processes run and which address and port each gets:
     children of this process (`LocalSpawner`, the default) or of Ray actors on their nodes
-    (`streamrl.launch.ray.RaySpawner`); health checks and restarts are the same for both."""
+    (`streamrl.launch.ray.spawner.RaySpawner`); health checks and restarts are the same for both."""
 
     def __init__(
         self,
@@ -155,9 +166,7 @@ class EngineSupervisor:
 
     def _event(self, engine: Engine, event: str, **details) -> None:
         """Append to `run_dir/events.jsonl` (down, restarted, synced) and refresh engines.json."""
-        record = {"time": time.time(), "engine": engine.url, "event": event, **details}
-        with open(self.run_dir / "events.jsonl", "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_event(self.run_dir, {"engine": engine.url, "event": event, **details})
         self._write_state()
 
     async def versions(self) -> dict[str, int | None]:

@@ -1,0 +1,235 @@
+"""Random model shapes: `random:<shape>` names one of `RANDOM_SHAPES`, a transformers
+config whose weights are drawn from a seed (`streamrl.models.build_random_model`).
+
+Tiny shapes (`*-tiny`) run every test and CPU benchmark; full-size ones are for the GPU
+checks. Every shape uses SmolLM2's special token ids and, unless its name says otherwise,
+SmolLM2's 49,152-token vocabulary, so random ids decode to real text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RANDOM_PREFIX = "random:"
+
+# SmolLM2's tokenizer: <|endoftext|> = 0, <|im_start|> = 1, <|im_end|> = 2.
+_SMOLLM2_SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 49152,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    # Wider than HF's 0.02 so random logits are peaked enough that greedy choices
+    # are not decided by float rounding between two implementations.
+    "initializer_range": 0.1,
+    **_SMOLLM2_SPECIAL,
+}
+
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-tiny": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    },
+    "qwen2-tiny": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": False,  # Qwen2 always has q/k/v bias; untied head here
+        "rope_theta": 1000000.0,
+    },
+    "qwen3-tiny": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        **_TINY,
+        "tie_word_embeddings": True,  # Qwen3 always has q/k RMSNorm
+        "rope_theta": 1000000.0,
+    },
+    "qwen2-0.5b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+    "qwen2-1.5b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+    "qwen3-0.6b": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        **_SMOLLM2_SPECIAL,
+    },
+}
+# The families slime users train, tiny (hidden 64, 2 layers, 8 experts) for CPU tests.
+# Intermediate sizes keep 2 * moe_intermediate_size != hidden_size, so a fused
+# [experts, 2 * intermediate, hidden] tensor can never be mistaken for its transpose.
+_TINY_MOE = {"moe_intermediate_size": 48, "num_experts_per_tok": 2, "norm_topk_prob": True}
+RANDOM_SHAPES.update(
+    {
+        "glm4-tiny": {
+            "model_type": "glm4",
+            "architectures": ["Glm4ForCausalLM"],
+            **_TINY,
+            "tie_word_embeddings": False,
+            "attention_bias": True,  # GLM-4: q/k/v bias, half-rotary (interleaved), sandwich norms
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 10000.0,
+        },
+        "qwen3-moe-tiny": {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            **_TINY,
+            **_TINY_MOE,
+            "num_experts": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "tie_word_embeddings": False,
+            "rope_theta": 1000000.0,
+        },
+        "glm4-moe-tiny": {
+            "model_type": "glm4_moe",
+            "architectures": ["Glm4MoeForCausalLM"],
+            **_TINY,
+            **_TINY_MOE,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,  # layer 0 dense, layer 1 MoE
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "tie_word_embeddings": False,
+            "rope_theta": 1000000.0,
+        },
+        "deepseek-v3-tiny": {
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            # MLA's head sizes are its own (head_dim is the RoPE part, set by the config).
+            **{key: value for key, value in _TINY.items() if key != "head_dim"},
+            **_TINY_MOE,
+            "num_key_value_heads": 4,  # MLA: every head has its own key and value
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 2,  # group-limited routing: the best 1 of 2 groups, then top-2 in it
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "rope_interleave": True,
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+        },
+        # Full-size shapes for the GPU checks (bench/gpu/moe_check.py cuts their layers).
+        "qwen3-30b-a3b": {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+        "deepseek-v3": {
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "n_group": 8,
+            "topk_group": 4,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "rope_interleave": True,
+            "vocab_size": 129280,
+            "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6,
+            # DeepSeek-V3 itself uses YaRN (factor 40); plain RoPE here (see moe_check.py).
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+    }
+)
+# Qwen2-0.5B's body with SmolLM2's 49,152-token vocabulary, so its text decodes with
+# SmolLM2's tokenizer (the GPU runs with a text-based synthetic reward need real text).
+RANDOM_SHAPES["qwen2-0.5b-smolvocab"] = {**RANDOM_SHAPES["qwen2-0.5b"], "vocab_size": 49152}
+
+
+def random_config(shape: str):
+    """The transformers config of a named random shape."""
+    from transformers import AutoConfig
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+    kwargs = dict(RANDOM_SHAPES[shape])
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
