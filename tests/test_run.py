@@ -113,6 +113,37 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
     assert (tmp_path / "out" / "checkpoints" / "step_000004" / "config.json").exists()
 
 
+def test_weights_pushed_every_second_version_bound_staleness_and_the_last_version_lands(
+    tmp_path,
+):
+    """weights.update_interval = 2 at max_staleness 1 (the largest interval it allows): every
+    trained token comes from an even version (0, 2, 4: the only ones pushed during the run),
+    no trained group is more than one version old, and the odd last version still reaches
+    the engine when the run ends."""
+    from streamrl.queues.rollout_files import ROLLOUTS_DIR, read_step, saved_steps
+
+    extra = "[weights]\nupdate_interval = 2\n"
+    config = write_config(tmp_path, steps=5, eta=1, extra=extra)
+    text = config.read_text().replace("[train]\n", "[train]\nsave_rollouts = true\n")
+    config.write_text(text)
+    result = streamrl_run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r["staleness_max"] <= 1 for r in steps)
+    pushed = {r["weights/version"] for r in steps if "weights/version" in r}
+    assert pushed <= {2, 4}, pushed  # a push lands in the records once the engine has it
+    versions = set()
+    for step in saved_steps(out / ROLLOUTS_DIR):
+        for group in read_step(out / ROLLOUTS_DIR / f"step_{step:06d}.msgpack").groups:
+            versions.update(int(v) for s in group.samples for v in s.model_versions)
+    assert versions and versions <= {0, 2, 4}, versions
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting_ok"] and summary["groups_trained"] == 10
+    assert set(summary["engine_versions"].values()) == {5}
+
+
 def test_async_with_staleness_and_no_correction_fails_fast_naming_the_options(tmp_path):
     config = write_config(tmp_path, extra='[algorithm]\noff_policy_correction = "none"\n')
     started = time.monotonic()

@@ -427,6 +427,13 @@ class LearnerConfig(_Section):
 
 
 class WeightsConfig(_Section):
+    update_interval: PositiveInt = 1
+    """Push weights to the engines every N versions (slime --update-weights-interval): version
+    v goes out when v is a multiple of N, and a run's last version always does; 1 pushes
+    every version. The engines then serve up to N - 1 versions behind the learner, which
+    admission counts against buffer.max_staleness, so N is at most max_staleness + 1 (1 in
+    sync mode): with more, the learner would wait for groups that may start only once a
+    newer version is served."""
     bucket_bytes: PositiveInt = 512 * 1024 * 1024
     """Bytes per broadcast bucket (slime --update-weight-buffer-size)."""
     flattened_buckets: bool = True

@@ -180,10 +180,6 @@ NOT_MAPPED: dict[str, str] = {
     "--no-load-optim": "a fresh run starts with a fresh optimizer",
     "--no-load-rng": "a fresh run starts from train.seed",
     "--finetune": "a fresh run starts at step 0",
-    "--update-weights-interval": (
-        "weights are pushed every step; buffer.max_staleness bounds how many versions old a "
-        "trained token may be"
-    ),
     "--partial-rollout": "always on: a sample aborted by a weight update resumes from its tokens",
     "--mask-offpolicy-in-partial-rollout": (
         "resumed tokens keep their own version and behaviour logprob; decoupled PPO corrects them"
