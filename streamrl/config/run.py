@@ -303,11 +303,6 @@ def _recipe_problems(cfg: RunConfig) -> list[str]:
             f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} must be 0 "
             f"or at least rollout.batch_size = {rollout.batch_size}"
         )
-    if cfg.algorithm.advantage_estimator == "gae" and learner.backend != "torch":
-        problems.append(
-            "algorithm.advantage_estimator = 'gae' (a critic) needs learner.backend = 'torch': "
-            "the megatron backend has no value model yet"
-        )
     for index, name in enumerate(cfg.buffer.filters):
         module, sep, function = name.partition(":")
         if name not in BUILTIN_FILTERS and not (sep and module and function):

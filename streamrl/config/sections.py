@@ -327,11 +327,14 @@ class MegatronConfig(_Section):
 
 
 class CriticConfig(_Section):
-    """The value model of `algorithm.advantage_estimator = "gae"` (torch backend only)."""
+    """The value model of `algorithm.advantage_estimator = "gae"`. With the megatron backend
+    it takes the policy's layout (tensor, pipeline, data and sequence parallelism)."""
 
     path: str = ""
     """Model the critic's body starts from (a Hugging Face directory, `smollm2` or
-    `random:<shape>`); empty means the policy's initial model. Its value head starts at 0."""
+    `random:<shape>`); empty means the policy's initial model. Its value head starts at 0;
+    with the megatron backend, a checkpoint's `critic/` directory continues that critic,
+    head included."""
     lr: NonNegFloat = 0.0
     """The critic's peak learning rate; 0 means learner.lr. It follows
     the policy's schedule shape (warmup, decay) scaled to this peak."""

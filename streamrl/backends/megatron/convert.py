@@ -15,6 +15,9 @@ Layouts (megatron-core 0.16.1, local spec names; see docs/megatron.md):
   indices 0.. ; HF names always carry global indices. With tied embeddings and
   PP > 1 the last stage holds a copy of the embedding as `output_layer.weight`
   (exported by no one: the first stage exports `embed_tokens`).
+- A critic's value model (`ModelShape.value_head`) has, instead of the LM head, a
+  scalar head `output_layer.weight` `[1, hidden]` and `output_layer.bias` `[1]`,
+  replicated on every TP rank, saved as `value_head.weight` / `value_head.bias`.
 - Transformer Engine's spec fuses the two norms into the following linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
   `te_name` maps the local names onto those.
@@ -26,15 +29,19 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from streamrl.backends.megatron.model import ModelShape
 
 REPLICATED, COLUMN, ROW, QKV, GATE_UP = "replicated", "column", "row", "qkv", "gate_up"
+VALUE_HEAD = ("value_head.weight", "value_head.bias")
+"""The HF names of a value model's head (`ModelShape.value_head`)."""
 GATE_UP_FUSED = "gate_up_fused"  # one HF tensor [gate; up] (GLM-4's mlp.gate_up_proj)
 # GroupedExperts' stacked tensors: HF sources (gate, up) * experts, or down * experts.
 EXPERTS_GATE_UP, EXPERTS_ROW = "experts_gate_up", "experts_row"
@@ -165,7 +172,11 @@ def stage_rules(
             )
     if pp_rank == pp_size - 1:
         rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
-        if not shape.tied_embeddings:
+        if shape.value_head:
+            weight, bias = VALUE_HEAD
+            rules.append(Rule("output_layer.weight", (weight,), REPLICATED))
+            rules.append(Rule("output_layer.bias", (bias,), REPLICATED))
+        elif not shape.tied_embeddings:
             rules.append(Rule("output_layer.weight", ("lm_head.weight",), COLUMN))
         elif pp_size > 1:
             rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), COLUMN))
@@ -174,7 +185,8 @@ def stage_rules(
 
 def is_exported(rule: Rule, shape: ModelShape, *, pp_size: int) -> bool:
     """False for the last stage's copy of tied embeddings (the first stage exports them)."""
-    return not (shape.tied_embeddings and pp_size > 1 and rule.megatron == "output_layer.weight")
+    is_embedding_copy = shape.tied_embeddings and not shape.value_head and pp_size > 1
+    return not (is_embedding_copy and rule.megatron == "output_layer.weight")
 
 
 _TE_NAMES = {
@@ -323,6 +335,31 @@ def megatron_to_hf(
 # ------------------------------------------------------------ files
 
 
+def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
+    """(HF directory, keep-alive handle) for `model_path`.
+
+    `random:<shape>` is written (seeded: the same weights on every rank) into a
+    temporary directory that lives as long as the returned handle; `smollm2` is the
+    dequantised SmolLM2 directory that `streamrl.models` builds once."""
+    if model_path == "smollm2":
+        from streamrl.models import smollm2_model_dir
+
+        return smollm2_model_dir(), None
+    if model_path.startswith("random:"):
+        from streamrl.models import save_random_model
+
+        holder = tempfile.TemporaryDirectory(prefix="streamrl-megatron-random-")
+        save_random_model(model_path.removeprefix("random:"), holder.name, seed=seed)
+        return Path(holder.name), holder
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{model_path}: the megatron backend needs a Hugging Face directory "
+            "(config.json + safetensors) or random:<shape>"
+        )
+    return path, None
+
+
 def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
     checkpoint = HFCheckpoint(model_dir)
@@ -344,6 +381,13 @@ def write_hf_shard(
 
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     save_file(cpu, str(path), metadata={"format": "pt", **dict(metadata)})
+
+
+def hf_shard_name(stage: int, num_stages: int) -> str:
+    """The safetensors file of pipeline stage `stage` in a checkpoint of `num_stages`."""
+    if num_stages == 1:
+        return "model.safetensors"
+    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
 def write_hf_index(model_dir: str | Path, shard_names: Sequence[str]) -> None:
