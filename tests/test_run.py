@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -212,8 +213,12 @@ temperature = 0.0
     assert first_eval < last_step
 
 
-def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_path):
-    config = write_config(tmp_path, steps=3, eta=1)
+def test_streamrl_run_trains_a_policy_and_gae_critic_with_the_megatron_backend_at_tp_2(tmp_path):
+    """The follower rank makes the critic's calls too (announced by rank 0), and the final
+    checkpoint holds the critic beside the policy."""
+    config = write_config(
+        tmp_path, steps=3, eta=1, extra='[algorithm]\nadvantage_estimator = "gae"\n'
+    )
     text = config.read_text().replace(
         "[learner]\nlr = 1e-3\nnum_threads = 1",
         '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
@@ -225,12 +230,15 @@ def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_
     out = tmp_path / "out"
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
     assert [r["version"] for r in steps] == [1, 2, 3]
-    assert all(r["train/grad_norm"] > 0 for r in steps)
+    assert all(r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0 for r in steps)
+    assert all(math.isfinite(r["train/critic_explained_variance"]) for r in steps)
     # The second rank ran as its own process and exited cleanly with the run.
     assert (out / "logs" / "learner-rank1.log").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {3}
-    assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
+    final = out / "checkpoints" / "step_000003"
+    assert (final / "model.safetensors").exists()
+    assert (final / "critic" / "model.safetensors").exists()
 
 
 def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):

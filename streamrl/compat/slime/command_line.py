@@ -133,9 +133,12 @@ def _algorithm(out: Conversion, given: dict[str, list[str]]) -> None:
     elif estimator in ("gspo", "cispo"):
         out.set("algorithm.advantage_estimator", "grpo", source)
         out.set("algorithm.loss", estimator, source)
+    elif estimator == "ppo":
+        out.set(
+            "algorithm.advantage_estimator", "gae", f"{source} (a critic in the learner's layout)"
+        )
     else:
-        out.skip("--advantage-estimator", [estimator], "ppo's critic trains with learner.backend "
-                 "= 'torch' on one GPU only; kept grpo")  # fmt: skip
+        out.skip("--advantage-estimator", [estimator], "not an estimator streamrl has; kept grpo")
     if "--disable-grpo-std-normalization" in given:
         out.set("algorithm.advantage_estimator", "dr_grpo", "--disable-grpo-std-normalization")
     coef = given.get("--kl-loss-coef")
