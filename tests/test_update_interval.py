@@ -1,6 +1,8 @@
 """`weights.update_interval` (slime's --update-weights-interval): weights reach the engines
 every N versions. Admission's arithmetic decides which N can make progress; the config
-refuses the others, and `streamrl from-slime` maps the flag."""
+refuses the others; the learner loop (a real tiny torch learner) pushes the multiples of N
+and its last version, after a resume too; `streamrl from-slime` maps the flag. The run
+itself: tests/test_run.py."""
 
 from __future__ import annotations
 
@@ -101,3 +103,121 @@ def test_from_slime_lists_an_interval_of_the_synchronous_driver_as_not_mapped():
     assert conversion.get("weights.update_interval") is None
     reasons = dict(conversion.not_mapped)
     assert "synchronous" in reasons["--update-weights-interval 2"]
+
+
+class FixedSource:
+    """A step source that hands out the same trainable group for every step."""
+
+    def __init__(self) -> None:
+        from streamrl.types import Group, Sample
+
+        samples = [
+            Sample(
+                prompt_ids=[1, 5, 6],
+                response_ids=[20 + i, 30, 40],
+                logprobs=[-3.0] * 3,
+                versions=[0] * 3,
+                loss_mask=[1] * 3,
+                reward=float(i),
+            )
+            for i in range(2)
+        ]
+        self.group = Group(group_id="g", prompt_seq=0, prompt_index=0, samples=samples)
+
+    async def take(self, num_groups: int, version: int):
+        return [self.group] * num_groups
+
+    def stats(self):
+        from streamrl.queues.buffer import BufferStats
+        from streamrl.queues.progress import SourceStats
+
+        return SourceStats(buffer=BufferStats(), num_buffered=0, max_staleness=2)
+
+    def progress(self, num_needed: int):
+        raise AssertionError("the batch is always there")
+
+    async def snapshot(self, step: int, *, timeout_s: float):
+        raise AssertionError("no checkpoint in these runs")
+
+    @property
+    def done_seqs(self) -> set[int]:
+        return set()
+
+    def pop_eval_reports(self) -> list:
+        return []
+
+
+class RecordingPublisher:
+    """Records the versions the learner loop hands over (the ones the engines receive)."""
+
+    num_digest_mismatches = 0
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+        self.records: list = []
+
+    async def publish(self, version: int):
+        from streamrl.publish.publisher import PublishRecord
+
+        self.versions.append(version)
+        self.records.append(PublishRecord(version=version))
+        return self.records[-1]
+
+    async def wait_idle(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_model_dir):
+    import torch
+
+    from streamrl.backends.build import build_backend
+
+    cfg = _loop_config(tiny_model_dir, steps=1)
+    return build_backend(cfg, tiny_model_dir, torch.device("cpu"), torch.float32)
+
+
+def _loop_config(model_dir: str, *, steps: int):
+    return _config(
+        model={"path": model_dir},
+        rollout={"batch_size": 1, "n_samples_per_prompt": 2},
+        buffer={"max_staleness": 2},
+        weights={"update_interval": 3},
+        learner={"device": "cpu", "lr": 1e-5},
+        train={"steps": steps},
+        logging={"tensorboard": False, "progress": False},
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "start, steps, pushed",
+    [
+        (0, 5, [3, 5]),  # multiples of 3, then the last version
+        (4, 7, [6, 7]),  # a resume at version 4: its engines start on 4
+        (6, 6, []),  # a resume with nothing left to train pushes nothing
+    ],
+)
+async def test_the_learner_pushes_multiples_of_the_interval_and_its_last_version(
+    tiny_backend, tiny_model_dir, tmp_path, start, steps, pushed
+):
+    from streamrl import checkpoint
+    from streamrl.actors.learner import LearnerLoop
+    from streamrl.metrics import MetricsWriter
+
+    publisher = RecordingPublisher()
+    metrics = MetricsWriter(tmp_path, tensorboard=False, progress=False)
+    loop = LearnerLoop(
+        _loop_config(tiny_model_dir, steps=steps),
+        backend=tiny_backend,
+        source=FixedSource(),
+        publisher=publisher,
+        metrics=metrics,
+        run_dir=tmp_path,
+        state=checkpoint.TrainState(step=start, version=start),
+        pad_id=0,
+    )
+    state = await loop.run()
+    metrics.close()
+    assert (state.step, state.version) == (steps, steps)
+    assert publisher.versions == pushed
