@@ -1,10 +1,10 @@
 """The Megatron learner's GAE critic on CPU: explained variance per step.
 
-    python bench/cpu/megatron_critic_gae.py [--tp 2] [--pp 1] [--sequence-parallel]
-        [--steps 12] [--out result.json]
+    python bench/cpu/megatron_critic_gae.py [--tp 2] [--pp 1] [--dp 1] [--ep 1]
+        [--sequence-parallel] [--model random:qwen3-tiny] [--steps 12] [--out result.json]
 
-Starts TP x PP gloo ranks (`streamrl.backends.rendezvous.start_ranks`) on a random tiny
-Qwen3; rank 0 runs `train_step` with `algorithm.advantage_estimator = "gae"` through the
+Starts TP x PP x DP gloo ranks (`streamrl.backends.rendezvous.start_ranks`) on a random
+tiny model (`--model random:qwen3-moe-tiny --dp 2 --ep 2` for experts); rank 0 runs `train_step` with `algorithm.advantage_estimator = "gae"` through the
 `Leader` of a run and the other ranks `follow`, on the same two groups every step (two
 prompts; the reward depends on the prompt and on the sample, so a critic can learn part of
 it). Prints each step's `train/critic_explained_variance` and value loss, then one result
@@ -50,23 +50,31 @@ def groups():
 def run_config(args):
     from streamrl.config import config_from_dict
 
-    megatron = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
+    megatron = {
+        "tensor_parallel_size": args.tp,
+        "pipeline_parallel_size": args.pp,
+        "expert_model_parallel_size": args.ep,
+    }
     return config_from_dict(
         {
             "data": {"path": "unused"},
-            "model": {"path": "random:qwen3-tiny"},
+            "model": {"path": args.model},
             "rollout": {"batch_size": 2, "n_samples_per_prompt": 2},
             "algorithm": {"advantage_estimator": "gae", "value_clip": 0.0},
             "learner": {
                 "backend": "megatron",
                 "device": "cpu",
-                "num_gpus": args.tp * args.pp,
+                "num_gpus": num_ranks(args),
                 "lr": 1e-4,
                 "critic": {"lr": 3e-3},
                 "megatron": {**megatron, "sequence_parallel": args.sequence_parallel},
             },
         }
     )
+
+
+def num_ranks(args) -> int:
+    return args.tp * args.pp * args.dp
 
 
 def worker(args) -> None:
@@ -108,6 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--model", default="random:qwen3-tiny")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", default="megatron_critic_gae.json")
@@ -123,14 +134,15 @@ def main() -> None:
     # The script's own directory leads a child's sys.path: put this checkout's streamrl first.
     env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as logs:
-        group = start_ranks(argv, world_size=args.tp * args.pp, log_dir=Path(logs), env=env)
+        group = start_ranks(argv, world_size=num_ranks(args), log_dir=Path(logs), env=env)
         try:
             group.wait(600)
         finally:
             group.stop()
         print((Path(logs) / "learner-rank0.log").read_text(), end="")
     steps = json.loads(Path(args.out).read_text())
-    layout = f"TP {args.tp} PP {args.pp}" + (" SP" if args.sequence_parallel else "")
+    layout = f"{args.model}, TP {args.tp} PP {args.pp} DP {args.dp} EP {args.ep}"
+    layout += " SP" if args.sequence_parallel else ""
     variance = ", ".join(f"{step['explained_variance']:.3f}" for step in steps)
     print(
         f"megatron critic GAE, {layout}: explained variance per step {variance} "

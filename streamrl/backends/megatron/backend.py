@@ -28,6 +28,11 @@ saved with the optimizer (`optimizer/schedule.json`), so a resume continues the 
 Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
 0 of DP replica 0) that yields that stage's tensors under HF names with global
 layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
+
+The critic (`algorithm.advantage_estimator = "gae"`): `self.critic`, a value model in
+the same layout that runs through this backend's schedule, data movement and metric
+reduction (`run_schedule`, `local_work`, `collect_on_rank0`, `train_schedule`), with its
+own DDP and optimizer (`critic.py`); saved under the checkpoint's `critic/`.
 """
 
 from __future__ import annotations
@@ -228,6 +233,8 @@ class MegatronBackend:
         return model
 
     def wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
+        """(Megatron DDP, Megatron Adam optimizer) around `model`, the policy or the critic,
+        with the learner's optimizer settings (the rate is set before each step)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
