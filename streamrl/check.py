@@ -88,6 +88,10 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
             attempt("learner.megatron", lambda: problems.extend(_layout_problems(cfg)))
         if cfg.algorithm.advantage_estimator == "gae" and cfg.learner.critic.path:
             attempt("learner.critic.path", lambda: _check_model(cfg.learner.critic.path))
+            if cfg.learner.backend == "megatron":
+                attempt(
+                    "learner.critic.path", lambda: problems.extend(_critic_layout_problems(cfg))
+                )
     if cfg.train.mode == "train_only":
         attempt("train.load_rollouts", lambda: _check_rollouts(cfg))
     if cfg.logging.wandb:
@@ -231,6 +235,34 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     )
     engine_tp = cfg.engine.tp_size if cfg.engine.backend == "sglang" else 1
     return layout_problems(shape, layout, engine_tp_size=engine_tp)
+
+
+def _critic_layout_problems(cfg: RunConfig) -> list[str]:
+    """The critic's own model (`learner.critic.path`) in the policy's Megatron layout: its
+    family supported and its shape split by the same TP / PP / EP (the engines never serve
+    it); nothing when its config does not load (reported by the model check)."""
+    from streamrl import models
+    from streamrl.backends.megatron.families import shape_from_hf
+    from streamrl.backends.megatron.memory import Parallelism, layout_problems
+
+    path = cfg.learner.critic.path
+    key = f"learner.critic.path = {path!r}"
+    try:
+        config = models.model_config(path)
+    except Exception:
+        return []
+    try:
+        shape = shape_from_hf(config)
+    except (NotImplementedError, ValueError, KeyError, AttributeError) as exc:
+        return [f"{key}: the megatron learner cannot build it: {exc}"]
+    megatron = cfg.learner.megatron
+    layout = Parallelism(
+        num_gpus=cfg.learner.num_gpus,
+        tp=megatron.tensor_parallel_size,
+        pp=megatron.pipeline_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+    )
+    return [f"{key}: {problem}" for problem in layout_problems(shape, layout, engine_tp_size=1)]
 
 
 def _check_directory(path: str) -> None:

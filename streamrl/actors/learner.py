@@ -4,6 +4,8 @@
                      metrics = train_step(groups)               # in a worker thread
                      version += 1
                      await publisher.publish(version)           # snapshot; broadcast runs behind
+                                                                # (every weights.update_interval
+                                                                # versions, and the last one)
                      record metrics; checkpoint every train.save_interval steps
 
 The loop sees the step source (`streamrl.queues.source.StepSource`: a step's batch, its
@@ -41,7 +43,7 @@ from streamrl.backends.base import LearnerBackend
 from streamrl.backends.step import train_step
 from streamrl.config import RunConfig
 from streamrl.metrics import MetricsWriter
-from streamrl.publish.publisher import WeightPublisher
+from streamrl.publish.publisher import PublishRecord, WeightPublisher
 from streamrl.queues.accounting import AccountingError, DataPosition, position_after
 from streamrl.queues.protocol import Report
 from streamrl.queues.rollout_files import RolloutWriter
@@ -85,6 +87,9 @@ class LearnerLoop:
         self.writer = writer
         self.advance = advance
         self.version = state.version
+        self.published_version = state.version
+        """The newest version handed to the publisher; the engines start on the run's (or
+        the checkpoint's) own."""
         self.start_position = DataPosition(next_seq=state.next_seq, skip=list(state.skip))
         stall_s = cfg.train.stall_warning_s
         self.stall = StallWatch(stall_s) if stall_s else None
@@ -133,8 +138,8 @@ class LearnerLoop:
                 self.version += 1
             train_s = time.perf_counter() - step_started
             publish = None
-            if self.publisher is not None:
-                publish = await self.publisher.publish(self.version)
+            if self.publisher is not None and self._is_push_due():
+                publish = await self._publish()
             self.state.step += 1
             self.state.version = self.version
             self.state.samples_trained += sum(len(g.samples) for g in groups)
@@ -169,8 +174,21 @@ class LearnerLoop:
             if interval and self.state.step % interval == 0 and self.backend is not None:
                 await self.save()
         if self.publisher is not None:
+            if self.published_version != self.version:  # the engines end on the last version
+                await self._publish()
             await self.publisher.wait_idle()
         return self.state
+
+    def _is_push_due(self) -> bool:
+        """Whether this version goes to the engines now: every `weights.update_interval`
+        versions (multiples of it, so a resumed run pushes the versions the uninterrupted
+        one would have)."""
+        return self.version % self.cfg.weights.update_interval == 0
+
+    async def _publish(self) -> PublishRecord:
+        record = await self.publisher.publish(self.version)
+        self.published_version = self.version
+        return record
 
     async def _take(self, num_groups: int) -> list[Group]:
         """The next step's batch; while the wait lasts past `train.stall_warning_s`, the

@@ -21,6 +21,9 @@ from typing import Protocol
 
 import torch
 
+CRITIC_DIR = "critic"
+"""The critic's part of a checkpoint directory (with `algorithm.advantage_estimator = "gae"`)."""
+
 
 @dataclass
 class MicroBatch:

@@ -27,16 +27,16 @@ def build_backend(
     """The learner backend named by `learner.backend`, loaded from `model_path`; its KL
     reference (with `algorithm.kl_loss_coef` > 0) from `reference_path` (None: `model_path`).
     A resumed run passes its initial model there, so the reference never drifts. With
-    `algorithm.advantage_estimator = "gae"` the torch backend gets a critic that starts
-    from `learner.critic.path`, or the reference path (the initial model); a resume then
+    `algorithm.advantage_estimator = "gae"` either backend gets a critic that starts from
+    `learner.critic.path`, or the reference path (the initial model); a resume then
     restores it from the checkpoint."""
     need_reference = cfg.algorithm.kl_loss_coef > 0
+    critic_path = None
+    if cfg.algorithm.advantage_estimator == "gae":
+        critic_path = cfg.learner.critic.path or reference_path or model_path
     if cfg.learner.backend == "torch":
         from streamrl.backends.torch import TorchBackend
 
-        critic_path = None
-        if cfg.algorithm.advantage_estimator == "gae":
-            critic_path = cfg.learner.critic.path or reference_path or model_path
         return TorchBackend(
             model_path,
             cfg.learner,
@@ -68,6 +68,8 @@ def build_backend(
         need_reference=need_reference,
         reference_path=reference_path,
         lr_schedule=cfg.lr_schedule,
+        critic_path=critic_path,
+        critic_lr=cfg.critic_lr,
         seed=cfg.model.seed,
     )
 

@@ -11,7 +11,9 @@ each follower makes the same call in the same order with no data of its own
 
 With pipeline parallelism, SNAPSHOT (the weight publisher's snapshot) also makes
 each other stage's publisher stage its layers and send rank 0 its plan; those
-stages then broadcast when rank 0 asks (`streamrl.weights.stages`).
+stages then broadcast when rank 0 asks (`streamrl.weights.stages`). A backend with a
+critic (`algorithm.advantage_estimator = "gae"`) has its calls announced the same way
+(VALUES, TRAIN_CRITIC) through `Leader.critic`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Op(enum.StrEnum):
     LOAD = "load"
     STOP = "stop"
     SNAPSHOT = "snapshot"
+    VALUES = "values"
+    TRAIN_CRITIC = "train_critic"
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -107,6 +111,9 @@ class Leader:
     def __init__(self, backend: LearnerBackend) -> None:
         self.backend = backend
         self.tokenizer = getattr(backend, "tokenizer", None)
+        critic = getattr(backend, "critic", None)
+        self.critic = None if critic is None else LeaderCritic(critic)
+        """The backend's critic behind announced calls (None without one)."""
 
     @property
     def is_publisher(self) -> bool:
@@ -176,15 +183,37 @@ class Leader:
         announce(Command(Op.STOP))
 
 
-def follow(backend: LearnerBackend, loss_fn: LossFn, *, stage_host: str = "127.0.0.1") -> None:
-    """Ranks > 0: mirror rank 0's calls until it says stop.
+class LeaderCritic:
+    """Rank 0's view of the critic of a multi-process backend: announce, then call."""
+
+    def __init__(self, critic) -> None:
+        self.critic = critic
+
+    def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        announce(Command(Op.VALUES))
+        return self.critic.compute_values(micro_batches)
+
+    def train_mini_batch(self, micro_batches: list[MicroBatch], loss_fn) -> dict[str, float]:
+        announce(Command(Op.TRAIN_CRITIC))
+        return self.critic.train_mini_batch(micro_batches, loss_fn)
+
+
+def follow(
+    backend: LearnerBackend,
+    loss_fn: LossFn,
+    *,
+    value_loss_fn=None,
+    stage_host: str = "127.0.0.1",
+) -> None:
+    """Ranks > 0: mirror rank 0's calls until it says stop (`value_loss_fn`: the critic's
+    loss, `streamrl.backends.step.make_value_loss_fn`, for a backend with a critic).
 
     The publisher of a pipeline stage > 0 also serves that stage's broadcasts
     (a `StageServer` thread, reached at `stage_host`: this machine's address that rank 0
     and the engines reach) for as long as it follows."""
     stage = _stage_server(backend, stage_host)
     try:
-        _follow(backend, loss_fn, stage)
+        _follow(backend, loss_fn, value_loss_fn, stage)
     finally:
         if stage is not None:
             stage.close()
@@ -201,7 +230,7 @@ def _stage_server(backend: LearnerBackend, host: str):
     return stage
 
 
-def _follow(backend: LearnerBackend, loss_fn: LossFn, stage) -> None:
+def _follow(backend: LearnerBackend, loss_fn: LossFn, value_loss_fn, stage) -> None:
     while True:
         command = receive()
         log.debug("follower: %s", command)
@@ -230,3 +259,7 @@ def _follow(backend: LearnerBackend, loss_fn: LossFn, stage) -> None:
             backend.save(Path(command.path))
         elif command.op is Op.LOAD:
             backend.load(Path(command.path))
+        elif command.op is Op.VALUES:
+            backend.critic.compute_values([])
+        elif command.op is Op.TRAIN_CRITIC:
+            backend.critic.train_mini_batch([], value_loss_fn)

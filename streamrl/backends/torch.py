@@ -29,13 +29,10 @@ import torch
 
 from streamrl import algorithms
 from streamrl.backends import peft_adapters
-from streamrl.backends.base import LossFn, MicroBatch
+from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
-
-CRITIC_DIR = "critic"
-"""The critic's part of a checkpoint directory."""
 
 
 class TorchBackend:

@@ -212,6 +212,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
                 f"learner.num_gpus = {cfg.learner.num_gpus} must be a multiple of "
                 f"learner.megatron.tensor_parallel_size * pipeline_parallel_size = {model_parallel}"
             )
+    problems += _update_interval_problems(cfg)
     if cfg.weights.transport == "ipc":
         problems += _ipc_problems(cfg)
     if cfg.cluster.launcher == "ray":
@@ -245,6 +246,39 @@ def _lora_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _update_interval_problems(cfg: RunConfig) -> list[str]:
+    """`weights.update_interval` = N against the staleness bound eta.
+
+    Admission lets the groups of learner step k start only while the engines serve a
+    version >= k - eta (`streamrl.queues.admission`). With a push every N versions the
+    engines serve floor(k / N) * N, which is k - (N - 1) just before a push: the learner
+    at version k = m N + eta + 1 (< (m + 1) N when N > eta + 1) would wait for groups that
+    can start only once version (m + 1) N is served, and that version is the learner's
+    next push, after the step it waits to take. So N <= eta + 1, and then every trained
+    token is within eta versions of the learner, as with N = 1. The modes without a
+    publisher (`rollout_only`, `train_only`) push nothing and take any N."""
+    interval = cfg.weights.update_interval
+    if interval == 1 or cfg.train.mode not in ("async", "sync"):
+        return []
+    if cfg.train.mode == "sync":
+        return [
+            f"weights.update_interval = {interval} with train.mode = 'sync': a synchronous "
+            f"step trains on the version the engines serve, so every version is pushed; set "
+            f"weights.update_interval = 1, or train.mode = 'async' with buffer.max_staleness "
+            f">= {interval - 1}"
+        ]
+    eta = cfg.buffer.max_staleness
+    if interval <= eta + 1:
+        return []
+    return [
+        f"weights.update_interval = {interval} is more than buffer.max_staleness + 1 = "
+        f"{eta + 1}: the learner would reach a version {eta + 1} ahead of the one the engines "
+        f"serve before the next push, and wait for groups that admission starts only once a "
+        f"newer version is served (the run stops making progress); set buffer.max_staleness "
+        f">= {interval - 1} or weights.update_interval <= {eta + 1}"
+    ]
+
+
 BUILTIN_FILTERS = ("zero_std", "truncated")
 """The names `buffer.filters` accepts besides `module:function` (streamrl.queues.filters)."""
 
@@ -268,11 +302,6 @@ def _recipe_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"rollout.over_sampling_batch_size = {rollout.over_sampling_batch_size} must be 0 "
             f"or at least rollout.batch_size = {rollout.batch_size}"
-        )
-    if cfg.algorithm.advantage_estimator == "gae" and learner.backend != "torch":
-        problems.append(
-            "algorithm.advantage_estimator = 'gae' (a critic) needs learner.backend = 'torch': "
-            "the megatron backend has no value model yet"
         )
     for index, name in enumerate(cfg.buffer.filters):
         module, sep, function = name.partition(":")

@@ -327,11 +327,14 @@ class MegatronConfig(_Section):
 
 
 class CriticConfig(_Section):
-    """The value model of `algorithm.advantage_estimator = "gae"` (torch backend only)."""
+    """The value model of `algorithm.advantage_estimator = "gae"`. With the megatron backend
+    it takes the policy's layout (tensor, pipeline, data and sequence parallelism)."""
 
     path: str = ""
     """Model the critic's body starts from (a Hugging Face directory, `smollm2` or
-    `random:<shape>`); empty means the policy's initial model. Its value head starts at 0."""
+    `random:<shape>`); empty means the policy's initial model. Its value head starts at 0;
+    with the megatron backend, a checkpoint's `critic/` directory continues that critic,
+    head included."""
     lr: NonNegFloat = 0.0
     """The critic's peak learning rate; 0 means learner.lr. It follows
     the policy's schedule shape (warmup, decay) scaled to this peak."""
@@ -427,6 +430,13 @@ class LearnerConfig(_Section):
 
 
 class WeightsConfig(_Section):
+    update_interval: PositiveInt = 1
+    """Push weights to the engines every N versions (slime --update-weights-interval): version
+    v goes out when v is a multiple of N, and a run's last version always does; 1 pushes
+    every version. The engines then serve up to N - 1 versions behind the learner, which
+    admission counts against buffer.max_staleness, so N is at most max_staleness + 1 (1 in
+    sync mode): with more, the learner would wait for groups that may start only once a
+    newer version is served."""
     bucket_bytes: PositiveInt = 512 * 1024 * 1024
     """Bytes per broadcast bucket (slime --update-weight-buffer-size)."""
     flattened_buckets: bool = True

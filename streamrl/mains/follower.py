@@ -49,7 +49,7 @@ def follower_command(args) -> int:
     from streamrl.backends.build import build_backend, learner_devices
     from streamrl.backends.ranks import follow
     from streamrl.backends.rendezvous import init_distributed, shutdown
-    from streamrl.backends.step import make_loss_fn
+    from streamrl.backends.step import make_loss_fn, make_value_loss_fn
 
     run_dir = Path(args.run_dir)
     cfg = load_config(run_dir / "config.toml")
@@ -73,7 +73,12 @@ def follower_command(args) -> int:
         # A pipeline stage's publisher is reached at this node's IP under Ray (other ranks
         # and engines may be on other nodes), else where rank 0's weight group listens.
         stage_host = os.environ.get(NODE_IP_ENV) or cfg.weights.master_address
-        follow(backend, make_loss_fn(cfg), stage_host=stage_host)
+        follow(
+            backend,
+            make_loss_fn(cfg),
+            value_loss_fn=make_value_loss_fn(cfg),
+            stage_host=stage_host,
+        )
     finally:
         shutdown()
     return 0

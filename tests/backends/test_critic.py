@@ -10,7 +10,7 @@ from streamrl import algorithms
 from streamrl.backends.batching import gather_responses, pack_micro_batches
 from streamrl.backends.build import build_backend
 from streamrl.backends.step import train_step
-from streamrl.config import ConfigError, config_from_dict
+from streamrl.config import config_from_dict
 from streamrl.types import Group, Sample
 
 
@@ -121,17 +121,6 @@ def test_the_critic_is_saved_beside_the_policy_and_restored_on_resume(tiny_model
     after_resume = train_step(resumed, groups, cfg, pad_id=0)
     for key in ("critic_value_loss", "critic_lr", "loss"):
         assert after_resume[f"train/{key}"] == pytest.approx(after[f"train/{key}"], rel=1e-5)
-
-
-def test_gae_with_the_megatron_backend_is_refused_naming_the_keys():
-    with pytest.raises(ConfigError, match=r"algorithm\.advantage_estimator.*learner\.backend"):
-        config_from_dict(
-            {
-                "data": {"path": "x"},
-                "algorithm": {"advantage_estimator": "gae"},
-                "learner": {"backend": "megatron"},
-            }
-        )
 
 
 def test_the_explained_variance_of_the_step_is_that_of_the_values_before_it(tiny_model_dir):

@@ -17,6 +17,7 @@ from streamrl.check import find_problems
 from streamrl.cli import build_parser
 from streamrl.compat.slime.command_line import convert, from_slime_command
 from streamrl.compat.slime.scripts import read_command, split_flags
+from streamrl.compat.slime.written import render
 from streamrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +134,25 @@ def test_every_flag_is_either_mapped_or_listed_with_a_reason():
             "sampling": {"max_new_tokens": 2048},
         }
     ]
+
+
+def test_ppo_becomes_gae_with_its_critic_on_the_megatron_learner(tmp_path):
+    words = [
+        "--advantage-estimator", "ppo", "--critic-load", "/ckpt/critic", "--critic-lr", "2e-6",
+        "--value-clip", "0.3", "--lambd", "0.95", "--tensor-model-parallel-size", "2",
+        "--actor-num-gpus-per-node", "2", "--prompt-data", "/data/train.jsonl",
+        "--hf-checkpoint", "/models/Qwen3-4B",
+    ]  # fmt: skip
+    conversion = convert(read_command([], ["python", "train_async.py", *words]))
+    assert accounted_for(conversion, split_flags(words)) == set()
+    assert not conversion.not_mapped, conversion.not_mapped
+    out = tmp_path / "ppo.toml"
+    out.write_text(render(conversion, source="test"))
+    cfg = load_config(out)
+    assert cfg.algorithm.advantage_estimator == "gae" and cfg.learner.backend == "megatron"
+    assert (cfg.learner.critic.path, cfg.learner.critic.lr) == ("/ckpt/critic", 2e-6)
+    assert (cfg.algorithm.value_clip, cfg.algorithm.lam) == (0.3, 0.95)
+    assert cfg.learner.megatron.tensor_parallel_size == 2
 
 
 def test_the_command_runs_as_streamrl_from_slime_and_prints_the_config(monkeypatch):

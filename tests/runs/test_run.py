@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -51,6 +52,37 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
     assert summary["groups_trained"] == 8
     assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
     assert (tmp_path / "out" / "checkpoints" / "step_000004" / "config.json").exists()
+
+
+def test_weights_pushed_every_second_version_bound_staleness_and_the_last_version_lands(
+    tmp_path,
+):
+    """weights.update_interval = 2 at max_staleness 1 (the largest interval it allows): every
+    trained token comes from an even version (0, 2, 4: the only ones pushed during the run),
+    no trained group is more than one version old, and the odd last version still reaches
+    the engine when the run ends."""
+    from streamrl.queues.rollout_files import ROLLOUTS_DIR, read_step, saved_steps
+
+    extra = "[weights]\nupdate_interval = 2\n"
+    config = write_config(tmp_path, steps=5, eta=1, extra=extra)
+    text = config.read_text().replace("[train]\n", "[train]\nsave_rollouts = true\n")
+    config.write_text(text)
+    result = streamrl_run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r["staleness_max"] <= 1 for r in steps)
+    pushed = {r["weights/version"] for r in steps if "weights/version" in r}
+    assert pushed <= {2, 4}, pushed  # a push lands in the records once the engine has it
+    versions = set()
+    for step in saved_steps(out / ROLLOUTS_DIR):
+        for group in read_step(out / ROLLOUTS_DIR / f"step_{step:06d}.msgpack").groups:
+            versions.update(int(v) for s in group.samples for v in s.model_versions)
+    assert versions and versions <= {0, 2, 4}, versions
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting_ok"] and summary["groups_trained"] == 10
+    assert set(summary["engine_versions"].values()) == {5}
 
 
 def test_async_with_staleness_and_no_correction_fails_fast_naming_the_options(tmp_path):
@@ -121,8 +153,12 @@ temperature = 0.0
     assert first_eval < last_step
 
 
-def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_path):
-    config = write_config(tmp_path, steps=3, eta=1)
+def test_streamrl_run_trains_a_policy_and_gae_critic_with_the_megatron_backend_at_tp_2(tmp_path):
+    """The follower rank makes the critic's calls too (announced by rank 0), and the final
+    checkpoint holds the critic beside the policy."""
+    config = write_config(
+        tmp_path, steps=3, eta=1, extra='[algorithm]\nadvantage_estimator = "gae"\n'
+    )
     text = config.read_text().replace(
         "[learner]\nlr = 1e-3\nnum_threads = 1",
         '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
@@ -134,12 +170,15 @@ def test_streamrl_run_trains_with_the_megatron_backend_at_tensor_parallel_2(tmp_
     out = tmp_path / "out"
     steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
     assert [r["version"] for r in steps] == [1, 2, 3]
-    assert all(r["train/grad_norm"] > 0 for r in steps)
+    assert all(r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0 for r in steps)
+    assert all(math.isfinite(r["train/critic_explained_variance"]) for r in steps)
     # The second rank ran as its own process and exited cleanly with the run.
     assert (out / "logs" / "learner-rank1.log").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {3}
-    assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()
+    final = out / "checkpoints" / "step_000003"
+    assert (final / "model.safetensors").exists()
+    assert (final / "critic" / "model.safetensors").exists()
 
 
 def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):

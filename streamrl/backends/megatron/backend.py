@@ -28,6 +28,11 @@ saved with the optimizer (`optimizer/schedule.json`), so a resume continues the 
 Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
 0 of DP replica 0) that yields that stage's tensors under HF names with global
 layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
+
+The critic (`algorithm.advantage_estimator = "gae"`): `self.critic`, a value model in
+the same layout that runs through this backend's schedule, data movement and metric
+reduction (`run_schedule`, `local_work`, `collect_on_rank0`, `train_schedule`), with its
+own DDP and optimizer (`critic.py`); saved under the checkpoint's `critic/`.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import contextlib
 import functools
 import json
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from streamrl.backends.base import LossFn, MicroBatch
+from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
 from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel, routing
 from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
@@ -70,31 +74,6 @@ _COPIED_FILES = (
 )
 
 
-def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
-    """(HF directory, keep-alive handle) for `model_path`.
-
-    `random:<shape>` is written (seeded: the same weights on every rank) into a
-    temporary directory that lives as long as the returned handle; `smollm2` is the
-    dequantised SmolLM2 directory that `streamrl.models` builds once."""
-    if model_path == "smollm2":
-        from streamrl.models import smollm2_model_dir
-
-        return smollm2_model_dir(), None
-    if model_path.startswith("random:"):
-        from streamrl.models import save_random_model
-
-        holder = tempfile.TemporaryDirectory(prefix="streamrl-megatron-random-")
-        save_random_model(model_path.removeprefix("random:"), holder.name, seed=seed)
-        return Path(holder.name), holder
-    path = Path(model_path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{model_path}: the megatron backend needs a Hugging Face directory "
-            "(config.json + safetensors) or random:<shape>"
-        )
-    return path, None
-
-
 class MegatronBackend:
     """megatron-core GPTModel + DDP + Megatron optimizer behind the LearnerBackend protocol.
 
@@ -102,6 +81,8 @@ class MegatronBackend:
     construction (`launch.init_distributed`), world size = TP * PP * DP, and on
     CUDA each rank's device is set. `seed` seeds Megatron's RNG and a
     `random:` model (pass the run's `model.seed` so engines build the same one).
+    `critic_path` is the model a critic starts from (None: no critic; `critic.py`),
+    trained at peak `critic_lr` (0: `cfg.lr`) on the policy's schedule shape.
     """
 
     def __init__(
@@ -115,6 +96,8 @@ class MegatronBackend:
         need_reference: bool = False,
         reference_path: str | None = None,
         lr_schedule: dict[str, Any] | None = None,
+        critic_path: str | None = None,
+        critic_lr: float = 0.0,
         seed: int = 0,
     ) -> None:
         from transformers import AutoConfig
@@ -145,7 +128,7 @@ class MegatronBackend:
             ep_size=mcfg.expert_model_parallel_size,
         )
         self.model_path = model_path
-        self.model_dir, self._model_dir_holder = resolve_model_dir(model_path, seed=seed)
+        self.model_dir, self._model_dir_holder = convert.resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.shape = learner_shape(self.hf_config, mcfg)
         self.vocab_start = self.layout.tp_rank * (self.shape.vocab_size // self.layout.tp_size)
@@ -160,14 +143,22 @@ class MegatronBackend:
             megatron_lora.check_supported(self.shape)
         self.need_reference = need_reference
         hf_state = convert.HFCheckpoint(self.model_dir)
-        with self._megatron():
+        with self.megatron_context():
             self.model = self._build_model(hf_state)
             self.adapters = self._install_adapters(seed) if self.lora is not None else []
-            self.ddp, self.optimizer = self._wrap_for_training(self.model)
+            self.ddp, self.optimizer = self.wrap_for_training(self.model)
             self.reference = None
             if need_reference and self.lora is None:  # with LoRA: the base, adapters off
                 self.reference = self._build_reference(hf_state, reference_path, seed=seed)
         del hf_state
+        self.critic = None
+        if critic_path is not None:
+            from streamrl.backends.megatron.critic import MegatronCritic
+
+            scale = (critic_lr or cfg.lr) / schedule["lr"]
+            self.critic = MegatronCritic(
+                self, critic_path, lr_at=lambda step: self._lr_at(step) * scale, seed=seed
+            )
 
     # ------------------------------------------------------------ roles
 
@@ -183,7 +174,8 @@ class MegatronBackend:
 
     # ------------------------------------------------------------ build
 
-    def _megatron(self) -> contextlib.AbstractContextManager:
+    def megatron_context(self) -> contextlib.AbstractContextManager:
+        """Where Megatron calls run: with its CUDA-only calls redirected on CPU."""
         return cpu_redirect() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _build_model(self, hf_state: convert.HFCheckpoint) -> torch.nn.Module:
@@ -234,13 +226,15 @@ class MegatronBackend:
         resume) or, when that is None, from the policy's own weights."""
         holder = None
         if reference_path is not None and reference_path != str(self.model_dir):
-            reference_dir, holder = resolve_model_dir(reference_path, seed=seed)
+            reference_dir, holder = convert.resolve_model_dir(reference_path, seed=seed)
             hf_state = convert.HFCheckpoint(reference_dir)
         model = self._build_model(hf_state).eval().requires_grad_(False)
         del holder
         return model
 
-    def _wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
+    def wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
+        """(Megatron DDP, Megatron Adam optimizer) around `model`, the policy or the critic,
+        with the learner's optimizer settings (the rate is set before each step)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -288,7 +282,7 @@ class MegatronBackend:
         ones = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=self.device)
         return ones.triu(diagonal=1)
 
-    def _run_schedule(
+    def run_schedule(
         self,
         model: torch.nn.Module,
         work: list[tuple[MicroBatch, float]],
@@ -301,14 +295,14 @@ class MegatronBackend:
         Returns the loss functions' metric dicts (last PP stage only; empty elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        config = model.config  # the policy's, its reference's or the critic's
+
         def forward_step(data_iterator, model):
             micro_batch, weight = next(data_iterator)
-            input_ids = padded_for_sequence_parallel(micro_batch.input_ids, self.model.config)
+            input_ids = padded_for_sequence_parallel(micro_batch.input_ids, config)
             control = routing.control_of(model)
             if control is not None:  # the rollout's experts, for replay and agreement
-                control.prepare(
-                    micro_batch, input_ids.shape[1], self.model.config, count=weight > 0
-                )
+                control.prepare(micro_batch, input_ids.shape[1], config, count=weight > 0)
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             output = model(
                 input_ids,
@@ -325,14 +319,13 @@ class MegatronBackend:
             model=[model],
             num_microbatches=len(work),
             seq_length=max(
-                padded_for_sequence_parallel(mb.input_ids, self.model.config).shape[1]
-                for mb, _ in work
+                padded_for_sequence_parallel(mb.input_ids, config).shape[1] for mb, _ in work
             ),
             micro_batch_size=first.shape[0],
             forward_only=forward_only,
         )
 
-    def _local_work(
+    def local_work(
         self, micro_batches: list[MicroBatch]
     ) -> tuple[list[MicroBatch], list[int], list[tuple[MicroBatch, float]]]:
         """All micro-batches (from rank 0), this DP replica's indices, and its (mb, weight) work."""
@@ -379,7 +372,7 @@ class MegatronBackend:
             raise RuntimeError(
                 "compute_logprobs(reference=True) but the backend was built without need_reference"
             )
-        everything, mine, work = self._local_work(micro_batches)
+        everything, mine, work = self.local_work(micro_batches)
         if not everything:
             return []
 
@@ -397,14 +390,14 @@ class MegatronBackend:
         was_training = model.training
         model.eval()
         try:
-            with self._megatron(), adapters_off:
-                store = self._run_schedule(model, work, loss_for, forward_only=True)
+            with self.megatron_context(), adapters_off:
+                store = self.run_schedule(model, work, loss_for, forward_only=True)
         finally:
             model.train(was_training)
         local = [item["logprobs"].float() for item in store][: len(mine)]
-        return self._collect_on_rank0(everything, mine, local)
+        return self.collect_on_rank0(everything, mine, local)
 
-    def _collect_on_rank0(
+    def collect_on_rank0(
         self, everything: list[MicroBatch], mine: list[int], local: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Per-micro-batch results from each DP replica's last stage (TP rank 0) to rank 0."""
@@ -441,7 +434,7 @@ class MegatronBackend:
         need_entropy: bool,
     ) -> dict[str, float]:
         """One optimizer step over rank 0's micro-batches; metrics complete on rank 0."""
-        everything, _, work = self._local_work(micro_batches)
+        everything, _, work = self.local_work(micro_batches)
         if not everything:
             return {}
         scale = len(work) * self.layout.dp_size
@@ -458,26 +451,40 @@ class MegatronBackend:
         control = routing.control_of(self.model)
         if control is not None:
             control.reset()
-        self.ddp.train()
         lr = self._lr_at(self.num_updates)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with self._megatron():
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            store = self._run_schedule(self.ddp, work, loss_for, forward_only=False)
-            succeeded, grad_norm, _ = self.optimizer.step()
-        if not succeeded:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        metrics = self.train_schedule(self.ddp, self.optimizer, work, loss_for, lr=lr)
         self.num_updates += 1
-        metrics = self._reduce_metrics(store)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["lr"] = lr
         if control is not None:
             metrics.update(control.collect(self.device))
         return metrics
 
-    def _reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def train_schedule(
+        self,
+        ddp: Any,
+        optimizer: Any,
+        work: list[tuple[MicroBatch, float]],
+        loss_for: Callable[[MicroBatch, float, torch.Tensor], tuple[torch.Tensor, dict]],
+        *,
+        lr: float,
+    ) -> dict[str, float]:
+        """Forward and backward `work` through `ddp`, then one step of `optimizer` at `lr`
+        (the policy's, or the critic's); the reduced metrics plus `grad_norm` and `lr`."""
+        ddp.train()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with self.megatron_context():
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            store = self.run_schedule(ddp, work, loss_for, forward_only=False)
+            succeeded, grad_norm, _ = optimizer.step()
+        if not succeeded:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        metrics = self.reduce_metrics(store)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = lr
+        return metrics
+
+    def reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Sum over micro-batches and DP replicas; deliver to rank 0 (first PP stage)."""
         layout = self.layout
         names = sorted(store[0]) if store else []
@@ -562,7 +569,7 @@ class MegatronBackend:
         if self.is_publisher:
             convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
         del tensors
-        with self._megatron():
+        with self.megatron_context():
             checkpoint.save_optimizer(
                 self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt"
             )
@@ -588,6 +595,8 @@ class MegatronBackend:
                 json.dumps({"num_updates": self.num_updates})
             )
         dist.barrier()
+        if self.critic is not None:
+            self.critic.save(path / CRITIC_DIR)
 
     @torch.no_grad()
     def load(self, path: Path) -> None:
@@ -599,7 +608,7 @@ class MegatronBackend:
                 f"{path}: saved with layout {record}, this run is {self._layout_record()}"
             )
         layout = self.layout
-        with self._megatron():
+        with self.megatron_context():
             if self.lora is not None:
                 self._load_adapters(path)
             else:
@@ -612,6 +621,8 @@ class MegatronBackend:
         if schedule.exists():  # absent in checkpoints written before the schedule was saved
             self.num_updates = int(json.loads(schedule.read_text())["num_updates"])
         dist.barrier()
+        if self.critic is not None:
+            self.critic.load(path / CRITIC_DIR)
 
     def _load_adapters(self, path: Path) -> None:
         """This rank's adapter shards from the peft adapter directory `path`."""
@@ -634,8 +645,7 @@ class MegatronBackend:
             )
 
     def _shard_name(self, stage: int) -> str:
-        pp = self.layout.pp_size
-        return "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+        return convert.hf_shard_name(stage, self.layout.pp_size)
 
     def _layout_record(self) -> dict[str, Any]:
         layout = self.layout

@@ -13,6 +13,9 @@ Layouts (megatron-core 0.16.1, local spec names; see docs/megatron.md):
   norms are replicated.
 - A PP stage holds its layers under local indices 0..; HF names always carry global
   indices (`streamrl.backends.megatron.rules`).
+- A critic's value model (`ModelShape.value_head`) has, instead of the LM head, a
+  scalar head `output_layer.weight` `[1, hidden]` and `output_layer.bias` `[1]`,
+  replicated on every TP rank, saved as `value_head.weight` / `value_head.bias`.
 
 The rules that name which Megatron tensor is made of which HF tensors are in
 `streamrl.backends.megatron.rules`; this module moves the tensors by them. Every function
@@ -22,8 +25,10 @@ here is pure tensor code: no process groups.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -174,6 +179,31 @@ def megatron_to_hf(
 # ------------------------------------------------------------ files
 
 
+def resolve_model_dir(model_path: str, *, seed: int) -> tuple[Path, Any]:
+    """(HF directory, keep-alive handle) for `model_path`.
+
+    `random:<shape>` is written (seeded: the same weights on every rank) into a
+    temporary directory that lives as long as the returned handle; `smollm2` is the
+    dequantised SmolLM2 directory that `streamrl.models` builds once."""
+    if model_path == "smollm2":
+        from streamrl.models import smollm2_model_dir
+
+        return smollm2_model_dir(), None
+    if model_path.startswith("random:"):
+        from streamrl.models import save_random_model
+
+        holder = tempfile.TemporaryDirectory(prefix="streamrl-megatron-random-")
+        save_random_model(model_path.removeprefix("random:"), holder.name, seed=seed)
+        return Path(holder.name), holder
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{model_path}: the megatron backend needs a Hugging Face directory "
+            "(config.json + safetensors) or random:<shape>"
+        )
+    return path, None
+
+
 def read_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
     checkpoint = HFCheckpoint(model_dir)
@@ -195,6 +225,13 @@ def write_hf_shard(
 
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     save_file(cpu, str(path), metadata={"format": "pt", **dict(metadata)})
+
+
+def hf_shard_name(stage: int, num_stages: int) -> str:
+    """The safetensors file of pipeline stage `stage` in a checkpoint of `num_stages`."""
+    if num_stages == 1:
+        return "model.safetensors"
+    return f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
 
 
 def write_hf_index(model_dir: str | Path, shard_names: Sequence[str]) -> None:

@@ -106,6 +106,36 @@ class SdpaAttention(torch.nn.Module):
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * value.shape[-1])
 
 
+class ValueHead(torch.nn.Module):
+    """A critic's scalar head in GPTModel's `output_layer` slot: hidden [s, b, h] -> values
+    [s, b, 1] in float32, called as GPTModel calls its LM head (it returns (output, None)).
+
+    Replicated on every TP rank: each rank computes the same values and the whole loss, so
+    the gradient reaching the (replicated) hidden states is whole on every rank, as the body
+    expects. Under sequence parallelism a rank holds s / TP positions: it scores those and
+    gathers the values, whose backward keeps its own slice, and the head's weights are marked
+    `sequence_parallel` so finalize_model_grads sums their gradients over TP. Starts at zero,
+    so the first values are 0 (as the torch critic's)."""
+
+    def __init__(
+        self, hidden_size: int, *, sequence_parallel: bool, dtype: torch.dtype, device: Any
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        self.sequence_parallel = sequence_parallel
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, **unused: Any):
+        values = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -300,16 +330,23 @@ def build_gpt_model(
     gradient_checkpointing: bool = False,
     options: Any = None,
     allow_transformer_engine: bool = True,
+    value_head: bool = False,
 ) -> Any:
     """One pipeline stage of the GPTModel for `hf_config`, uninitialised, on `device`.
 
     `options` is the MegatronConfig (MoE keys; its expert_model_parallel_size must be the
     one Megatron's groups were built with). Load weights with `convert.load_into_model`.
     `allow_transformer_engine = False` keeps the local spec (LoRA's adapters hook its
-    linears, which TE's spec fuses with the norms before them)."""
+    linears, which TE's spec fuses with the norms before them). `value_head = True` builds
+    a critic's value model: the last stage ends in a `ValueHead`, embeddings untied (the
+    shape to convert its weights with is `learner_shape(...)` with `value_head=True`)."""
+    import dataclasses
+
     from megatron.core.models.gpt import GPTModel
 
     shape = learner_shape(hf_config, options)
+    if value_head:
+        shape = dataclasses.replace(shape, value_head=True)
     if shape.vocab_size % tp_size:
         raise ValueError(f"vocab size {shape.vocab_size} is not divisible by TP size {tp_size}")
     if shape.num_layers % pp_size:
@@ -355,7 +392,7 @@ def build_gpt_model(
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,
         parallel_output=True,
-        share_embeddings_and_output_weights=shape.tied_embeddings,
+        share_embeddings_and_output_weights=shape.tied_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_percent=shape.rotary_percent,
         rotary_base=rope_parameters(hf_config)["rope_theta"],
@@ -370,7 +407,15 @@ def build_gpt_model(
         inv_freq = rope_inv_freq(hf_config)
         if inv_freq is not None:
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    if value_head and pp_rank == pp_size - 1:  # in place of the LM head GPTModel built
+        model.output_layer = ValueHead(
+            shape.hidden_size,
+            sequence_parallel=config.sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+    return model
 
 
 def padded_for_sequence_parallel(input_ids: torch.Tensor, config: Any) -> torch.Tensor:

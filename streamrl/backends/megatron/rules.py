@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from streamrl.backends.megatron.shapes import ModelShape
 
 REPLICATED, COLUMN, ROW, QKV, GATE_UP = "replicated", "column", "row", "qkv", "gate_up"
+VALUE_HEAD = ("value_head.weight", "value_head.bias")
+"""The HF names of a value model's head (`ModelShape.value_head`)."""
 GATE_UP_FUSED = "gate_up_fused"  # one HF tensor [gate; up] (GLM-4's mlp.gate_up_proj)
 # GroupedExperts' stacked tensors: HF sources (gate, up) * experts, or down * experts.
 EXPERTS_GATE_UP, EXPERTS_ROW = "experts_gate_up", "experts_row"
@@ -149,7 +151,11 @@ def stage_rules(
             )
     if pp_rank == pp_size - 1:
         rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
-        if not shape.tied_embeddings:
+        if shape.value_head:
+            weight, bias = VALUE_HEAD
+            rules.append(Rule("output_layer.weight", (weight,), REPLICATED))
+            rules.append(Rule("output_layer.bias", (bias,), REPLICATED))
+        elif not shape.tied_embeddings:
             rules.append(Rule("output_layer.weight", ("lm_head.weight",), COLUMN))
         elif pp_size > 1:
             rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), COLUMN))
@@ -158,7 +164,8 @@ def stage_rules(
 
 def is_exported(rule: Rule, shape: ModelShape, *, pp_size: int) -> bool:
     """False for the last stage's copy of tied embeddings (the first stage exports them)."""
-    return not (shape.tied_embeddings and pp_size > 1 and rule.megatron == "output_layer.weight")
+    is_embedding_copy = shape.tied_embeddings and not shape.value_head and pp_size > 1
+    return not (is_embedding_copy and rule.megatron == "output_layer.weight")
 
 
 _TE_NAMES = {

@@ -77,6 +77,9 @@ class ModelShape:
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (GLM-4)
     moe: MoEShape | None = None
     mla: MLAShape | None = None
+    value_head: bool = False
+    """A critic's body: the last stage's output layer is a scalar value head (`value_head.*`
+    in the checkpoint), not the LM head."""
 
     @property
     def heads_per_group(self) -> int:

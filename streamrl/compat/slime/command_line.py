@@ -40,7 +40,7 @@ SPECIAL = frozenset(
         "--eval-max-response-len", "--eval-temperature", "--eval-top-p", "--eval-top-k",
         "--debug-rollout-only", "--debug-train-only", "--save-debug-rollout-data",
         "--load-debug-rollout-data", "--hf-checkpoint", "--async-buffer-size", "--optimizer",
-        "--recompute-granularity", "--num-gpus-per-node",
+        "--recompute-granularity", "--num-gpus-per-node", "--update-weights-interval",
     }
 )  # fmt: skip
 
@@ -71,6 +71,7 @@ def convert(command: SlimeCommand) -> Conversion:
     _functions(out, given)
     _evaluation(out, given)
     _debug_modes(out, given)
+    _update_interval(out, given)
     _model(out, given, command)
     _slime_defaults(out, given)
     for word in command.unexpanded:
@@ -132,9 +133,12 @@ def _algorithm(out: Conversion, given: dict[str, list[str]]) -> None:
     elif estimator in ("gspo", "cispo"):
         out.set("algorithm.advantage_estimator", "grpo", source)
         out.set("algorithm.loss", estimator, source)
+    elif estimator == "ppo":
+        out.set(
+            "algorithm.advantage_estimator", "gae", f"{source} (a critic in the learner's layout)"
+        )
     else:
-        out.skip("--advantage-estimator", [estimator], "ppo's critic trains with learner.backend "
-                 "= 'torch' on one GPU only; kept grpo")  # fmt: skip
+        out.skip("--advantage-estimator", [estimator], "not an estimator streamrl has; kept grpo")
     if "--disable-grpo-std-normalization" in given:
         out.set("algorithm.advantage_estimator", "dr_grpo", "--disable-grpo-std-normalization")
     coef = given.get("--kl-loss-coef")
@@ -247,6 +251,29 @@ def _debug_modes(out: Conversion, given: dict[str, list[str]]) -> None:
         path = table.one(given.get("--load-debug-rollout-data", []))
         out.set("train.mode", "train_only", "--debug-train-only")
         out.set("train.load_rollouts", str(Path(path).parent) if path else "", "a directory here")
+
+
+def _update_interval(out: Conversion, given: dict[str, list[str]]) -> None:
+    """`--update-weights-interval N` (rollouts between pushes; one version per rollout step):
+    `weights.update_interval`, with a staleness bound that lets the run progress (the engines
+    serve up to N - 1 versions behind the learner: `buffer.max_staleness` >= N - 1)."""
+    flag = "--update-weights-interval"
+    if flag not in given:
+        return
+    values = given[flag]
+    interval = table.integer(values)
+    mode = out.get("train.mode", "async")
+    if interval > 1 and mode == "sync":
+        out.skip(flag, values, "train.py is synchronous: each step trains on the version the "
+                 "engines serve, so every version is pushed")  # fmt: skip
+        return
+    out.set("weights.update_interval", interval, text_of(flag, values))
+    from streamrl.config import BufferConfig
+
+    bound = out.get("buffer.max_staleness", BufferConfig().max_staleness)
+    if mode == "async" and interval - 1 > bound:
+        out.set("buffer.max_staleness", interval - 1, f"{text_of(flag, values)}: the engines "
+                f"serve up to {interval - 1} versions behind the learner")  # fmt: skip
 
 
 def _model(out: Conversion, given: dict[str, list[str]], command: SlimeCommand) -> None:

@@ -96,6 +96,12 @@ KEYS: dict[str, Key] = {
     "--gamma": Key("algorithm.gamma", number),
     "--lambd": Key("algorithm.lam", number),
     "--value-clip": Key("algorithm.value_clip", number),
+    "--critic-load": Key(
+        "learner.critic.path",
+        one,
+        "a Hugging Face directory or a streamrl checkpoint's critic/ (convert a Megatron one)",
+    ),
+    "--critic-lr": Key("learner.critic.lr", number),
     "--normalize-advantages": Key("algorithm.normalize_advantages", true),
     # optimizer
     "--lr": Key("learner.lr", number),
@@ -180,10 +186,6 @@ NOT_MAPPED: dict[str, str] = {
     "--no-load-optim": "a fresh run starts with a fresh optimizer",
     "--no-load-rng": "a fresh run starts from train.seed",
     "--finetune": "a fresh run starts at step 0",
-    "--update-weights-interval": (
-        "weights are pushed every step; buffer.max_staleness bounds how many versions old a "
-        "trained token may be"
-    ),
     "--partial-rollout": "always on: a sample aborted by a weight update resumes from its tokens",
     "--mask-offpolicy-in-partial-rollout": (
         "resumed tokens keep their own version and behaviour logprob; decoupled PPO corrects them"
@@ -247,6 +249,4 @@ NOT_MAPPED: dict[str, str] = {
     "--save-debug-train-data": "no counterpart",
     "--eval-reward-key": "evaluation sets score with their own reward_fn",
     "--rm-url": "used with --rm-type remote_rm",
-    "--critic-load": "learner.critic.path (with --advantage-estimator ppo)",
-    "--critic-lr": "learner.critic.lr (with --advantage-estimator ppo)",
 }
