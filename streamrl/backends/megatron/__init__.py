@@ -7,7 +7,9 @@ streamrl.backends.megatron` stays free of torch and Megatron):
   GLM-4.5, DeepSeek-V3)
 - `model`: GPTModel from an HF config, SDPA core attention, sequence-parallel norms
 - `moe`, `mla`, `grouped_experts`: mixture-of-experts and latent-attention pieces
-- `convert`: HF <-> Megatron weights (fused QKV, gate/up, TP shards, PP stages, EP ranks)
+- `rules`: which Megatron tensor is made of which HF tensors, stage by stage
+- `convert`: HF <-> Megatron weights by those rules (fused QKV, gate/up, TP shards, PP
+  stages, EP ranks), and the HF files
 - `export`: a stage's full tensors gathered over TP and EP
 - `routing`: MoE routing replay and router agreement
 - `parallel`: process groups on gloo or NCCL, this rank's Layout
@@ -15,6 +17,9 @@ streamrl.backends.megatron` stays free of torch and Megatron):
 - `cpu_shims`: every CUDA-only workaround needed to run on CPU
 - `logprobs`: vocabulary-parallel per-token log-probabilities and entropy
 - `batches`: micro-batches from rank 0 to all ranks, results back
+- `schedule`: Megatron's forward(-backward) schedule over a step's micro-batches
 - `backend`: MegatronBackend, the LearnerBackend implementation
-- `launch`: starting learner ranks and the torch.distributed rendezvous
+- `critic`: the value model of GAE, in the policy's layout
+- `lora`: LoRA adapters around column- and row-parallel linears
+- `checkpoint`: the policy's and the critic's checkpoints, per-rank optimizer state
 """

@@ -29,49 +29,35 @@ Weights out (`hf_weights`): each pipeline stage has its own publisher (TP rank
 0 of DP replica 0) that yields that stage's tensors under HF names with global
 layer indices, i.e. one weight-update group per PP stage, as SGLang expects.
 
+The schedule itself, the micro-batches each DP replica runs and the results brought back
+to rank 0 are `schedule.py`'s (`self.schedule`); checkpoints are `checkpoint.py`'s.
+
 The critic (`algorithm.advantage_estimator = "gae"`): `self.critic`, a value model in
-the same layout that runs through this backend's schedule, data movement and metric
-reduction (`run_schedule`, `local_work`, `collect_on_rank0`, `train_schedule`), with its
-own DDP and optimizer (`critic.py`); saved under the checkpoint's `critic/`.
+the same layout that runs through the same `Schedule` with its own DDP and optimizer
+(`critic.py`); saved under the checkpoint's `critic/`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
-from streamrl.backends.megatron import batches, checkpoint, convert, export, parallel, routing
+from streamrl.backends.base import LossFn, MicroBatch
+from streamrl.backends.megatron import checkpoint, convert, export, parallel, routing
 from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
 from streamrl.backends.megatron.model import (
     build_gpt_model,
     learner_shape,
-    padded_for_sequence_parallel,
 )
+from streamrl.backends.megatron.schedule import Schedule
 from streamrl.weights import adapters
-
-_COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
 
 
 class MegatronBackend:
@@ -127,6 +113,10 @@ class MegatronBackend:
             seed=seed,
             ep_size=mcfg.expert_model_parallel_size,
         )
+        self.schedule = Schedule(
+            self.layout, device=self.device, attention=mcfg.attention,
+            context=self.megatron_context, is_data_rank=self.is_data_rank,
+        )  # fmt: skip
         self.model_path = model_path
         self.model_dir, self._model_dir_holder = convert.resolve_model_dir(model_path, seed=seed)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -275,74 +265,6 @@ class MegatronBackend:
 
     # ------------------------------------------------------------ forward
 
-    def _attention_mask(self, seq_len: int) -> torch.Tensor | None:
-        """Causal mask (True = masked) for Megatron's unfused attention; SDPA needs none."""
-        if self.cfg.megatron.attention != "local":
-            return None
-        ones = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=self.device)
-        return ones.triu(diagonal=1)
-
-    def run_schedule(
-        self,
-        model: torch.nn.Module,
-        work: list[tuple[MicroBatch, float]],
-        loss_for: Callable[[MicroBatch, float, torch.Tensor], tuple[torch.Tensor, dict]],
-        *,
-        forward_only: bool,
-    ) -> list[dict[str, torch.Tensor]]:
-        """Megatron's forward(-backward) schedule over (micro-batch, weight) pairs.
-
-        Returns the loss functions' metric dicts (last PP stage only; empty elsewhere)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        config = model.config  # the policy's, its reference's or the critic's
-
-        def forward_step(data_iterator, model):
-            micro_batch, weight = next(data_iterator)
-            input_ids = padded_for_sequence_parallel(micro_batch.input_ids, config)
-            control = routing.control_of(model)
-            if control is not None:  # the rollout's experts, for replay and agreement
-                control.prepare(micro_batch, input_ids.shape[1], config, count=weight > 0)
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            output = model(
-                input_ids,
-                positions.unsqueeze(0).expand_as(input_ids),
-                self._attention_mask(input_ids.shape[1]),
-            )
-            length = micro_batch.input_ids.shape[1]  # the loss sees the unpadded positions
-            return output, lambda logits: loss_for(micro_batch, weight, logits[:, :length])
-
-        first = work[0][0].input_ids
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(work),
-            model=[model],
-            num_microbatches=len(work),
-            seq_length=max(
-                padded_for_sequence_parallel(mb.input_ids, config).shape[1] for mb, _ in work
-            ),
-            micro_batch_size=first.shape[0],
-            forward_only=forward_only,
-        )
-
-    def local_work(
-        self, micro_batches: list[MicroBatch]
-    ) -> tuple[list[MicroBatch], list[int], list[tuple[MicroBatch, float]]]:
-        """All micro-batches (from rank 0), this DP replica's indices, and its (mb, weight) work."""
-        everything = batches.broadcast_micro_batches(
-            micro_batches if self.is_data_rank else [], device=self.device
-        )
-        mine = batches.dp_share(
-            len(everything), dp_rank=self.layout.dp_rank, dp_size=self.layout.dp_size
-        )
-        work = [(everything[i], 1.0) for i in mine]
-        if everything and not work:  # fewer micro-batches than replicas: run a zero-weight copy
-            work = [(everything[0], 0.0)]
-        if self.layout.ep_size > 1:  # EP ranks dispatch tokens together: same number of passes
-            per_replica = -(-len(everything) // self.layout.dp_size)
-            work += [(everything[0], 0.0)] * (per_replica - len(work))
-        return everything, mine, work
-
     def _logprobs(
         self,
         micro_batch: MicroBatch,
@@ -372,7 +294,7 @@ class MegatronBackend:
             raise RuntimeError(
                 "compute_logprobs(reference=True) but the backend was built without need_reference"
             )
-        everything, mine, work = self.local_work(micro_batches)
+        everything, mine, work = self.schedule.local_work(micro_batches)
         if not everything:
             return []
 
@@ -391,39 +313,11 @@ class MegatronBackend:
         model.eval()
         try:
             with self.megatron_context(), adapters_off:
-                store = self.run_schedule(model, work, loss_for, forward_only=True)
+                store = self.schedule.run(model, work, loss_for, forward_only=True)
         finally:
             model.train(was_training)
         local = [item["logprobs"].float() for item in store][: len(mine)]
-        return self.collect_on_rank0(everything, mine, local)
-
-    def collect_on_rank0(
-        self, everything: list[MicroBatch], mine: list[int], local: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Per-micro-batch results from each DP replica's last stage (TP rank 0) to rank 0."""
-        layout = self.layout
-        if layout.world_size == 1:
-            return [t.cpu() for t in local]
-
-        def owner(index: int) -> int:
-            dp_rank = index % layout.dp_size
-            return layout.global_rank(tp_rank=0, dp_rank=dp_rank, pp_rank=layout.pp_size - 1)
-
-        if layout.rank == 0:
-            results = []
-            for index, micro_batch in enumerate(everything):
-                if owner(index) == 0:
-                    results.append(local[mine.index(index)].cpu())
-                else:
-                    shape = tuple(micro_batch.input_ids.shape)
-                    results.append(
-                        batches.recv_from(shape, torch.float32, owner(index), self.device).cpu()
-                    )
-            return results
-        if layout.tp_rank == 0 and layout.is_last_stage:
-            for tensor in local:
-                batches.send_to(tensor, dst=0)
-        return []
+        return self.schedule.collect_on_rank0(everything, mine, local)
 
     def train_mini_batch(
         self,
@@ -434,7 +328,7 @@ class MegatronBackend:
         need_entropy: bool,
     ) -> dict[str, float]:
         """One optimizer step over rank 0's micro-batches; metrics complete on rank 0."""
-        everything, _, work = self.local_work(micro_batches)
+        everything, _, work = self.schedule.local_work(micro_batches)
         if not everything:
             return {}
         scale = len(work) * self.layout.dp_size
@@ -452,63 +346,11 @@ class MegatronBackend:
         if control is not None:
             control.reset()
         lr = self._lr_at(self.num_updates)
-        metrics = self.train_schedule(self.ddp, self.optimizer, work, loss_for, lr=lr)
+        metrics = self.schedule.train(self.ddp, self.optimizer, work, loss_for, lr=lr)
         self.num_updates += 1
         if control is not None:
             metrics.update(control.collect(self.device))
         return metrics
-
-    def train_schedule(
-        self,
-        ddp: Any,
-        optimizer: Any,
-        work: list[tuple[MicroBatch, float]],
-        loss_for: Callable[[MicroBatch, float, torch.Tensor], tuple[torch.Tensor, dict]],
-        *,
-        lr: float,
-    ) -> dict[str, float]:
-        """Forward and backward `work` through `ddp`, then one step of `optimizer` at `lr`
-        (the policy's, or the critic's); the reduced metrics plus `grad_norm` and `lr`."""
-        ddp.train()
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with self.megatron_context():
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            store = self.run_schedule(ddp, work, loss_for, forward_only=False)
-            succeeded, grad_norm, _ = optimizer.step()
-        if not succeeded:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        metrics = self.reduce_metrics(store)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["lr"] = lr
-        return metrics
-
-    def reduce_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Sum over micro-batches and DP replicas; deliver to rank 0 (first PP stage)."""
-        layout = self.layout
-        names = sorted(store[0]) if store else []
-        summed = None
-        if layout.is_last_stage and names:
-            summed = torch.stack([sum(item[name] for item in store) for name in names]).to(
-                self.device
-            )
-            if layout.dp_size > 1:
-                dist.all_reduce(summed, group=parallel.dp_group())
-        if layout.pp_size > 1 and layout.tp_rank == 0 and layout.dp_rank == 0:
-            source = layout.global_rank(tp_rank=0, dp_rank=0, pp_rank=layout.pp_size - 1)
-            payload = (
-                [{name: summed[i] for i, name in enumerate(names)}]
-                if layout.rank == source
-                else None
-            )
-            (received,) = batches.broadcast_named_tensors(
-                payload, device=self.device, src=source, group=parallel.pp_group()
-            )
-            return {name: float(value) for name, value in received.items()}
-        if summed is None:
-            return {}
-        return {name: float(value) for name, value in zip(names, summed.tolist(), strict=True)}
 
     # ------------------------------------------------------------ weights out
 
@@ -526,11 +368,11 @@ class MegatronBackend:
             yield from export.stage_hf_weights(self.model, self.shape, self.layout)
             return
         scaling = self.adapter_spec.scaling
-        for module, lora_a, lora_b in self._full_adapters():
+        for module, lora_a, lora_b in self.full_adapters():
             yield module + adapters.LORA_A, lora_a
             yield module + adapters.LORA_B, lora_b * scaling
 
-    def _full_adapters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def full_adapters(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """(HF module, full A, full B unscaled) of this stage's adapters, on its publisher."""
         layout = self.layout
         if layout.dp_rank != 0:
@@ -546,113 +388,10 @@ class MegatronBackend:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, path: Path) -> None:
-        """HF safetensors (one file per PP stage + index) and per-rank optimizer state under `path`.
+        """HF safetensors (one file per PP stage + index) and per-rank optimizer state under
+        `path` (`checkpoint.save_policy`); they only load back into the same layout."""
+        checkpoint.save_policy(self, path)
 
-        The optimizer files only load back into the same TP/PP/DP layout."""
-        path = Path(path)
-        layout = self.layout
-        if layout.rank == 0:
-            (path / "optimizer").mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        shard_names = [self._shard_name(stage) for stage in range(layout.pp_size)]
-        if self.lora is not None:
-            shard_names = [
-                f"adapter-stage{stage:05d}.safetensors" for stage in range(layout.pp_size)
-            ]
-            tensors = {
-                adapters.PEFT_PREFIX + module + suffix: tensor.to("cpu")
-                for module, lora_a, lora_b in self._full_adapters()
-                for suffix, tensor in ((adapters.LORA_A, lora_a), (adapters.LORA_B, lora_b))
-            }
-        else:
-            tensors = {name: tensor.to("cpu") for name, tensor in self.hf_weights()}
-        if self.is_publisher:
-            convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
-        del tensors
-        with self.megatron_context():
-            checkpoint.save_optimizer(
-                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt"
-            )
-        dist.barrier()
-        if layout.rank == 0:
-            if self.lora is not None:  # one peft adapter directory from the stages' parts
-                parts = [path / name for name in shard_names]
-                merged = {
-                    k: v for part in parts for k, v in convert.read_hf_state_file(part).items()
-                }
-                adapters.write_peft_adapter(path, merged, self.adapter_spec)
-                for part in parts:
-                    part.unlink()
-            elif layout.pp_size > 1:
-                convert.write_hf_index(path, shard_names)
-            for name in _COPIED_FILES:
-                if self.lora is not None and name in ("config.json", "generation_config.json"):
-                    continue  # an adapter directory, not a model
-                if (self.model_dir / name).exists():
-                    shutil.copy(self.model_dir / name, path / name)
-            (path / "optimizer" / "layout.json").write_text(json.dumps(self._layout_record()))
-            (path / "optimizer" / "schedule.json").write_text(
-                json.dumps({"num_updates": self.num_updates})
-            )
-        dist.barrier()
-        if self.critic is not None:
-            self.critic.save(path / CRITIC_DIR)
-
-    @torch.no_grad()
     def load(self, path: Path) -> None:
-        """Restore what `save` wrote (model weights from the HF files, then optimizer state)."""
-        path = Path(path)
-        record = json.loads((path / "optimizer" / "layout.json").read_text())
-        if record != self._layout_record():
-            raise ValueError(
-                f"{path}: saved with layout {record}, this run is {self._layout_record()}"
-            )
-        layout = self.layout
-        with self.megatron_context():
-            if self.lora is not None:
-                self._load_adapters(path)
-            else:
-                hf_state = convert.HFCheckpoint(path)
-                convert.load_into_model(self.model, hf_state, self.shape, **layout.shard)
-            checkpoint.load_optimizer(
-                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt", device=self.device
-            )
-        schedule = path / "optimizer" / "schedule.json"
-        if schedule.exists():  # absent in checkpoints written before the schedule was saved
-            self.num_updates = int(json.loads(schedule.read_text())["num_updates"])
-        dist.barrier()
-        if self.critic is not None:
-            self.critic.load(path / CRITIC_DIR)
-
-    def _load_adapters(self, path: Path) -> None:
-        """This rank's adapter shards from the peft adapter directory `path`."""
-        saved, tensors = adapters.read_peft_adapter(path)
-        mine = self.adapter_spec
-        if (saved.rank, saved.alpha, sorted(saved.target_modules)) != (
-            mine.rank, mine.alpha, sorted(mine.target_modules),
-        ):  # fmt: skip
-            raise ValueError(
-                f"{path}: an adapter of rank {saved.rank}, alpha {saved.alpha}, "
-                f"modules {saved.target_modules}; learner.lora differs"
-            )
-        for adapter in self.adapters:
-            names = [adapters.PEFT_PREFIX + module for module in adapter.plan.modules]
-            missing = [n for n in names if n + adapters.LORA_A not in tensors]
-            if missing:
-                raise ValueError(f"{path}: no adapter for {missing[0]}")
-            adapter.load_full(
-                [(tensors[n + adapters.LORA_A], tensors[n + adapters.LORA_B]) for n in names]
-            )
-
-    def _shard_name(self, stage: int) -> str:
-        return convert.hf_shard_name(stage, self.layout.pp_size)
-
-    def _layout_record(self) -> dict[str, Any]:
-        layout = self.layout
-        return {
-            "tp": layout.tp_size,
-            "pp": layout.pp_size,
-            "dp": layout.dp_size,
-            "distributed_optimizer": self.cfg.megatron.use_distributed_optimizer,
-            "dtype": str(self.dtype),
-        }
+        """Restore what `save` wrote (`checkpoint.load_policy`)."""
+        checkpoint.load_policy(self, path)

@@ -1,11 +1,14 @@
-"""Optimizer state files: one per rank, loadable only into the same TP/PP/DP layout.
+"""Checkpoints of the Megatron learner: the policy's (`save_policy` / `load_policy`) and its
+critic's (`save_critic` / `load_critic`, under the policy checkpoint's `critic/`).
 
-The model itself is saved as Hugging Face safetensors by the backend (one
-file per PP stage plus an index); what cannot live there is here: the Adam
-moments, step counts and, in bf16, the fp32 master weights. A rank's file
-holds each chained Megatron optimizer's `state_dict()` and, with the
-distributed optimizer, its shard of parameter state
-(`get_parameter_state_dp_reshardable`).
+A checkpoint directory holds the model as Hugging Face safetensors (one file per PP stage,
+written by the stage's publisher, plus an index; with LoRA one peft adapter directory
+instead), the tokenizer and config files of the model it started from, and under
+`optimizer/` what cannot live in those files: every rank's optimizer state, loadable only
+into the same TP/PP/DP layout (`layout.json` says which), and the count of optimizer
+steps (`schedule.json`, so a resume continues the learning-rate schedule). A rank's
+optimizer file holds each chained Megatron optimizer's `state_dict()` and, with the
+distributed optimizer, its shard of parameter state (`get_parameter_state_dp_reshardable`).
 
 Two workarounds for megatron-core 0.16.1 with torch's AdamW (no Apex / TE):
 `_mark_unpadded` and `_unshare_step_counters` (see their docstrings).
@@ -13,10 +16,227 @@ Two workarounds for megatron-core 0.16.1 with torch's AdamW (no Apex / TE):
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+from streamrl.backends.base import CRITIC_DIR
+from streamrl.backends.megatron import convert
+from streamrl.weights import adapters
+
+if TYPE_CHECKING:
+    from streamrl.backends.megatron.parallel import Layout
+
+MegatronBackend = Any
+"""`backend.MegatronBackend` (that module imports this one, so the type is not imported)."""
+MegatronCritic = Any
+"""`critic.MegatronCritic` (likewise)."""
+
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+"""The files of the starting model's directory that a policy checkpoint carries along."""
+
+OPTIMIZER_DIR = "optimizer"
+
+
+# ------------------------------------------------------------ the policy
+
+
+def save_policy(backend: MegatronBackend, path: Path) -> None:
+    """Weights (or adapters), copied model files and every rank's optimizer state under `path`,
+    then the critic's under `path / critic`. Every rank calls it."""
+    path, layout = Path(path), backend.layout
+    shard_names = [convert.hf_shard_name(stage, layout.pp_size) for stage in range(layout.pp_size)]
+    if backend.lora is not None:
+        shard_names = [f"adapter-stage{stage:05d}.safetensors" for stage in range(layout.pp_size)]
+
+    def stage_tensors() -> dict[str, torch.Tensor]:
+        if backend.lora is None:
+            return {name: tensor.to("cpu") for name, tensor in backend.hf_weights()}
+        return {
+            adapters.PEFT_PREFIX + module + suffix: tensor.to("cpu")
+            for module, lora_a, lora_b in backend.full_adapters()
+            for suffix, tensor in ((adapters.LORA_A, lora_a), (adapters.LORA_B, lora_b))
+        }
+
+    _write_stages(
+        path, layout, stage_tensors, is_publisher=backend.is_publisher,
+        shard_names=shard_names, optimizer=backend.optimizer, context=backend.megatron_context,
+    )  # fmt: skip
+    if layout.rank == 0:
+        if backend.lora is not None:  # one peft adapter directory from the stages' parts
+            parts = [path / name for name in shard_names]
+            merged = {k: v for part in parts for k, v in convert.read_hf_state_file(part).items()}
+            adapters.write_peft_adapter(path, merged, backend.adapter_spec)
+            for part in parts:
+                part.unlink()
+        elif layout.pp_size > 1:
+            convert.write_hf_index(path, shard_names)
+        for name in COPIED_FILES:
+            if backend.lora is not None and name in ("config.json", "generation_config.json"):
+                continue  # an adapter directory, not a model
+            if (backend.model_dir / name).exists():
+                shutil.copy(backend.model_dir / name, path / name)
+        (path / OPTIMIZER_DIR / "layout.json").write_text(json.dumps(layout_record(backend)))
+        _write_schedule(path, backend.num_updates)
+    dist.barrier()
+    if backend.critic is not None:
+        save_critic(backend.critic, path / CRITIC_DIR)
+
+
+@torch.no_grad()
+def load_policy(backend: MegatronBackend, path: Path) -> None:
+    """Restore what `save_policy` wrote (model weights from the HF files, then the optimizer
+    state), refusing a checkpoint of another layout."""
+    path, layout = Path(path), backend.layout
+    record = json.loads((path / OPTIMIZER_DIR / "layout.json").read_text())
+    if record != layout_record(backend):
+        raise ValueError(
+            f"{path}: saved with layout {record}, this run is {layout_record(backend)}"
+        )
+    with backend.megatron_context():
+        if backend.lora is not None:
+            _load_adapters(backend, path)
+        else:
+            hf_state = convert.HFCheckpoint(path)
+            convert.load_into_model(backend.model, hf_state, backend.shape, **layout.shard)
+        _load_rank_optimizer(backend.optimizer, path, layout, device=backend.device)
+    updates = _read_schedule(path)
+    if updates is not None:  # absent in checkpoints written before the schedule was saved
+        backend.num_updates = updates
+    dist.barrier()
+    if backend.critic is not None:
+        load_critic(backend.critic, path / CRITIC_DIR)
+
+
+def layout_record(backend: MegatronBackend) -> dict[str, Any]:
+    """What an optimizer file's shape depends on: it loads only where this record is equal."""
+    layout = backend.layout
+    return {
+        "tp": layout.tp_size,
+        "pp": layout.pp_size,
+        "dp": layout.dp_size,
+        "distributed_optimizer": backend.cfg.megatron.use_distributed_optimizer,
+        "dtype": str(backend.dtype),
+    }
+
+
+def _load_adapters(backend: MegatronBackend, path: Path) -> None:
+    """This rank's adapter shards from the peft adapter directory `path`."""
+    saved, tensors = adapters.read_peft_adapter(path)
+    mine = backend.adapter_spec
+    if (saved.rank, saved.alpha, sorted(saved.target_modules)) != (
+        mine.rank, mine.alpha, sorted(mine.target_modules),
+    ):  # fmt: skip
+        raise ValueError(
+            f"{path}: an adapter of rank {saved.rank}, alpha {saved.alpha}, "
+            f"modules {saved.target_modules}; learner.lora differs"
+        )
+    for adapter in backend.adapters:
+        names = [adapters.PEFT_PREFIX + module for module in adapter.plan.modules]
+        missing = [n for n in names if n + adapters.LORA_A not in tensors]
+        if missing:
+            raise ValueError(f"{path}: no adapter for {missing[0]}")
+        adapter.load_full(
+            [(tensors[n + adapters.LORA_A], tensors[n + adapters.LORA_B]) for n in names]
+        )
+
+
+# ------------------------------------------------------------ the critic
+
+
+def save_critic(critic: MegatronCritic, path: Path) -> None:
+    """The critic's weights (its value head included), config and per-rank optimizer state."""
+    path, layout = Path(path), critic.layout
+    names = [convert.hf_shard_name(stage, layout.pp_size) for stage in range(layout.pp_size)]
+    _write_stages(
+        path, layout, critic.stage_tensors, is_publisher=layout.is_stage_publisher,
+        shard_names=names, optimizer=critic.optimizer, context=critic.policy.megatron_context,
+    )  # fmt: skip
+    if layout.rank == 0:
+        if layout.pp_size > 1:
+            convert.write_hf_index(path, names)
+        shutil.copy(critic.model_dir / "config.json", path / "config.json")
+        _write_schedule(path, critic.num_updates)
+    dist.barrier()
+
+
+@torch.no_grad()
+def load_critic(critic: MegatronCritic, path: Path) -> None:
+    """Restore what `save_critic` wrote (in the same layout: `load_policy` checked it)."""
+    path = Path(path)
+    updates = _read_schedule(path)
+    if updates is None:
+        raise FileNotFoundError(
+            f"{path}: no critic checkpoint; was this run trained without "
+            "algorithm.advantage_estimator = 'gae'?"
+        )
+    with critic.policy.megatron_context():
+        convert.load_into_model(
+            critic.model, convert.HFCheckpoint(path), critic.shape, **critic.layout.shard
+        )
+        _load_rank_optimizer(critic.optimizer, path, critic.layout, device=critic.device)
+    critic.num_updates = updates
+    dist.barrier()
+
+
+# ------------------------------------------------------------ the parts both write
+
+
+def _write_stages(
+    path: Path,
+    layout: Layout,
+    stage_tensors: Callable[[], dict[str, torch.Tensor]],
+    *,
+    is_publisher: bool,
+    shard_names: Sequence[str],
+    optimizer: Any,
+    context: Callable[[], contextlib.AbstractContextManager],
+) -> None:
+    """Each stage's publisher writes its stage's file; every rank writes its optimizer file.
+    Every rank calls it; all have returned once every file is written."""
+    if layout.rank == 0:
+        (path / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tensors = stage_tensors()  # every rank takes part in the gathers; publishers keep them
+    if is_publisher:
+        convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
+    del tensors
+    with context():
+        save_optimizer(optimizer, path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt")
+    dist.barrier()
+
+
+def _load_rank_optimizer(optimizer: Any, path: Path, layout: Layout, *, device) -> None:
+    load_optimizer(optimizer, path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt", device=device)
+
+
+def _write_schedule(path: Path, num_updates: int) -> None:
+    (path / OPTIMIZER_DIR / "schedule.json").write_text(json.dumps({"num_updates": num_updates}))
+
+
+def _read_schedule(path: Path) -> int | None:
+    schedule = path / OPTIMIZER_DIR / "schedule.json"
+    return int(json.loads(schedule.read_text())["num_updates"]) if schedule.exists() else None
+
+
+# ------------------------------------------------------------ optimizer files
 
 
 def _optimizers(optimizer: Any) -> list[Any]:

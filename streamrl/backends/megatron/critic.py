@@ -27,14 +27,11 @@ model without `value_head.*` starts with a zero head).
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from streamrl.backends.base import MicroBatch
 from streamrl.backends.megatron import checkpoint, convert, export, rules
@@ -85,7 +82,7 @@ class MegatronCritic:
     @torch.no_grad()
     def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """[B, T] float32 CPU values per micro-batch on rank 0 (others get []), no grad."""
-        everything, mine, work = self.policy.local_work(micro_batches)
+        everything, mine, work = self.policy.schedule.local_work(micro_batches)
         if not everything:
             return []
 
@@ -95,11 +92,11 @@ class MegatronCritic:
         self.ddp.eval()
         try:
             with self.policy.megatron_context():
-                store = self.policy.run_schedule(self.ddp, work, loss_for, forward_only=True)
+                store = self.policy.schedule.run(self.ddp, work, loss_for, forward_only=True)
         finally:
             self.ddp.train()
         local = [item["values"] for item in store][: len(mine)]
-        return self.policy.collect_on_rank0(everything, mine, local)
+        return self.policy.schedule.collect_on_rank0(everything, mine, local)
 
     def train_mini_batch(
         self, micro_batches: list[MicroBatch], loss_fn: ValueLossFn
@@ -107,7 +104,7 @@ class MegatronCritic:
         """Forward and backward every micro-batch, then one optimizer step; summed metrics
         plus `grad_norm` and `lr`, complete on rank 0. The gradient is the sum over all
         micro-batches of all DP replicas, as the policy's (`MegatronBackend.train_mini_batch`)."""
-        everything, _, work = self.policy.local_work(micro_batches)
+        everything, _, work = self.policy.schedule.local_work(micro_batches)
         if not everything:
             return {}
         scale = len(work) * self.layout.dp_size
@@ -118,59 +115,24 @@ class MegatronCritic:
             return loss * (weight * scale), metrics
 
         lr = self.lr_at(self.num_updates)
-        metrics = self.policy.train_schedule(self.ddp, self.optimizer, work, loss_for, lr=lr)
+        metrics = self.policy.schedule.train(self.ddp, self.optimizer, work, loss_for, lr=lr)
         self.num_updates += 1
         return metrics
 
     # ------------------------------------------------------------ checkpoints
 
+    def stage_tensors(self) -> dict[str, torch.Tensor]:
+        """This PP stage's full tensors under HF names, on the host (its publisher's to write)."""
+        weights = export.stage_hf_weights(self.model, self.shape, self.layout)
+        return {name: tensor.to("cpu") for name, tensor in weights}
+
     def save(self, path: Path) -> None:
         """The critic's weights, config and per-rank optimizer state under `path`."""
-        path, layout = Path(path), self.layout
-        if layout.rank == 0:
-            (path / "optimizer").mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        weights = export.stage_hf_weights(self.model, self.shape, layout)
-        tensors = {name: tensor.to("cpu") for name, tensor in weights}
-        names = [convert.hf_shard_name(stage, layout.pp_size) for stage in range(layout.pp_size)]
-        if layout.is_stage_publisher:
-            convert.write_hf_shard(tensors, path / names[layout.pp_rank])
-        del tensors
-        with self.policy.megatron_context():
-            checkpoint.save_optimizer(
-                self.optimizer, path / "optimizer" / f"rank{layout.rank:05d}.pt"
-            )
-        dist.barrier()
-        if layout.rank == 0:
-            if layout.pp_size > 1:
-                convert.write_hf_index(path, names)
-            shutil.copy(self.model_dir / "config.json", path / "config.json")
-            (path / "optimizer" / "schedule.json").write_text(
-                json.dumps({"num_updates": self.num_updates})
-            )
-        dist.barrier()
+        checkpoint.save_critic(self, path)
 
-    @torch.no_grad()
     def load(self, path: Path) -> None:
         """Restore what `save` wrote (in the same layout: the policy's load checks it)."""
-        path = Path(path)
-        if not (path / "optimizer" / "schedule.json").exists():
-            raise FileNotFoundError(
-                f"{path}: no critic checkpoint; was this run trained without "
-                "algorithm.advantage_estimator = 'gae'?"
-            )
-        with self.policy.megatron_context():
-            convert.load_into_model(
-                self.model, convert.HFCheckpoint(path), self.shape, **self.layout.shard
-            )
-            checkpoint.load_optimizer(
-                self.optimizer,
-                path / "optimizer" / f"rank{self.layout.rank:05d}.pt",
-                device=self.device,
-            )
-        schedule = json.loads((path / "optimizer" / "schedule.json").read_text())
-        self.num_updates = int(schedule["num_updates"])
-        dist.barrier()
+        checkpoint.load_critic(self, path)
 
 
 def aligned_values(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
