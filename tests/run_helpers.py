@@ -48,11 +48,24 @@ progress = false
 
 
 def write_config(
-    tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval: int = 0, extra: str = ""
+    tmp_path: Path,
+    *,
+    steps: int = 4,
+    eta: int = 1,
+    save_interval: int = 0,
+    extra: str = "",
+    megatron: str | None = None,
 ) -> Path:
+    """The tiny config at `tmp_path/run.toml` (the run's output in `tmp_path/out`), `extra`
+    appended. With `megatron`, the learner is Megatron on two gloo ranks, `megatron` the
+    lines of its `[learner.megatron]` ("" for the defaults: DP 2)."""
     path = tmp_path / "run.toml"
     out = tmp_path / "out"
-    path.write_text(TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval) + extra)
+    text = TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval)
+    if megatron is not None:
+        text = text.replace("[learner]\n", '[learner]\nbackend = "megatron"\nnum_gpus = 2\n')
+        text = text.replace("[train]\n", f"[learner.megatron]\n{megatron}\n[train]\n")
+    path.write_text(text + extra)
     return path
 
 

@@ -36,13 +36,6 @@ pytestmark = pytest.mark.anyio
 IM_END = 2
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 # ---------------------------------------------------------------- fakes
 
 
