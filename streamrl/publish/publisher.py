@@ -72,8 +72,10 @@ class WeightPublisher:
     on_published: Callable[[int], Awaitable[None]]
     transport: WeightTransport
     """How the staged buckets reach the engines (`streamrl.publish.factory` picks it)."""
+    pause_mode: str
+    """How the engines pause for an update: `weights.pause_mode` resolved (`RunConfig.pause_mode`;
+    no default here, the run's is the config's)."""
     bucket_bytes: int = 512 * 1024 * 1024
-    pause_mode: str = "in_place"
     staging_device: str = "cpu"
     records: list[PublishRecord] = field(default_factory=list)
     _idle: anyio.Event = field(default_factory=anyio.Event)

@@ -40,6 +40,7 @@ async def sample(engine_url, tokenizer, **generate_kwargs):
             reward_fn=response_length,
             n_samples_per_prompt=1,
             sampling_params={"max_new_tokens": 6, "temperature": 1.0},
+            max_consecutive_failures=0,
             generate_kwargs=generate_kwargs,
         )
         return await worker.run_sample(prompt(), 0), worker

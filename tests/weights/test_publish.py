@@ -185,7 +185,9 @@ class FakeTransport(WeightTransport):
         return 5
 
 
-def fake_publisher(log: list[str], engines: list, published: list[int], **kwargs):
+def fake_publisher(
+    log: list[str], engines: list, published: list[int], pause_mode: str = "in_place"
+):
     async def on_published(version: int) -> None:
         log.append(f"published {version}")
         published.append(version)
@@ -195,7 +197,7 @@ def fake_publisher(log: list[str], engines: list, published: list[int], **kwargs
         members=lambda: engines,
         on_published=on_published,
         transport=FakeTransport(log),
-        **kwargs,
+        pause_mode=pause_mode,
     )
 
 

@@ -357,6 +357,7 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
                 transport=GroupTransport(
                     members=lambda: members, gpu_counts=lambda engines: _ones(engines)
                 ),
+                pause_mode="in_place",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)
