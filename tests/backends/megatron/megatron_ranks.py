@@ -24,7 +24,25 @@ from streamrl.backends.base import MicroBatch
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-# ---------------------------------------------------------------- micro-batches and the loss
+# ---------------------------------------------------------------- the learner, micro-batches, the loss
+
+
+def learner_config(
+    tp: int = 1, pp: int = 1, *, lr: float = 1e-3, sequence_parallel: bool = False, lora=None
+):
+    """A Megatron learner at TP `tp` x PP `pp`: Adam at `lr`, the gradient norm clipped at 1,
+    Megatron's distributed optimizer but at PP > 1 (where these tests always ran without),
+    `lora` (a LoraConfig) when given."""
+    from streamrl.config import LearnerConfig, MegatronConfig
+
+    megatron = MegatronConfig(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        use_distributed_optimizer=pp == 1,
+    )
+    extra = {} if lora is None else {"lora": lora}
+    return LearnerConfig(backend="megatron", lr=lr, grad_clip=1.0, megatron=megatron, **extra)
 
 
 def seeded_micro_batches(

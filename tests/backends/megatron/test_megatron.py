@@ -22,7 +22,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ranks import fixed_micro_batches, hf_token_logprobs, nll_loss, worker_main
+from megatron_ranks import (
+    fixed_micro_batches,
+    hf_token_logprobs,
+    learner_config,
+    nll_loss,
+    worker_main,
+)
 
 from streamrl.backends.megatron import convert
 from streamrl.backends.megatron.model import shape_from_hf
@@ -67,21 +73,6 @@ def _saved_state(model) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- workers (run as a script)
 
 
-def _learner_config(tp: int = 1, pp: int = 1, *, distributed_optimizer: bool = True):
-    from streamrl.config import LearnerConfig, MegatronConfig
-
-    return LearnerConfig(
-        backend="megatron",
-        lr=1e-3,
-        grad_clip=1.0,
-        megatron=MegatronConfig(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            use_distributed_optimizer=distributed_optimizer,
-        ),
-    )
-
-
 def _train(backend, micro_batches) -> list[dict[str, float]]:
     return [
         backend.train_mini_batch(micro_batches, nll_loss, temperature=1.0, need_entropy=True)
@@ -96,7 +87,7 @@ def _worker_single(out: Path, dirs_json: str) -> None:
     results: dict = {"logprobs": {}}
     for name, path in json.loads(dirs_json).items():
         backend = MegatronBackend(
-            path, _learner_config(), device="cpu", dtype=torch.float32,
+            path, learner_config(), device="cpu", dtype=torch.float32,
             need_reference=name == "qwen3-tiny", seed=0,
         )  # fmt: skip
         micro_batches = fixed_micro_batches(backend.shape.vocab_size)
@@ -150,7 +141,7 @@ def _worker_two_ranks(out: Path, dirs_json: str) -> None:
     path = json.loads(dirs_json)["qwen3-tiny"]
     for label, (tp, pp) in {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2)}.items():
         backend = MegatronBackend(
-            path, _learner_config(tp, pp, distributed_optimizer=label != "pp2"),
+            path, learner_config(tp, pp),
             device="cpu", dtype=torch.float32, need_reference=False, seed=0,
         )  # fmt: skip
         micro_batches = fixed_micro_batches(backend.shape.vocab_size) if rank == 0 else []

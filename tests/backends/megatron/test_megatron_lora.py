@@ -20,7 +20,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ranks import fixed_micro_batches, hf_token_logprobs, nll_loss, worker_main
+from megatron_ranks import (
+    fixed_micro_batches,
+    hf_token_logprobs,
+    learner_config,
+    nll_loss,
+    worker_main,
+)
 
 NUM_STEPS = 4
 RUN_TIMEOUT_S = 300.0
@@ -31,20 +37,10 @@ RANK, ALPHA = 4, 8.0
 
 
 def _config(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False):
-    from streamrl.config import LearnerConfig, LoraConfig, MegatronConfig
+    from streamrl.config import LoraConfig
 
-    return LearnerConfig(
-        backend="megatron",
-        lr=1e-2,
-        grad_clip=1.0,
-        megatron=MegatronConfig(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            sequence_parallel=sequence_parallel,
-            use_distributed_optimizer=pp == 1,
-        ),
-        lora=LoraConfig(rank=RANK, alpha=ALPHA),
-    )
+    lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    return learner_config(tp, pp, lr=1e-2, sequence_parallel=sequence_parallel, lora=lora)
 
 
 def _run(model_dir: str, out_dir: Path, label: str, cfg) -> dict:
