@@ -62,6 +62,33 @@ def wait_until(predicate, *, what: str, timeout_s: float = 30.0) -> None:
         delay = min(delay * 1.5, 0.25)
 
 
+async def joined_update_group(engines, group_name: str):
+    """This process as rank 0 of a gloo weight-update group `group_name` that every engine of
+    the EngineSet `engines` joins (one rank each); returns the process group."""
+    import anyio
+
+    from streamrl.weights.group import init_weight_update_group
+
+    port = free_port()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(
+            lambda: engines.init_weights_update_group(
+                master_address="127.0.0.1", master_port=port, group_name=group_name, backend="gloo"
+            )
+        )
+        return await anyio.to_thread.run_sync(
+            lambda: init_weight_update_group(
+                master_address="127.0.0.1",
+                master_port=port,
+                rank=0,
+                world_size=1 + len(engines.engines),
+                group_name=group_name,
+                backend="gloo",
+                timeout_s=60,
+            )
+        )
+
+
 def engine_load(url: str) -> dict:
     """The embedded engine's request counts (`/get_load`)."""
     return httpx.get(f"{url}/get_load", timeout=10).json()[0]

@@ -48,11 +48,24 @@ progress = false
 
 
 def write_config(
-    tmp_path: Path, *, steps: int = 4, eta: int = 1, save_interval: int = 0, extra: str = ""
+    tmp_path: Path,
+    *,
+    steps: int = 4,
+    eta: int = 1,
+    save_interval: int = 0,
+    extra: str = "",
+    megatron: str | None = None,
 ) -> Path:
+    """The tiny config at `tmp_path/run.toml` (the run's output in `tmp_path/out`), `extra`
+    appended. With `megatron`, the learner is Megatron on two gloo ranks, `megatron` the
+    lines of its `[learner.megatron]` ("" for the defaults: DP 2)."""
     path = tmp_path / "run.toml"
     out = tmp_path / "out"
-    path.write_text(TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval) + extra)
+    text = TINY.format(steps=steps, eta=eta, out=out, save_interval=save_interval)
+    if megatron is not None:
+        text = text.replace("[learner]\n", '[learner]\nbackend = "megatron"\nnum_gpus = 2\n')
+        text = text.replace("[train]\n", f"[learner.megatron]\n{megatron}\n[train]\n")
+    path.write_text(text + extra)
     return path
 
 
@@ -120,11 +133,9 @@ def events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def check_finished_run(process: subprocess.Popen, out: Path, steps: int) -> dict:
-    assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    records = step_records(out)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
+def check_accounting(summary: dict) -> None:
+    """A finished run's books balance: every group started was trained, filtered, evicted, or
+    still buffered or in flight at the stop."""
     assert summary["accounting_ok"]
     assert summary["groups_started"] == (
         summary["groups_trained"]
@@ -133,6 +144,14 @@ def check_finished_run(process: subprocess.Popen, out: Path, steps: int) -> dict
         + summary["groups_buffered_at_stop"]
         + summary["groups_in_flight_at_stop"]
     )
+
+
+def check_finished_run(process: subprocess.Popen, out: Path, steps: int) -> dict:
+    assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    records = step_records(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    check_accounting(summary)
     trained = [seq for r in records for seq in r["prompt_seqs"]]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     return summary

@@ -22,6 +22,21 @@ async def set_engine_version(engine_url: str, model_dir: str, version: int) -> N
         (await http.post(f"{engine_url}/update_weights_from_disk", json=body)).raise_for_status()
 
 
+def append_output(args, sample: Sample, output: dict) -> list[int]:
+    """An engine answer's tokens and log-probabilities added to the sample's response (the
+    model's, trained); returns the tokens."""
+    pairs = output["meta_info"]["output_token_logprobs"]
+    tokens = [token for _, token, _ in pairs]
+    sample.append_response_tokens(
+        args,
+        tokens=tokens,
+        log_probs=[logprob for logprob, _, _ in pairs],
+        meta_info=output["meta_info"],
+        text=output["text"],
+    )
+    return tokens
+
+
 async def single_turn(args, sample: Sample, sampling_params: dict) -> Sample:
     """One model turn, in the shape of slime's default generate function."""
     state = GenerateState(args)
@@ -59,15 +74,7 @@ async def tool_turns(args, sample: Sample, sampling_params: dict) -> Sample:
         if output["meta_info"]["finish_reason"]["type"] == "abort":
             sample.status = Sample.Status.ABORTED
             return sample
-        pairs = output["meta_info"]["output_token_logprobs"]
-        ids = [token for _, token, _ in pairs]
-        sample.append_response_tokens(
-            args,
-            tokens=ids,
-            log_probs=[logprob for logprob, _, _ in pairs],
-            meta_info=output["meta_info"],
-            text=output["text"],
-        )
+        ids = append_output(args, sample, output)
         if turn + 1 == args.max_turns:
             break
         if args.engine_url:
@@ -89,14 +96,7 @@ async def text_payload(args, sample: Sample, sampling_params: dict) -> Sample:
     payload = {"text": sample.prompt, "sampling_params": sampling_params, "return_logprob": True}
     output = await post(url, payload)
     sample.tokens = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-    pairs = output["meta_info"]["output_token_logprobs"]
-    sample.append_response_tokens(
-        args,
-        tokens=[token for _, token, _ in pairs],
-        log_probs=[logprob for logprob, _, _ in pairs],
-        meta_info=output["meta_info"],
-        text=output["text"],
-    )
+    append_output(args, sample, output)
     return sample
 
 
@@ -126,14 +126,7 @@ async def batch_generate(args, samples: list[Sample], evaluation: bool = False) 
             "return_logprob": True,
         }
         output = await post(url, payload)
-        pairs = output["meta_info"]["output_token_logprobs"]
-        sample.append_response_tokens(
-            args,
-            tokens=[token for _, token, _ in pairs],
-            log_probs=[logprob for logprob, _, _ in pairs],
-            meta_info=output["meta_info"],
-            text=output["text"],
-        )
+        append_output(args, sample, output)
         sample.metadata["evaluation"] = evaluation
     return samples
 

@@ -159,6 +159,7 @@ def push(out: Path, smoke: bool = False, backend: str = "auto") -> dict:
                     members=lambda: [client],
                     on_published=published,
                     transport=tensor_transport(transport, members=lambda: [client]),
+                    pause_mode="in_place",
                     staging_device="cpu" if transport == "gloo" or smoke else "cuda:0",
                 )
                 await tg.start(publisher.run)

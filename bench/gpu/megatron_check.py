@@ -38,6 +38,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "backends" / "megatron"))
+
+# The Megatron tests' seeded micro-batches and loss (tests/backends/megatron/megatron_ranks.py).
+from megatron_ranks import nll_loss, seeded_micro_batches  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12
 ROWS_PER_MICRO_BATCH = 2
@@ -93,54 +97,22 @@ def save_random_hf(shape: str, directory: Path, seed: int = 0) -> Path:
 
 
 def micro_batches(vocab: int, *, rows: int, seq_len: int, count: int, seed: int, padded: bool):
-    """Seeded micro-batches; with `padded`, rows are right-padded to varied lengths."""
-    from streamrl.backends.base import MicroBatch
-
+    """`count` seeded micro-batches of `rows` x `seq_len` tokens, trained past the first; with
+    `padded`, rows are right-padded to lengths drawn from [seq_len / 4, seq_len]."""
     generator = torch.Generator().manual_seed(seed)
-    out = []
-    total_tokens = 0.0
-    shapes = []
-    for _ in range(count):
-        lengths = [
+    lengths = [
+        [
             int(torch.randint(seq_len // 4, seq_len + 1, (1,), generator=generator))
             if padded
             else seq_len
             for _ in range(rows)
         ]
-        shapes.append(lengths)
-        total_tokens += sum(length - 1 for length in lengths)
-    for lengths in shapes:
-        attention = torch.zeros(rows, seq_len, dtype=torch.int64)
-        for row, length in enumerate(lengths):
-            attention[row, :length] = 1
-        input_ids = torch.randint(0, vocab, (rows, seq_len), generator=generator) * attention
-        loss_mask = attention.float()
-        loss_mask[:, 0] = 0
-        out.append(
-            MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=torch.zeros(rows, seq_len),
-                sample_indices=list(range(rows)),
-                num_tokens_in_mini_batch=total_tokens,
-                num_sequences_in_mini_batch=rows * count,
-            )
-        )
-    return out
-
-
-def nll_loss(micro_batch, logprobs, entropy):
-    from streamrl.algorithms import aggregate
-
-    loss = aggregate(
-        -logprobs,
-        micro_batch.loss_mask,
-        "token_mean",
-        num_tokens=micro_batch.num_tokens_in_mini_batch,
-        num_sequences=micro_batch.num_sequences_in_mini_batch,
-    )
-    return loss, {"nll": loss.detach()}
+        for _ in range(count)
+    ]
+    return seeded_micro_batches(
+        lengths, token_ids=range(vocab), generator=generator, prompt_tokens=1, width=seq_len,
+        row_weights=True,
+    )  # fmt: skip
 
 
 def diff_stats(ours: list[torch.Tensor], ref: list[torch.Tensor], masks: list[torch.Tensor]):

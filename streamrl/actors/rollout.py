@@ -76,6 +76,7 @@ class RolloutWorker:
         reward_fn: Any,
         n_samples_per_prompt: int,
         sampling_params: dict[str, Any],
+        max_consecutive_failures: int,
         generate_kwargs: dict[str, Any] | None = None,
         reward_timeout_s: float = 60.0,
         retry_timeout_s: float = 300.0,
@@ -84,8 +85,9 @@ class RolloutWorker:
         seed: int | None = None,
         return_routed_experts: bool = False,
         resume: list[PartialGroup] = (),
-        max_consecutive_failures: int = 0,
     ) -> None:
+        """`max_consecutive_failures` has no default here: the run's is
+        `rollout.max_consecutive_failures`' (0: never stop)."""
         self.worker_id = worker_id
         self.source = source
         self.sender = sender

@@ -42,7 +42,8 @@ import anyio
 import torch
 
 from streamrl.fleet.client import EngineClient, EngineError, adapter_name
-from streamrl.publish.transport import Staged, WeightTransport, each_engine
+from streamrl.fleet.engine_set import each_engine
+from streamrl.publish.transport import Staged, WeightTransport
 from streamrl.weights import adapters
 
 log = logging.getLogger(__name__)
@@ -93,12 +94,16 @@ class AdapterFileTransport(WeightTransport):
     async def send(self, engines: list[EngineClient], staged: Staged, *, flush_cache: bool) -> None:
         """Every engine loads the directory as the version's adapter and tags the version."""
         name, path = adapter_name(staged.version), self._path
-        await each_engine(engines, lambda e: self._load(e, name, path, staged.version))
+        await each_engine(
+            engines,
+            lambda engine: self._load(engine, name, path, staged.version),
+            what="load_lora_adapter",
+        )
 
     async def settle(self, engines: list[EngineClient], staged: Staged) -> None:
         """Unload (and delete) what is older than `KEEP_VERSIONS` versions."""
         self.pushed.add(staged.version)
-        await each_engine(engines, self._unload_old)
+        await each_engine(engines, self._unload_old, what="unload_lora_adapter")
         self._delete_unused()
 
     async def _load(self, engine: EngineClient, name: str, path: Path, version: int) -> None:

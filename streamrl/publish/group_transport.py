@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from streamrl.fleet.client import EngineClient, engine_gpu_counts
+from streamrl.fleet.engine_set import each_engine
 from streamrl.publish.transport import (
     Staged,
     WeightSource,
@@ -143,10 +144,16 @@ class GroupTransport(WeightTransport):
             else:
                 broadcast_tensors(group.handle, bucket.layout.unpack(bucket.flat))
 
+        async def updates(mismatched: set[str]) -> None:
+            await each_engine(
+                engines,
+                lambda engine: checked(update, engine, mismatched),
+                what="update_weights_from_distributed",
+            )
+
         async def attempt(mismatched: set[str]) -> None:
             async with anyio.create_task_group() as tg:
-                for engine in engines:
-                    tg.start_soon(checked, update, engine, mismatched)
+                tg.start_soon(updates, mismatched)
                 if broadcast is None:
                     await anyio.to_thread.run_sync(send)
                 else:

@@ -12,13 +12,11 @@ One pipeline stage only: the engines share the learner's one GPU.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import anyio
-
 from streamrl.fleet.client import EngineClient, engine_gpu_counts
+from streamrl.fleet.engine_set import each_engine
 from streamrl.publish.transport import Staged, WeightTransport, require_success
 from streamrl.publish.verify import Verifier, checked, digest_of
 from streamrl.weights.ipc import serialize_named_tensors
@@ -61,9 +59,13 @@ class IpcTransport(WeightTransport):
         tensors = bucket.layout.unpack(bucket.flat)  # views (copies only where misaligned)
         payload = serialize_named_tensors(list(zip(bucket.names, tensors, strict=True)))
 
-        async def update(engine: EngineClient, num_gpus: int) -> None:
+        num_gpus = {
+            engine.url: count for engine, count in zip(engines, self._gpu_counts, strict=True)
+        }
+
+        async def update(engine: EngineClient) -> None:
             result = await engine.update_weights_from_tensor(
-                [payload] * num_gpus,
+                [payload] * num_gpus[engine.url],
                 weight_version=weight_version,
                 flush_cache=flush_cache and weight_version is not None,
                 weights_digest=expected if await engine.accepts_digest() else None,
@@ -71,9 +73,10 @@ class IpcTransport(WeightTransport):
             require_success(engine, result)
 
         async def attempt(mismatched: set[str]) -> None:
-            async with anyio.create_task_group() as tg:
-                for engine, num_gpus in zip(engines, self._gpu_counts, strict=True):
-                    one = functools.partial(update, num_gpus=num_gpus)
-                    tg.start_soon(checked, one, engine, mismatched)
+            await each_engine(
+                engines,
+                lambda engine: checked(update, engine, mismatched),
+                what="update_weights_from_tensor",
+            )
 
         await self.verifier.until_verified(attempt, bucket)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import anyio
 
 from streamrl.fleet.client import EngineClient, EngineError
-from streamrl.publish.transport import Staged, WeightSource, WeightTransport, each_engine
+from streamrl.fleet.engine_set import each_engine
+from streamrl.publish.transport import Staged, WeightSource, WeightTransport
 from streamrl.weights.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ class WeightPublisher:
     on_published: Callable[[int], Awaitable[None]]
     transport: WeightTransport
     """How the staged buckets reach the engines (`streamrl.publish.factory` picks it)."""
+    pause_mode: str
+    """How the engines pause for an update: `weights.pause_mode` resolved (`RunConfig.pause_mode`;
+    no default here, the run's is the config's)."""
     bucket_bytes: int = 512 * 1024 * 1024
-    pause_mode: str = "in_place"
     staging_device: str = "cpu"
     records: list[PublishRecord] = field(default_factory=list)
     _idle: anyio.Event = field(default_factory=anyio.Event)
@@ -194,12 +197,16 @@ class WeightPublisher:
     async def _send(self, staged: Staged, engines: list[EngineClient], record: PublishRecord):
         await self.transport.prepare(engines, staged)  # the engines do not wait for it
         paused_at = time.perf_counter()
-        await each_engine(engines, lambda e: e.pause(self.pause_mode))
         try:
+            await each_engine(engines, lambda e: e.pause(self.pause_mode), what="pause")
             send_started = time.perf_counter()
             await self.transport.send(engines, staged, flush_cache=self.flushes_cache)
             record.broadcast_s = time.perf_counter() - send_started
         finally:
-            await each_engine(engines, lambda e: e.continue_generation())
+            # Whatever failed (a pause, a send, one engine's continue), every engine is asked
+            # to continue: the live ones generate on while the fleet restarts a dead one.
+            await each_engine(
+                engines, lambda e: e.continue_generation(), what="continue_generation"
+            )
             record.engine_pause_s = time.perf_counter() - paused_at
         await self.transport.settle(engines, staged)

@@ -11,8 +11,10 @@ transport fills in its steps, one version at a time (the publisher never overlap
     continue every engine
     settle            after the pause: what the engines no longer need (old adapters)
 
-`invalidate` (an engine restarted) and `drop` (an update failed) make the next update
-start afresh; `close` ends the transport when the run stops. One implementation per
+Every engine is called at once through `streamrl.fleet.engine_set.each_engine`: one
+engine's failure does not cut the others' calls short (each pauses, continues, loads as
+it answers), and every engine that failed is named. `invalidate` (an engine restarted)
+and `drop` (an update failed) make the next update start afresh; `close` ends the transport when the run stops. One implementation per
 way, chosen from the config by `streamrl.publish.factory`:
 
     GroupTransport        weight-update groups (NCCL or gloo), one per pipeline stage
@@ -22,11 +24,10 @@ way, chosen from the config by `streamrl.publish.factory`:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import anyio
 import torch
 
 from streamrl.fleet.client import EngineClient
@@ -94,12 +95,3 @@ def require_success(engine: EngineClient, result: dict) -> None:
     """An engine's weight-update answer: RuntimeError unless it reports success."""
     if not result.get("success", False):
         raise RuntimeError(f"{engine.url}: {result.get('message')}")
-
-
-async def each_engine(
-    engines: list[EngineClient], call: Callable[[EngineClient], Awaitable[object]]
-) -> None:
-    """`call(engine)` for every engine at once; returns when all have answered."""
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            tg.start_soon(call, engine)

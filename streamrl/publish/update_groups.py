@@ -97,6 +97,8 @@ class UpdateGroups:
                 backend=self.transport,
             )
 
+        # One rendezvous, not `each_engine`: a member that fails dooms the group, so its error
+        # cancels every other join at once rather than waiting for joins that cannot finish.
         async with anyio.create_task_group() as tg:
             tg.start_soon(host)
             for engine, rank_offset in zip(engines, layout.rank_offsets, strict=True):

@@ -115,12 +115,13 @@ class Buffer:
         capacity: int,
         max_staleness: int,
         staleness_rule: horizon.StalenessRule,
-        filters: Iterable[str | GroupFilter | NamedFilter] = (),
+        filters: Iterable[str | GroupFilter | NamedFilter],
         clock: Callable[[], float] = time.monotonic,
         on_discard: Callable[[Group, str], None] | None = None,
         max_episode_staleness: int = 0,
     ) -> None:
-        """`staleness_rule` has no default here: the run's is `buffer.staleness_rule`'s."""
+        """`staleness_rule` and `filters` have no default here: the run's are
+        `buffer.staleness_rule`'s and `buffer.filters`'."""
         if capacity <= 0:
             raise ValueError("buffer capacity must be positive")
         self.capacity = capacity

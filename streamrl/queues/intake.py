@@ -105,7 +105,7 @@ class Intake:
         max_staleness: int,
         capacity: int,
         staleness_rule: StalenessRule,
-        filters: Iterable[str | GroupFilter | NamedFilter] = (),
+        filters: Iterable[str | GroupFilter | NamedFilter],
         start_version: int = 0,
         max_episode_staleness: int = 0,
         groups_per_step: int = 0,

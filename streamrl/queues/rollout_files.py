@@ -74,7 +74,9 @@ class ReplayIntake:
     def __init__(self, directory: Path, *, start_step: int = 0) -> None:
         self.directory = Path(directory)
         self.next_step = start_step + 1
-        self._buffer = Buffer(capacity=1 << 30, max_staleness=1 << 30, staleness_rule="episode")
+        self._buffer = Buffer(
+            capacity=1 << 30, max_staleness=1 << 30, staleness_rule="episode", filters=()
+        )
         self._done_seqs: set[int] = set()
 
     def check(self, last_step: int) -> None:

@@ -148,7 +148,12 @@ def worker(
 
 def intake() -> Intake:
     return Intake(
-        "tcp://127.0.0.1:0", batch_size=2, max_staleness=1, capacity=64, staleness_rule="episode"
+        "tcp://127.0.0.1:0",
+        batch_size=2,
+        max_staleness=1,
+        capacity=64,
+        staleness_rule="episode",
+        filters=(),
     )
 
 

@@ -39,6 +39,7 @@ def worker(
         reward_fn=lambda inp: 1.0,
         n_samples_per_prompt=2,
         sampling_params={"max_new_tokens": BUDGET, "ignore_eos": True, "temperature": 1.0},
+        max_consecutive_failures=0,
         **kwargs,
     )
 

@@ -45,7 +45,7 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     )
     tokenizer = load_tokenizer(tiny_model_dir)
     batch_size, eta, n = 2, 1, 3
-    buffer = Buffer(capacity=100, max_staleness=eta, staleness_rule="episode")
+    buffer = Buffer(capacity=100, max_staleness=eta, staleness_rule="episode", filters=())
     admission = Admission(
         batch_size=batch_size, max_staleness=eta, capacity=100, num_buffered=lambda: len(buffer)
     )
@@ -75,6 +75,7 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
                 reward_fn=reward,
                 n_samples_per_prompt=n,
                 sampling_params={"max_new_tokens": 8, "temperature": 1.0},
+                max_consecutive_failures=0,
             )
             tg.start_soon(worker.run)
             allowed = (0 + eta + 1) * batch_size

@@ -36,13 +36,6 @@ pytestmark = pytest.mark.anyio
 IM_END = 2
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 # ---------------------------------------------------------------- fakes
 
 
@@ -304,6 +297,7 @@ async def test_an_environment_with_its_own_first_observation_becomes_the_samples
         reward_fn=None,
         n_samples_per_prompt=1,
         sampling_params={"max_new_tokens": 8},
+        max_consecutive_failures=0,
     )
     sample = await worker.run_sample(prompt, 0)
     expected = encode(
@@ -464,6 +458,7 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
         reward_fn=None,
         n_samples_per_prompt=2,
         sampling_params={"max_new_tokens": 8, "temperature": 1.0},
+        max_consecutive_failures=0,
         generate_kwargs={
             "env": "streamrl.agents.examples.guess_number:GuessNumber",
             "max_turns": 3,
@@ -491,16 +486,17 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
         reward_fn=None,
         n_samples_per_prompt=2,
         sampling_params={"max_new_tokens": 8},
+        max_consecutive_failures=0,
         generate_kwargs=worker.generate_kwargs,
     ).run_sample(prompt, 1)
     group = Group(group_id="g", prompt_seq=0, prompt_index=0, samples=[sample, other])
     assert (group.oldest_version, group.newest_version, group.num_versions_spanned) == (0, 2, 3)
 
     # Staleness is measured from the oldest trained token, not the newest.
-    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode")
+    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode", filters=())
     strict.put(group)
     assert strict.pop_batch(1, version=3) is None and strict.stats.evicted["stale"] == 1
-    buffer = Buffer(capacity=2, max_staleness=3, staleness_rule="episode")
+    buffer = Buffer(capacity=2, max_staleness=3, staleness_rule="episode", filters=())
     buffer.put(group)
     assert buffer.pop_batch(1, version=3) == [group]
     assert buffer.stats.staleness == {3: 1} and buffer.stats.versions_spanned == {3: 1}

@@ -33,19 +33,6 @@ from streamrl.types import NO_VERSION
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir, tmp_path_factory):
-    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine")) as engines:
-        yield engines[0].url
-
-
 def user_turn(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 

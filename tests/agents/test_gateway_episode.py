@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import running_engines, wait_until
+from engine_helpers import wait_until
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import gateway
@@ -18,19 +18,6 @@ from streamrl.types import Prompt, SampleStatus
 
 pytestmark = pytest.mark.anyio
 AGENTS = str(Path(__file__).resolve().parents[1] / "gateway_agents.py")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir, tmp_path_factory):
-    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine")) as engines:
-        yield engines[0].url
 
 
 def prompt() -> Prompt:
@@ -53,6 +40,7 @@ async def sample(engine_url, tokenizer, **generate_kwargs):
             reward_fn=response_length,
             n_samples_per_prompt=1,
             sampling_params={"max_new_tokens": 6, "temperature": 1.0},
+            max_consecutive_failures=0,
             generate_kwargs=generate_kwargs,
         )
         return await worker.run_sample(prompt(), 0), worker

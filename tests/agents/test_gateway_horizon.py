@@ -70,10 +70,10 @@ def test_turn_versions_and_the_bound_come_from_the_turn_offsets():
 
 def test_an_episode_older_than_the_bound_is_trained_under_the_per_turn_rule_and_reported():
     long = group("long", episode([0, 1, 2, 3, 4, 5], 1.0), episode([5, 5], 0.0))
-    strict = Buffer(capacity=4, max_staleness=2, staleness_rule="episode")
+    strict = Buffer(capacity=4, max_staleness=2, staleness_rule="episode", filters=())
     strict.put(long)
     assert strict.pop_batch(1, version=6) is None and strict.stats.evicted == {"stale": 1}
-    per_turn = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn")
+    per_turn = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn", filters=())
     per_turn.put(long)
     assert per_turn.pop_batch(1, version=6) == [long]
     stats = per_turn.stats.as_dict()
@@ -90,11 +90,13 @@ def test_an_episode_older_than_the_bound_is_trained_under_the_per_turn_rule_and_
 
 
 def test_a_stale_last_turn_a_gap_past_the_bound_or_the_episode_cap_evict_and_are_counted():
-    buffer = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn")
+    buffer = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn", filters=())
     assert buffer.put(group("gap", episode([0, 3]))) == "evicted:turn_stale"
     buffer.put(group("late", episode([0, 1, 2])))
     assert buffer.pop_batch(1, version=5) is None  # its last turn is 3 versions old
-    capped = Buffer(capacity=4, max_staleness=2, staleness_rule="per_turn", max_episode_staleness=4)
+    capped = Buffer(
+        capacity=4, max_staleness=2, staleness_rule="per_turn", filters=(), max_episode_staleness=4
+    )
     capped.put(group("old", episode([0, 1, 2, 3, 4])))
     capped.put(group("young", episode([2, 3, 4])))
     assert [g.group_id for g in capped.pop_batch(1, version=5)] == ["young"]
@@ -123,6 +125,7 @@ def test_the_per_turn_rule_bounds_every_turn_when_it_was_passed_and_the_last_whe
         capacity=capacity,
         max_staleness=max_staleness,
         staleness_rule="per_turn",
+        filters=(),
         on_discard=lambda g, reason: discarded.append(g.group_id),
     )
     version, accepted, handed_out, ids = 0, [], [], itertools.count()
@@ -170,7 +173,9 @@ def test_on_single_turn_groups_the_per_turn_rule_hands_out_exactly_what_the_epis
 ):
     """Single-turn samples whose tokens span versions (a turn across a weight update)."""
     buffers = {
-        rule: Buffer(capacity=capacity, max_staleness=max_staleness, staleness_rule=rule)
+        rule: Buffer(
+            capacity=capacity, max_staleness=max_staleness, staleness_rule=rule, filters=()
+        )
         for rule in ("episode", "per_turn")
     }
     outcomes: dict[str, list] = {rule: [] for rule in buffers}
@@ -242,6 +247,7 @@ async def test_a_20_turn_episode_across_7_versions_at_eta_2_is_trained_with_per_
                     reward_fn=lambda inp: float(len(inp.response)),
                     n_samples_per_prompt=2,
                     sampling_params={"max_new_tokens": 3, "temperature": 1.0},
+                    max_consecutive_failures=0,
                     generate_kwargs={
                         "agent": "gateway_agents:long_episode",
                         "agent_kwargs": {"turns": 20, **agent_kwargs},
@@ -258,10 +264,10 @@ async def test_a_20_turn_episode_across_7_versions_at_eta_2_is_trained_with_per_
     assert episodes.num_versions_spanned == 7
 
     # The learner is at version 7: the first turn is 7 versions old, the last 1.
-    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode")
+    strict = Buffer(capacity=2, max_staleness=2, staleness_rule="episode", filters=())
     strict.put(episodes)
     assert strict.pop_batch(1, version=7) is None and strict.stats.evicted == {"stale": 1}
-    buffer = Buffer(capacity=2, max_staleness=2, staleness_rule="per_turn")
+    buffer = Buffer(capacity=2, max_staleness=2, staleness_rule="per_turn", filters=())
     assert buffer.put(episodes) == "accepted"
     (trained,) = buffer.pop_batch(1, version=7)
     assert trained is episodes and buffer.stats.num_evicted == 0

@@ -21,13 +21,6 @@ from streamrl.agents.gateway.tool_calls import (
 IM_END = 2
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 # ---------------------------------------------------------------- tool calls
 
 

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from streamrl.metrics import read_metrics
+from run_helpers import step_records
 
 CONFIG = """
 [model]
@@ -65,7 +64,7 @@ def test_a_run_trains_on_gateway_episodes_with_per_turn_metrics(tmp_path, agent)
         cwd=Path(__file__).parents[2],
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
         assert record["episode/turns_mean"] == 2

@@ -51,13 +51,6 @@ RESULT_TURN = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from streamrl.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 def check_two_turn_layout(tokenizer, engine, session, first_prompt_text: str) -> None:
     """Turn 2's engine input is turn 1's input + the model's tokens + the rendered tool
     result; the trajectory is exactly that, masked on the model's tokens only."""

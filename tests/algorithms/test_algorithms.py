@@ -348,18 +348,23 @@ EXTREME_BEHAVIOUR = t([-100.5, -0.5, float("-inf"), -1e9, -0.5, -200.5])
 def test_extreme_log_ratios_give_a_finite_loss_and_gradient(
     sign, dual_clip_c, correction, cap, has_proximal
 ):
+    _assert_finite_on_extreme_log_ratios(
+        sign, has_proximal, dual_clip_c=dual_clip_c, correction=correction, behaviour_weight_cap=cap
+    )
+
+
+def _assert_finite_on_extreme_log_ratios(sign: float, has_proximal: bool, **options) -> None:
+    """`policy_loss` of the EXTREME_* log-probabilities, advantages `sign`: its loss, its
+    gradient and every metric are finite."""
     logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
-    proximal = EXTREME_PROXIMAL if has_proximal else None
     loss, metrics = policy_loss(
         logprobs,
-        proximal,
+        EXTREME_PROXIMAL if has_proximal else None,
         EXTREME_BEHAVIOUR,
         torch.full((1, 6), sign),
         torch.ones(1, 6),
         eps_clip=0.2,
-        dual_clip_c=dual_clip_c,
-        correction=correction,
-        behaviour_weight_cap=cap,
+        **options,
     )
     assert torch.isfinite(loss).all(), loss
     loss.sum().backward()
@@ -560,24 +565,10 @@ def test_cispo_without_proximal_weights_the_log_likelihood_by_the_behaviour_rati
 def test_gspo_and_cispo_give_a_finite_loss_and_gradient_for_extreme_log_ratios(
     sign, loss_name, dual_clip_c, correction, cap, has_proximal
 ):
-    logprobs = EXTREME_LOGPROBS.clone().requires_grad_()
-    loss, metrics = policy_loss(
-        logprobs,
-        EXTREME_PROXIMAL if has_proximal else None,
-        EXTREME_BEHAVIOUR,
-        torch.full((1, 6), sign),
-        torch.ones(1, 6),
-        eps_clip=0.2,
-        dual_clip_c=dual_clip_c,
-        correction=correction,
-        behaviour_weight_cap=cap,
-        loss=loss_name,
-    )
-    assert torch.isfinite(loss).all(), loss
-    loss.sum().backward()
-    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
-    for name, value in metrics.items():
-        assert torch.isfinite(value).all(), (name, value)
+    _assert_finite_on_extreme_log_ratios(
+        sign, has_proximal, dual_clip_c=dual_clip_c, correction=correction,
+        behaviour_weight_cap=cap, loss=loss_name,
+    )  # fmt: skip
 
 
 def test_policy_loss_rejects_unknown_losses_and_dual_clip_with_cispo():

@@ -345,6 +345,7 @@ async def test_published_adapters_reach_a_real_engine_and_each_replaces_the_last
                 members=lambda: [client],
                 on_published=on_published,
                 transport=GroupTransport(members=lambda: [client], gpu_counts=one_gpu),
+                pause_mode="in_place",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -59,6 +59,7 @@ def worker(engine_set, tokenizer, generate_fn, **generate_kwargs) -> RolloutWork
         reward_fn=lambda inp: 0.5,
         n_samples_per_prompt=2,
         sampling_params=dict(SAMPLING),
+        max_consecutive_failures=0,
         generate_kwargs=generate_kwargs,
         seed=7,  # every sample its own sampling_seed: seeded sampling, reproducible
     )

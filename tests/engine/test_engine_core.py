@@ -18,17 +18,8 @@ from streamrl import models  # noqa: E402
 from streamrl.engine.core import EngineCore, Output, Request, SamplingParams  # noqa: E402
 from streamrl.engine.options import EngineOptions  # noqa: E402
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest single-threaded (OpenMP spin-waits hurt on a busy 2-core box)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @contextlib.contextmanager

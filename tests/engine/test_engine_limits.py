@@ -96,6 +96,7 @@ async def test_a_token_beyond_the_vocabulary_is_counted_and_never_reaches_the_en
                 reward_fn=lambda inp: 1.0,
                 n_samples_per_prompt=2,
                 sampling_params={"max_new_tokens": 4},
+                max_consecutive_failures=0,
             )
             before = engine_load(url)["num_finished_reqs"]
             tg.start_soon(worker.run)

@@ -24,15 +24,7 @@ from test_engine_core import (  # noqa: E402
 from streamrl import models  # noqa: E402
 
 FAMILIES = ("glm4-tiny", "qwen3-moe-tiny", "glm4-moe-tiny", "deepseek-v3-tiny")
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def checkpoint_of(model, directory) -> dict[str, torch.Tensor]:

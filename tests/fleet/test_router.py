@@ -5,7 +5,12 @@ from __future__ import annotations
 import anyio
 import httpx
 import pytest
-from engine_helpers import engine_load, running_engines, teacher_forced_logprobs
+from engine_helpers import (
+    engine_load,
+    joined_update_group,
+    running_engines,
+    teacher_forced_logprobs,
+)
 
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.engine_set import EngineSet
@@ -13,7 +18,6 @@ from streamrl.fleet.router import Router, RouterError
 from streamrl.weights.group import (
     broadcast_tensors,
     destroy_weight_update_group,
-    init_weight_update_group,
 )
 
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
@@ -52,7 +56,7 @@ def test_the_router_registers_both_engines_and_does_not_route_control_calls(clus
 
 @pytest.mark.anyio
 async def test_a_two_engines_behind_a_router_generate_through_it_and_update_weights_directly(
-    cluster, free_port
+    cluster,
 ):
     engines, router = cluster
     urls = [engine.url for engine in engines]
@@ -63,24 +67,7 @@ async def test_a_two_engines_behind_a_router_generate_through_it_and_update_weig
         after = _finished(engines)
         assert [b - a for a, b in zip(before, after, strict=True)] == [2, 2]  # round robin
 
-        port = free_port()
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(
-                lambda: engine_set.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=port, group_name="wg", backend="gloo"
-                )
-            )
-            group = await anyio.to_thread.run_sync(
-                lambda: init_weight_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank=0,
-                    world_size=3,
-                    group_name="wg",
-                    backend="gloo",
-                    timeout_s=60,
-                )
-            )
+        group = await joined_update_group(engine_set, "wg")
         try:
             from streamrl.models import build_random_model
 

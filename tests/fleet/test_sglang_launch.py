@@ -320,6 +320,7 @@ async def test_the_publisher_joins_three_engines_at_their_rank_offsets(
         members=lambda: engines,
         on_published=on_published,
         transport=GroupTransport(members=lambda: engines, gpu_counts=counts),
+        pause_mode="in_place",
     )
     async with anyio.create_task_group() as tasks:
         await tasks.start(publisher.run)

@@ -58,6 +58,28 @@ def ray_daemon_pids() -> set[int]:
     return pids
 
 
+def placed_pids(placed: dict) -> list[int]:
+    """Every process a Ray run placed (its `ray.json`) and the actors that host them."""
+    pids = [process["pid"] for process in placed["processes"].values()]
+    return pids + [node["actor_pid"] for node in placed["nodes"].values()]
+
+
+def wait_all_gone(pids: list[int], *, timeout_s: float, daemons_before: set[int] | None = None):
+    """Wait until every pid is gone and, given the Ray daemons from before the run, until the
+    run's own Ray instance has stopped too."""
+    wait_until(
+        lambda: all(is_gone(pid) for pid in pids),
+        what="every placed process to be gone",
+        timeout_s=timeout_s,
+    )
+    if daemons_before is not None:
+        wait_until(
+            lambda: ray_daemon_pids() <= daemons_before,
+            what="the run's Ray instance to stop",
+            timeout_s=60,
+        )
+
+
 # ---------------------------------------------------------------- placement and config
 
 
@@ -212,13 +234,7 @@ def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans
     assert "rollout (Ray node" in result.stderr and "exited with code" in result.stderr
     assert "the rollout process ends here" in result.stderr  # the tail of its log
     placed = json.loads((tmp_path / "out" / "ray.json").read_text())
-    pids = [p["pid"] for p in placed["processes"].values()]
-    pids += [n["actor_pid"] for n in placed["nodes"].values()]
-    wait_until(
-        lambda: all(is_gone(pid) for pid in pids),
-        what="every placed process to be gone",
-        timeout_s=10,
-    )
+    wait_all_gone(placed_pids(placed), timeout_s=10)
 
 
 @pytest.mark.slow
@@ -236,18 +252,7 @@ def test_sigterm_stops_a_ray_run_and_every_placed_process(tmp_path):
         process.kill()
     assert "interrupted; every process stopped" in process.stderr.read()
     placed = json.loads((out / "ray.json").read_text())
-    pids = [p["pid"] for p in placed["processes"].values()]
-    pids += [n["actor_pid"] for n in placed["nodes"].values()]
-    wait_until(
-        lambda: all(is_gone(pid) for pid in pids),
-        what="every placed process to be gone",
-        timeout_s=10,
-    )
-    wait_until(
-        lambda: ray_daemon_pids() <= daemons_before,
-        what="the run's Ray instance to stop",
-        timeout_s=60,
-    )
+    wait_all_gone(placed_pids(placed), timeout_s=10, daemons_before=daemons_before)
 
 
 @pytest.mark.slow
@@ -305,19 +310,9 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
     assert restarted["pid"] != victim["pid"]  # a new process ...
     assert restarted["actor_pid"] == victim["actor_pid"]  # ... started by the same actor
 
-    pids = [p["pid"] for p in placed["processes"].values()] + [victim["pid"]]
-    pids += [n["actor_pid"] for n in placed["nodes"].values()]
+    pids = [*placed_pids(placed), victim["pid"]]
     assert len(pids) == 7
-    wait_until(
-        lambda: all(is_gone(pid) for pid in pids),
-        what="every placed process to be gone",
-        timeout_s=10,
-    )
-    wait_until(
-        lambda: ray_daemon_pids() <= daemons_before,
-        what="the run's Ray instance to stop",
-        timeout_s=60,
-    )
+    wait_all_gone(pids, timeout_s=10, daemons_before=daemons_before)
 
 
 @pytest.mark.slow
@@ -335,10 +330,6 @@ def test_spread_places_engine_and_rollout_on_different_ray_nodes(tmp_path):
         assert not placed["own_instance"]
         nodes = {name: node["node_id"] for name, node in placed["nodes"].items()}
         assert nodes["engine-0"] != nodes["rollout"]
-        pids = [p["pid"] for p in placed["processes"].values()]
-        pids += [n["actor_pid"] for n in placed["nodes"].values()]
-        wait_until(
-            lambda: all(is_gone(pid) for pid in pids), what="every placed process to be gone"
-        )
+        wait_all_gone(placed_pids(placed), timeout_s=30)
     finally:
         cluster.shutdown()

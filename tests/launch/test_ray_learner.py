@@ -52,12 +52,10 @@ same file on one machine, the `ray_*` keys unread."""
 
 
 def megatron_dp2_config(tmp_path: Path, address: str, *, steps: int, save_interval: int = 0):
-    path = write_config(tmp_path, steps=steps, eta=1, save_interval=save_interval)
-    text = path.read_text().replace(
-        "[learner]\nlr = 1e-3\nnum_threads = 1",
-        '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1',
-    )
-    path.write_text(text + DP2_ON_RAY.format(address=address))
+    path = write_config(
+        tmp_path, steps=steps, eta=1, save_interval=save_interval,
+        extra=DP2_ON_RAY.format(address=address), megatron="",
+    )  # fmt: skip
     return path
 
 

@@ -91,7 +91,7 @@ def test_buffer_never_exceeds_capacity_never_hands_out_stale_groups_and_loses_no
 
 
 def test_batches_go_out_oldest_token_version_first():
-    buffer = Buffer(capacity=10, max_staleness=5, staleness_rule="episode")
+    buffer = Buffer(capacity=10, max_staleness=5, staleness_rule="episode", filters=())
     buffer.put(make_group("new", [4, 4], [0, 1]))
     buffer.put(make_group("old", [2, 5], [0, 1]))
     buffer.put(make_group("mid", [3, 3], [0, 1]))
@@ -110,7 +110,7 @@ def test_staleness_is_measured_from_the_oldest_trained_token_only():
 
 
 def test_a_group_past_the_bound_is_evicted_and_counted_not_handed_out():
-    buffer = Buffer(capacity=4, max_staleness=1, staleness_rule="episode")
+    buffer = Buffer(capacity=4, max_staleness=1, staleness_rule="episode", filters=())
     buffer.put(make_group("stale", [0, 0], [0, 1]))
     buffer.put(make_group("fresh", [2, 2], [0, 1]))
     assert [g.group_id for g in buffer.pop_batch(1, version=2)] == ["fresh"]

@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from run_helpers import TINY, streamrl_run
+from run_helpers import TINY, step_records, streamrl_run
 from wandb_helpers import wandb_history
-
-from streamrl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +20,6 @@ def write_config(tmp_path: Path, name: str, *, steps: int = 3, extra: str = "") 
     text = TINY.format(steps=steps, eta=1, out=tmp_path / name, save_interval=0)
     path.write_text(text.replace("[train]\n", f"[train]\n{extra}\n", 1))
     return path
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "kind" not in r]
 
 
 def test_a_user_filter_drops_half_the_groups_and_over_sampling_keeps_every_batch_full(

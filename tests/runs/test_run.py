@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from run_helpers import start_run, streamrl_run, write_config
+from run_helpers import check_accounting, start_run, step_records, streamrl_run, write_config
 
 from streamrl.metrics import read_metrics
 
@@ -23,7 +23,7 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
     config = write_config(tmp_path, steps=4, eta=1)
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["version"] for r in steps] == [1, 2, 3, 4]
     for record in steps:
@@ -41,14 +41,7 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
             assert key in record
     assert steps[-1]["samples_trained"] == 4 * 2 * 4
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["accounting_ok"]
-    assert summary["groups_started"] == (
-        summary["groups_trained"]
-        + summary["groups_filtered"]
-        + summary["groups_evicted"]
-        + summary["groups_buffered_at_stop"]
-        + summary["groups_in_flight_at_stop"]
-    )
+    check_accounting(summary)
     assert summary["groups_trained"] == 8
     assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
     assert (tmp_path / "out" / "checkpoints" / "step_000004" / "config.json").exists()
@@ -70,7 +63,7 @@ def test_weights_pushed_every_second_version_bound_staleness_and_the_last_versio
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["version"] for r in steps] == [1, 2, 3, 4, 5]
     assert all(r["staleness_max"] <= 1 for r in steps)
     pushed = {r["weights/version"] for r in steps if "weights/version" in r}
@@ -108,7 +101,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
         time.sleep(0.2)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    first = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    first = step_records(out)
     trained_before = {seq for r in first if r["step"] <= 2 for seq in r["prompt_seqs"]}
     # Stale checkpoints written after step 2 would make this test meaningless.
     state = json.loads(checkpoint.read_text())
@@ -116,7 +109,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
 
     result = streamrl_run(config, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    records = step_records(out)
     resumed = records[len(first) :]
     assert resumed[0]["step"] == 3 and resumed[0]["version"] == 3
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]
@@ -157,18 +150,13 @@ def test_streamrl_run_trains_a_policy_and_gae_critic_with_the_megatron_backend_a
     """The follower rank makes the critic's calls too (announced by rank 0), and the final
     checkpoint holds the critic beside the policy."""
     config = write_config(
-        tmp_path, steps=3, eta=1, extra='[algorithm]\nadvantage_estimator = "gae"\n'
-    )
-    text = config.read_text().replace(
-        "[learner]\nlr = 1e-3\nnum_threads = 1",
-        '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
-        "[learner.megatron]\ntensor_parallel_size = 2",
-    )
-    config.write_text(text)
+        tmp_path, steps=3, eta=1, extra='[algorithm]\nadvantage_estimator = "gae"\n',
+        megatron="tensor_parallel_size = 2",
+    )  # fmt: skip
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 and r["train/critic_grad_norm"] > 0 for r in steps)
     assert all(math.isfinite(r["train/critic_explained_variance"]) for r in steps)
@@ -211,14 +199,9 @@ def test_streamrl_run_at_pipeline_parallel_2_leaves_the_engine_with_the_final_we
     logs = tmp_path / "engine-logs"
     with running_engines(tiny_model_dir, logs, extra_args=["--weight-version", "0"]) as engines:
         url = engines[0].url
-        config = write_config(tmp_path, steps=3, eta=1)
+        config = write_config(tmp_path, steps=3, eta=1, megatron="pipeline_parallel_size = 2")
         text = config.read_text().replace('"random:qwen3-tiny"', f'"{tiny_model_dir}"')
         text = text.replace("[engine]\n", f'[engine]\nurls = ["{url}"]\n')
-        text = text.replace(
-            "[learner]\nlr = 1e-3\nnum_threads = 1",
-            '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
-            "[learner.megatron]\npipeline_parallel_size = 2",
-        )
         config.write_text(text)
         result = streamrl_run(config)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -227,7 +210,7 @@ def test_streamrl_run_at_pipeline_parallel_2_leaves_the_engine_with_the_final_we
         version = httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"]
 
     out = tmp_path / "out"
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["version"] for r in steps] == [1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and set(summary["engine_versions"].values()) == {3}

@@ -11,8 +11,6 @@ import time
 import pytest
 from run_helpers import seqs_of, start_run, step_records, write_config
 
-from streamrl.metrics import read_metrics
-
 pytestmark = pytest.mark.slow
 
 
@@ -45,7 +43,7 @@ def test_a_killed_rollout_process_is_restarted_and_no_prompt_is_lost_or_trained_
     assert summary["rollout_restarts"] == 1 and summary["accounting_problems"] == []
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e.get("component") == "rollout"] == ["rollout_restarted"]
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(r["accounting/ok"] for r in steps)
     trained = [seq for r in steps for seq in r["prompt_seqs"]]

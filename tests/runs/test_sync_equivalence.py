@@ -13,10 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from run_helpers import streamrl_run, write_config
+from run_helpers import step_records, streamrl_run, write_config
 from safetensors.torch import load_file
-
-from streamrl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +25,7 @@ COMPARED = ("prompt_seqs", "reward_mean", "train/loss", "train/pg_loss", "train/
 
 def training_of(out: Path) -> tuple[list[dict], dict]:
     """Per step: what was trained and its losses; and the final weights."""
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     per_step = [{key: record[key] for key in COMPARED} for record in steps]
     (final,) = sorted((out / "checkpoints").glob("step_*"))[-1:]
     weights = {}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from streamrl.config import config_from_dict
+from streamrl.fleet.client import EngineError
 from streamrl.publish.adapter_files import AdapterFileTransport
 from streamrl.publish.factory import tensor_transport, weight_publisher
 from streamrl.publish.group_transport import GroupTransport
@@ -116,18 +117,29 @@ def test_weights_by_reference_refuse_pipeline_stages():
 
 
 class FakeEngine:
-    """Stands in for an EngineClient: records pause and continue in the shared log."""
+    """Stands in for an EngineClient: records each pause and continue it answered in the
+    shared log. The call named `fails` (`pause` or `continue`) fails once, at once, as a
+    dead engine's would; a live engine answers a moment later."""
 
-    def __init__(self, url: str, log: list[str]) -> None:
+    def __init__(self, url: str, log: list[str], fails: str = "") -> None:
         self.url = url
         self.log = log
+        self.fails = fails
 
     async def pause(self, mode: str) -> dict:
-        self.log.append(f"pause {self.url} {mode}")
-        return {"success": True}
+        return await self._answer("pause", f"pause {self.url} {mode}")
 
     async def continue_generation(self) -> dict:
-        self.log.append(f"continue {self.url}")
+        return await self._answer("continue", f"continue {self.url}")
+
+    async def _answer(self, call: str, entry: str) -> dict:
+        if self.fails == call:
+            self.fails = ""
+            self.log.append(entry)
+            raise EngineError(self.url, f"/{call}", None, "ConnectError: peer gone")
+        for _ in range(3):  # a live engine answers a few turns of the event loop later
+            await anyio.lowlevel.checkpoint()
+        self.log.append(entry)
         return {"success": True}
 
 
@@ -173,7 +185,9 @@ class FakeTransport(WeightTransport):
         return 5
 
 
-def fake_publisher(log: list[str], engines: list, published: list[int], **kwargs):
+def fake_publisher(
+    log: list[str], engines: list, published: list[int], pause_mode: str = "in_place"
+):
     async def on_published(version: int) -> None:
         log.append(f"published {version}")
         published.append(version)
@@ -183,7 +197,7 @@ def fake_publisher(log: list[str], engines: list, published: list[int], **kwargs
         members=lambda: engines,
         on_published=on_published,
         transport=FakeTransport(log),
-        **kwargs,
+        pause_mode=pause_mode,
     )
 
 
@@ -241,11 +255,18 @@ async def test_only_abort_mode_asks_for_the_prefix_cache_flush():
     assert "pause http://a abort" in log and "send 1 flush=True" in log
 
 
-async def test_a_failed_send_still_continues_the_engines_and_drops_what_the_transport_built():
+@pytest.mark.parametrize("failing", ["send", "pause", "continue"])
+async def test_a_failed_send_still_continues_the_engines_and_drops_what_the_transport_built(
+    failing,
+):
+    """The transport's send fails, or engine b (dead) fails its pause or its continue: engine
+    a's calls are not cut short, every engine is asked to continue, the update is dropped
+    and the next one goes through."""
     log: list[str] = []
     published: list[int] = []
-    publisher = fake_publisher(log, [FakeEngine("http://a", log)], published)
-    publisher.transport.fail_sends = 1
+    engines = [FakeEngine("http://a", log), FakeEngine("http://b", log, fails=failing)]
+    publisher = fake_publisher(log, engines, published)
+    publisher.transport.fail_sends = int(failing == "send")
     async with anyio.create_task_group() as tasks:
         await tasks.start(publisher.run)
         await publisher.publish(1)
@@ -254,14 +275,11 @@ async def test_a_failed_send_still_continues_the_engines_and_drops_what_the_tran
         await publisher.wait_idle()
         tasks.cancel_scope.cancel()
     first = log[: log.index("stage 2")]
-    assert first == [
-        "stage 1",
-        "prepare 1 to 1",
-        "pause http://a in_place",
-        "send 1 flush=False",
-        "continue http://a",
-        "drop",
-    ]
+    assert first[:2] == ["stage 1", "prepare 1 to 2"]
+    assert set(first[2:4]) == {"pause http://a in_place", "pause http://b in_place"}
+    assert first[4:-3] == ([] if failing == "pause" else ["send 1 flush=False"])
+    assert set(first[-3:-1]) == {"continue http://a", "continue http://b"}
+    assert first[-1] == "drop"
     assert [record.ok for record in publisher.records] == [False, True] and published == [2]
 
 

@@ -98,6 +98,7 @@ async def test_two_stage_groups_bring_every_layer_to_a_live_engine(
                 transport=GroupTransport(
                     members=lambda: [client], flattened=flattened, stages=RemoteStages(leader)
                 ),
+                pause_mode="in_place",
                 bucket_bytes=256 * 1024,  # several buckets per stage
             )
             async with anyio.create_task_group() as tasks:
@@ -199,6 +200,7 @@ def recording_publisher(monkeypatch, engines, stages) -> WeightPublisher:
         members=lambda: engines,
         on_published=on_published,
         transport=GroupTransport(members=lambda: engines, gpu_counts=one_gpu_each, stages=stages),
+        pause_mode="in_place",
     )
 
 

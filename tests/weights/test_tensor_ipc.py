@@ -82,6 +82,7 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
                 members=lambda: [client],
                 on_published=on_published,
                 transport=IpcTransport(),
+                pause_mode="in_place",
                 bucket_bytes=256 * 1024,  # several buckets
             )
             async with anyio.create_task_group() as tasks:

@@ -73,6 +73,7 @@ async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
                 members=lambda: [client],
                 on_published=on_published,
                 transport=GroupTransport(members=lambda: [client], gpu_counts=one_gpu),
+                pause_mode="in_place",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -237,35 +237,20 @@ async def _push(
 
 @pytest.mark.anyio
 async def test_b_after_a_gloo_broadcast_the_engine_generates_from_the_new_weights(
-    engine, free_port
+    engine,
 ):
     import anyio
-    from engine_helpers import engine_load, teacher_forced_logprobs, wait_until
+    from engine_helpers import (
+        engine_load,
+        joined_update_group,
+        teacher_forced_logprobs,
+        wait_until,
+    )
 
     from streamrl.fleet.engine_set import EngineSet
 
-    port = free_port()
     async with EngineSet([engine.url], timeout_s=120) as engines:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(
-                lambda: engines.init_weights_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    group_name="wg_test",
-                    backend="gloo",
-                )
-            )
-            group = await anyio.to_thread.run_sync(
-                lambda: init_weight_update_group(
-                    master_address="127.0.0.1",
-                    master_port=port,
-                    rank=0,
-                    world_size=2,
-                    group_name="wg_test",
-                    backend="gloo",
-                    timeout_s=60,
-                )
-            )
+        group = await joined_update_group(engines, "wg_test")
         try:
             client = engines.engines[0]
             new_weights = _random_weights(seed=1)
@@ -372,6 +357,7 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
                 transport=GroupTransport(
                     members=lambda: members, gpu_counts=lambda engines: _ones(engines)
                 ),
+                pause_mode="in_place",
             )
             async with anyio.create_task_group() as tasks:
                 await tasks.start(publisher.run)

@@ -2,14 +2,16 @@
 
 Multi-rank runs are real gloo processes started with
 `streamrl.backends.rendezvous.start_ranks` on a free port, running this
-file as a script (`python tests/backends/megatron/test_megatron.py worker ...`); readiness is
-the torch.distributed rendezvous. The two runs (1 rank, 2 ranks) start
-together in a module fixture and each test waits for the run it reads.
+file as a script (`python tests/backends/megatron/test_megatron.py worker ...`, the entry and
+the fixture in megatron_ranks.py and conftest.py); readiness is the torch.distributed
+rendezvous. The two runs (1 rank, 2 ranks) start together in a module fixture and each test
+waits for the run it reads.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -19,6 +21,14 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+
+from megatron_ranks import (
+    fixed_micro_batches,
+    hf_token_logprobs,
+    learner_config,
+    nll_loss,
+    worker_main,
+)
 
 from streamrl.backends.megatron import convert
 from streamrl.backends.megatron.model import shape_from_hf
@@ -30,7 +40,7 @@ NUM_STEPS = 4
 RUN_TIMEOUT_S = 240.0
 
 
-# ---------------------------------------------------------------- models and data
+# ---------------------------------------------------------------- models
 
 
 def _hf_model(name: str):
@@ -60,88 +70,7 @@ def _saved_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def fixed_micro_batches(vocab_size: int):
-    """Two right-padded micro-batches (4 + 3 rows, 16 and 12 tokens), the same in every process."""
-    from streamrl.backends.base import MicroBatch
-
-    generator = torch.Generator().manual_seed(1234)
-    shapes_and_lengths = [((4, 16), [16, 11, 7, 14]), ((3, 12), [12, 5, 9])]
-    loss_masks = []
-    for (rows, cols), lengths in shapes_and_lengths:
-        mask = torch.zeros(rows, cols)
-        for row, length in enumerate(lengths):
-            mask[row, 3:length] = 1.0
-        loss_masks.append(mask)
-    num_tokens = float(sum(mask.sum() for mask in loss_masks))
-    micro_batches, first_index = [], 0
-    for ((rows, cols), lengths), loss_mask in zip(shapes_and_lengths, loss_masks, strict=True):
-        attention = torch.zeros(rows, cols, dtype=torch.int64)
-        for row, length in enumerate(lengths):
-            attention[row, :length] = 1
-        input_ids = torch.randint(0, vocab_size, (rows, cols), generator=generator) * attention
-        micro_batches.append(
-            MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=torch.zeros(rows, cols),
-                sample_indices=list(range(first_index, first_index + rows)),
-                advantages=torch.ones(rows, cols),
-                num_tokens_in_mini_batch=num_tokens,
-                num_sequences_in_mini_batch=7,
-                extras={"row_weight": torch.arange(rows, dtype=torch.float32)},
-            )
-        )
-        first_index += rows
-    return micro_batches
-
-
-def nll_loss(micro_batch, logprobs, entropy):
-    """Token-mean negative log-likelihood of the trained tokens (a loss that must go down)."""
-    from streamrl.algorithms import aggregate
-
-    loss = aggregate(
-        -logprobs,
-        micro_batch.loss_mask,
-        "token_mean",
-        num_tokens=micro_batch.num_tokens_in_mini_batch,
-        num_sequences=micro_batch.num_sequences_in_mini_batch,
-    )
-    assert micro_batch.extras["row_weight"].shape[0] == micro_batch.input_ids.shape[0]
-    mean_entropy = aggregate(
-        entropy,
-        micro_batch.loss_mask,
-        "token_mean",
-        num_tokens=micro_batch.num_tokens_in_mini_batch,
-        num_sequences=micro_batch.num_sequences_in_mini_batch,
-    )
-    return loss, {"nll": loss.detach(), "entropy": mean_entropy.detach()}
-
-
-def hf_token_logprobs(model, micro_batch) -> torch.Tensor:
-    from streamrl.algorithms import logprobs_from_logits
-
-    with torch.no_grad():
-        logits = model(micro_batch.input_ids, attention_mask=micro_batch.attention_mask).logits
-    return logprobs_from_logits(logits, micro_batch.input_ids) * micro_batch.attention_mask
-
-
 # ---------------------------------------------------------------- workers (run as a script)
-
-
-def _learner_config(tp: int = 1, pp: int = 1, *, distributed_optimizer: bool = True):
-    from streamrl.config import LearnerConfig, MegatronConfig
-
-    return LearnerConfig(
-        backend="megatron",
-        lr=1e-3,
-        grad_clip=1.0,
-        megatron=MegatronConfig(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            use_distributed_optimizer=distributed_optimizer,
-        ),
-    )
 
 
 def _train(backend, micro_batches) -> list[dict[str, float]]:
@@ -151,14 +80,14 @@ def _train(backend, micro_batches) -> list[dict[str, float]]:
     ]
 
 
-def _worker_single(model_dirs: dict[str, str], out: Path) -> None:
+def _worker_single(out: Path, dirs_json: str) -> None:
     """One rank: logprobs of every tiny architecture; Qwen3 training, reference, save/load."""
     from streamrl.backends.megatron.backend import MegatronBackend
 
     results: dict = {"logprobs": {}}
-    for name, path in model_dirs.items():
+    for name, path in json.loads(dirs_json).items():
         backend = MegatronBackend(
-            path, _learner_config(), device="cpu", dtype=torch.float32,
+            path, learner_config(), device="cpu", dtype=torch.float32,
             need_reference=name == "qwen3-tiny", seed=0,
         )  # fmt: skip
         micro_batches = fixed_micro_batches(backend.shape.vocab_size)
@@ -201,7 +130,7 @@ def _first_steps(path: str, micro_batches, *, attention="sdpa", gradient_checkpo
     ]
 
 
-def _worker_two_ranks(model_dirs: dict[str, str], out: Path) -> None:
+def _worker_two_ranks(out: Path, dirs_json: str) -> None:
     """Two ranks: vocab-parallel logprobs, then TP=2, DP=2 and PP=2 training of Qwen3."""
     import torch.distributed as dist
 
@@ -209,10 +138,10 @@ def _worker_two_ranks(model_dirs: dict[str, str], out: Path) -> None:
 
     rank = dist.get_rank()
     results: dict = {"vocab_parallel": _check_vocab_parallel()}
-    path = model_dirs["qwen3-tiny"]
+    path = json.loads(dirs_json)["qwen3-tiny"]
     for label, (tp, pp) in {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2)}.items():
         backend = MegatronBackend(
-            path, _learner_config(tp, pp, distributed_optimizer=label != "pp2"),
+            path, learner_config(tp, pp),
             device="cpu", dtype=torch.float32, need_reference=False, seed=0,
         )  # fmt: skip
         micro_batches = fixed_micro_batches(backend.shape.vocab_size) if rank == 0 else []
@@ -287,21 +216,6 @@ def _check_vocab_parallel() -> dict[str, float]:
     }
 
 
-def _worker_main(argv: list[str]) -> None:
-    import json
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from streamrl.backends.rendezvous import init_distributed, shutdown
-
-    mode, dirs_json, out = argv
-    init_distributed(device="cpu", timeout_s=120)
-    model_dirs = json.loads(dirs_json)
-    {"single": _worker_single, "two": _worker_two_ranks}[mode](model_dirs, Path(out))
-    shutdown()
-
-
 # ---------------------------------------------------------------- fixtures
 
 
@@ -316,36 +230,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dirs, tmp_path_factory):
-    """Start the 1-rank and 2-rank workers together; `runs(name)` waits for and loads one."""
-    import json
-
-    from streamrl.backends.rendezvous import start_ranks
-
-    root = tmp_path_factory.mktemp("megatron-runs")
-    started = {}
+def runs(rank_runs, model_dirs):
+    """The 1-rank run (every tiny model) and the 2-rank run (Qwen3), started together."""
     for mode, world_size, names in (("single", 1, MODEL_NAMES), ("two", 2, ("qwen3-tiny",))):
-        out = root / mode / "result.pt"
-        out.parent.mkdir()
         dirs_json = json.dumps({name: model_dirs[name] for name in names})
-        argv = [sys.executable, __file__, "worker", mode, dirs_json, str(out)]
-        env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        group = start_ranks(argv, world_size=world_size, log_dir=root / mode, env=env)
-        started[mode] = (group, out)
-    loaded = {}
-
-    def wait(mode: str) -> dict:
-        if mode not in loaded:
-            group, out = started[mode]
-            group.wait(RUN_TIMEOUT_S)
-            loaded[mode] = torch.load(out, weights_only=False)
-        return loaded[mode]
-
-    wait.out_dir = lambda mode: started[mode][1].parent
-    wait.model_dirs = model_dirs
-    yield wait
-    for group, _ in started.values():
-        group.stop()
+        rank_runs.start(mode, world_size, dirs_json, timeout_s=RUN_TIMEOUT_S)
+    return rank_runs
 
 
 # ---------------------------------------------------------------- conversion (in process)
@@ -484,7 +374,7 @@ def test_hf_weights_gathered_from_tp2_shards_equal_the_checkpoint(runs):
     assert runs("two")["tp2"]["weights_mismatch"] == []
 
 
-def test_each_pipeline_stage_publishes_its_own_layers_under_global_names(runs):
+def test_each_pipeline_stage_publishes_its_own_layers_under_global_names(runs, model_dirs):
     """Stage 0 yields the embedding and layer 0; stage 1 layer 1 and the final norm."""
     stage0 = runs("two")["pp2"]["published"]
     stage1 = torch.load(runs.out_dir("two") / "rank1.pt", weights_only=False)["pp2"]["published"]
@@ -493,7 +383,7 @@ def test_each_pipeline_stage_publishes_its_own_layers_under_global_names(runs):
     assert "model.embed_tokens.weight" in stage0 and "model.norm.weight" in stage1
     assert {n.split(".")[2] for n in stage0 if n.startswith("model.layers.")} == {"0"}
     assert {n.split(".")[2] for n in stage1 if n.startswith("model.layers.")} == {"1"}
-    assert len(stage0) + len(stage1) == len(convert.read_hf_state(runs.model_dirs["qwen3-tiny"]))
+    assert len(stage0) + len(stage1) == len(convert.read_hf_state(model_dirs["qwen3-tiny"]))
 
 
 def test_a_pipeline_parallel_checkpoint_loads_in_transformers_with_the_same_logprobs(runs):
@@ -519,5 +409,5 @@ def test_importing_the_megatron_package_loads_neither_torch_nor_megatron():
     assert output.stdout.strip() == "False"
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker_main(sys.argv[2:])
+if __name__ == "__main__":
+    worker_main(single=_worker_single, two=_worker_two_ranks)

@@ -1,11 +1,11 @@
 """The critic of `advantage_estimator = "gae"` with the Megatron learner, on CPU (gloo).
 
 Two real runs of this file as a script start together in a module fixture (`python
-tests/backends/megatron/test_megatron_critic.py worker MODE START_DIR MODEL_DIR OUT`): one rank trains a GAE
-critic from the tiny model and saves and resumes it; two ranks build the critic of a
-starting directory (a value head already trained, say) at TP 2, TP 2 with sequence
-parallelism and PP 2, and train one at TP 2 with sequence parallelism through the leader
-and follower calls of a run (`streamrl.backends.ranks`).
+tests/backends/megatron/test_megatron_critic.py worker MODE OUT START_DIR MODEL_DIR`,
+megatron_ranks.py): one rank trains a GAE critic from the tiny model and saves and resumes
+it; two ranks build the critic of a starting directory (a value head already trained, say)
+at TP 2, TP 2 with sequence parallelism and PP 2, and train one at TP 2 with sequence
+parallelism through the leader and follower calls of a run (`streamrl.backends.ranks`).
 
 How close TP 2 values must be to TP 1's is derived, not chosen: `rounding_bound` is a
 first-order bound E on how far a float32 computation of the values can be from the exact
@@ -27,8 +27,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_ranks import seeded_micro_batches, worker_main
+
 RUN_TIMEOUT_S = 240.0
-REPO_ROOT = Path(__file__).resolve().parents[3]
 NUM_STEPS = 12
 LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
@@ -61,29 +62,10 @@ def run_config(model_dir: str, critic_path: str = "", **megatron):
 
 def fixed_micro_batches():
     """Two right-padded micro-batches with trained positions past a 3-token prompt."""
-    from streamrl.backends.base import MicroBatch
-
-    generator = torch.Generator().manual_seed(21)
-    out, first = [], 0
-    for lengths in ([11, 8, 10], [9, 6]):
-        rows, cols = len(lengths), max(lengths)
-        attention = torch.zeros(rows, cols, dtype=torch.int64)
-        loss_mask = torch.zeros(rows, cols)
-        for row, length in enumerate(lengths):
-            attention[row, :length] = 1
-            loss_mask[row, 3:length] = 1.0
-        input_ids = torch.randint(10, 2000, (rows, cols), generator=generator) * attention
-        out.append(
-            MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=torch.zeros(rows, cols),
-                sample_indices=list(range(first, first + rows)),
-            )
-        )
-        first += rows
-    return out
+    return seeded_micro_batches(
+        [[11, 8, 10], [9, 6]], token_ids=range(10, 2000),
+        generator=torch.Generator().manual_seed(21), prompt_tokens=3,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the workers (a script)
@@ -98,7 +80,7 @@ def _gae_steps(backend, cfg, num_steps: int) -> list[dict[str, float]]:
     return [train_step(backend, groups, cfg, pad_id=0) for _ in range(num_steps)]
 
 
-def _worker_single(start_dir: str, model_dir: str, out: Path) -> None:
+def _worker_single(out: Path, start_dir: str, model_dir: str) -> None:
     from test_critic import _groups
 
     from streamrl.backends.build import build_backend
@@ -121,7 +103,7 @@ def _worker_single(start_dir: str, model_dir: str, out: Path) -> None:
     torch.save(results, out)
 
 
-def _worker_two(start_dir: str, model_dir: str, out: Path) -> None:
+def _worker_two(out: Path, start_dir: str, model_dir: str) -> None:
     import torch.distributed as dist
 
     from streamrl.backends.build import build_backend
@@ -148,20 +130,6 @@ def _worker_two(start_dir: str, model_dir: str, out: Path) -> None:
     head = backend.critic.model.output_layer
     results["head"] = torch.cat([head.weight.detach().flatten(), head.bias.detach()])
     torch.save(results, out if rank == 0 else out.parent / f"rank{rank}.pt")
-
-
-def _worker_main(argv: list[str]) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/backends: test_critic
-    from streamrl.backends.rendezvous import init_distributed, shutdown
-
-    mode, start_dir, model_dir, out = argv
-    init_distributed(device="cpu", timeout_s=120)
-    {"single": _worker_single, "two": _worker_two}[mode](start_dir, model_dir, Path(out))
-    shutdown()
 
 
 # ---------------------------------------------------------------- the rounding bound
@@ -290,32 +258,11 @@ def start_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(start_dir, tiny_model_dir, tmp_path_factory):
-    """Start the 1-rank and 2-rank workers together; `runs(mode)` waits for and loads one."""
-    from streamrl.backends.rendezvous import start_ranks
-
-    root = tmp_path_factory.mktemp("megatron-critic")
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-    started = {}
+def runs(rank_runs, start_dir, tiny_model_dir):
+    """The 1-rank and the 2-rank run, started together."""
     for mode, world_size in (("single", 1), ("two", 2)):
-        out = root / mode / "result.pt"
-        out.parent.mkdir()
-        argv = [sys.executable, __file__, "worker", mode, start_dir, tiny_model_dir, str(out)]
-        group = start_ranks(argv, world_size=world_size, log_dir=root / mode, env=env)
-        started[mode] = (group, out)
-    loaded = {}
-
-    def wait(mode: str) -> dict:
-        if mode not in loaded:
-            group, out = started[mode]
-            group.wait(RUN_TIMEOUT_S)
-            loaded[mode] = torch.load(out, weights_only=False)
-        return loaded[mode]
-
-    wait.out_dir = lambda mode: started[mode][1].parent
-    yield wait
-    for group, _ in started.values():
-        group.stop()
+        rank_runs.start(mode, world_size, start_dir, tiny_model_dir, timeout_s=RUN_TIMEOUT_S)
+    return rank_runs
 
 
 def test_gae_under_megatron_raises_the_critics_explained_variance(runs):
@@ -403,5 +350,6 @@ def test_streamrl_check_takes_gae_with_megatron_and_splits_the_critics_own_model
     assert "28 layers" in problems[0]
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker_main(sys.argv[2:])
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/backends: test_critic
+    worker_main(single=_worker_single, two=_worker_two)

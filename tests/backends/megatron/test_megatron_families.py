@@ -11,7 +11,6 @@ MoE family at EP = 2 (alltoall dispatcher over gloo).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_megatron import hf_token_logprobs, nll_loss
+from megatron_ranks import hf_token_logprobs, nll_loss, seeded_micro_batches, worker_main
 
 from streamrl.backends.megatron import convert
 from streamrl.backends.megatron.families import shape_from_hf
@@ -71,34 +70,11 @@ def family_model(name: str):
 
 def micro_batches(vocab_size: int):
     """Two right-padded micro-batches of widths 16 and 11 (odd: sequence parallelism pads it)."""
-    from streamrl.backends.base import MicroBatch
-
-    generator = torch.Generator().manual_seed(99)
-    layout = [((3, 16), [16, 9, 13]), ((2, 11), [11, 6])]
-    num_tokens = float(sum(length - 2 for _, lengths in layout for length in lengths))
-    out, first = [], 0
-    for (rows, cols), lengths in layout:
-        attention = torch.zeros(rows, cols, dtype=torch.int64)
-        loss_mask = torch.zeros(rows, cols)
-        for row, length in enumerate(lengths):
-            attention[row, :length] = 1
-            loss_mask[row, 2:length] = 1.0
-        input_ids = torch.randint(0, vocab_size, (rows, cols), generator=generator) * attention
-        out.append(
-            MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=torch.zeros(rows, cols),
-                sample_indices=list(range(first, first + rows)),
-                advantages=torch.ones(rows, cols),
-                num_tokens_in_mini_batch=num_tokens,
-                num_sequences_in_mini_batch=5,
-                extras={"row_weight": torch.arange(rows, dtype=torch.float32)},
-            )
-        )
-        first += rows
-    return out
+    return seeded_micro_batches(
+        [[16, 9, 13], [11, 6]], token_ids=range(vocab_size),
+        generator=torch.Generator().manual_seed(99), prompt_tokens=2, advantage=1.0,
+        row_weights=True,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- workers (run as a script)
@@ -134,45 +110,39 @@ def _run(backend, *, is_data_rank: bool, checkpoint: Path | None = None) -> dict
     return run
 
 
-def _worker(mode: str, model_dirs: dict[str, str], out: Path) -> None:
+def _worker_single(out: Path, dirs_json: str) -> None:
+    """Every family (and YaRN's logprobs) on one rank; DeepSeek-V3 with the router's losses."""
+    model_dirs = json.loads(dirs_json)
+    results: dict = {}
+    for name, path in model_dirs.items():
+        backend = _backend(path)
+        if name == YARN:
+            batches = micro_batches(backend.shape.vocab_size)
+            results[name] = {"logprobs": backend.compute_logprobs(batches, temperature=1.0)}
+        else:
+            results[name] = _run(backend, is_data_rank=True)
+    losses = {"moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.5}
+    backend = _backend(model_dirs["deepseek-v3-tiny"], **losses)
+    results["deepseek-v3-tiny/aux"] = _run(backend, is_data_rank=True)
+    torch.save(results, out)
+
+
+def _worker_two(out: Path, dirs_json: str) -> None:
+    """Every two-rank layout of TWO_RANK_LAYOUTS; an EP 2 checkpoint of Qwen3-MoE."""
     import torch.distributed as dist
 
+    model_dirs = json.loads(dirs_json)
     rank = dist.get_rank()
     results: dict = {}
-    if mode == "single":
-        for name, path in model_dirs.items():
-            backend = _backend(path)
-            if name == YARN:
-                batches = micro_batches(backend.shape.vocab_size)
-                results[name] = {"logprobs": backend.compute_logprobs(batches, temperature=1.0)}
-            else:
-                results[name] = _run(backend, is_data_rank=True)
-        losses = {"moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.5}
-        backend = _backend(model_dirs["deepseek-v3-tiny"], **losses)
-        results["deepseek-v3-tiny/aux"] = _run(backend, is_data_rank=True)
-    else:
-        for name, layout in TWO_RANK_LAYOUTS:
-            checkpoint = None
-            if (name, layout) == ("qwen3-moe-tiny", "ep2"):
-                checkpoint = out.parent / f"{name}-ep2"
-            backend = _backend(model_dirs[name], layout)
-            run = _run(backend, is_data_rank=rank == 0, checkpoint=checkpoint)
-            results[f"{name}/{layout}"] = run
+    for name, layout in TWO_RANK_LAYOUTS:
+        checkpoint = None
+        if (name, layout) == ("qwen3-moe-tiny", "ep2"):
+            checkpoint = out.parent / f"{name}-ep2"
+        backend = _backend(model_dirs[name], layout)
+        run = _run(backend, is_data_rank=rank == 0, checkpoint=checkpoint)
+        results[f"{name}/{layout}"] = run
     if rank == 0:
         torch.save(results, out)
-
-
-def _worker_main(argv: list[str]) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from streamrl.backends.rendezvous import init_distributed, shutdown
-
-    mode, dirs_json, out = argv
-    init_distributed(device="cpu", timeout_s=120)
-    _worker(mode, json.loads(dirs_json), Path(out))
-    shutdown()
 
 
 # ---------------------------------------------------------------- fixtures
@@ -189,31 +159,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dirs, tmp_path_factory):
-    """Start the 1-rank and 2-rank workers together; `runs(mode)` waits for and loads one."""
-    from streamrl.backends.rendezvous import start_ranks
-
-    root = tmp_path_factory.mktemp("family-runs")
-    started = {}
+def runs(rank_runs, model_dirs):
+    """The 1-rank and the 2-rank run, started together."""
     for mode, world_size in (("single", 1), ("two", 2)):
-        out = root / mode / "result.pt"
-        out.parent.mkdir()
-        argv = [sys.executable, __file__, "worker", mode, json.dumps(model_dirs), str(out)]
-        env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        started[mode] = (start_ranks(argv, world_size=world_size, log_dir=out.parent, env=env), out)
-    loaded = {}
-
-    def wait(mode: str) -> dict:
-        if mode not in loaded:
-            group, out = started[mode]
-            group.wait(RUN_TIMEOUT_S)
-            loaded[mode] = torch.load(out, weights_only=False)
-        return loaded[mode]
-
-    wait.out_dir = lambda mode: started[mode][1].parent
-    yield wait
-    for group, _ in started.values():
-        group.stop()
+        rank_runs.start(mode, world_size, json.dumps(model_dirs), timeout_s=RUN_TIMEOUT_S)
+    return rank_runs
 
 
 # ---------------------------------------------------------------- conversion (in process)
@@ -381,5 +331,5 @@ def test_the_load_balancing_and_z_losses_add_gradient_but_not_the_policy_loss(ru
     assert with_losses["steps"][0]["grad_norm"] > 1.5 * plain["steps"][0]["grad_norm"]
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker_main(sys.argv[2:])
+if __name__ == "__main__":
+    worker_main(single=_worker_single, two=_worker_two)

@@ -3,9 +3,9 @@ trains like TP = 1 on the same seed, the adapters are all that trains, publishes
 saved, peft reads the checkpoint back, and PP = 2 saves the same adapter.
 
 Multi-rank runs are real gloo processes started with `start_ranks`, running this file as a
-script (`python tests/backends/megatron/test_megatron_lora.py worker ...`) with PYTHONPATH set to this
-checkout; the runs start together in a module fixture and each test waits for the one it
-reads (readiness is the torch.distributed rendezvous).
+script (`python tests/backends/megatron/test_megatron_lora.py worker ...`, megatron_ranks.py)
+with PYTHONPATH set to this checkout; the runs start together in a module fixture and each
+test waits for the one it reads (readiness is the torch.distributed rendezvous).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from megatron_ranks import (
+    fixed_micro_batches,
+    hf_token_logprobs,
+    learner_config,
+    nll_loss,
+    worker_main,
+)
+
 NUM_STEPS = 4
 RUN_TIMEOUT_S = 300.0
 RANK, ALPHA = 4, 8.0
@@ -31,27 +37,16 @@ RANK, ALPHA = 4, 8.0
 
 
 def _config(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False):
-    from streamrl.config import LearnerConfig, LoraConfig, MegatronConfig
+    from streamrl.config import LoraConfig
 
-    return LearnerConfig(
-        backend="megatron",
-        lr=1e-2,
-        grad_clip=1.0,
-        megatron=MegatronConfig(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            sequence_parallel=sequence_parallel,
-            use_distributed_optimizer=pp == 1,
-        ),
-        lora=LoraConfig(rank=RANK, alpha=ALPHA),
-    )
+    lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    return learner_config(tp, pp, lr=1e-2, sequence_parallel=sequence_parallel, lora=lora)
 
 
 def _run(model_dir: str, out_dir: Path, label: str, cfg) -> dict:
     """Train NUM_STEPS steps; logprobs before and after, the reference's, the published
     adapters and the step metrics (complete on rank 0), and a checkpoint."""
     import torch.distributed as dist
-    from test_megatron import fixed_micro_batches, nll_loss
 
     from streamrl.backends.megatron.backend import MegatronBackend
 
@@ -78,77 +73,35 @@ def _run(model_dir: str, out_dir: Path, label: str, cfg) -> dict:
 
 
 def _step(backend, micro_batches) -> float:
-    from test_megatron import nll_loss
-
     metrics = backend.train_mini_batch(micro_batches, nll_loss, temperature=1.0, need_entropy=True)
     return metrics.get("nll", float("nan"))
 
 
-def _worker_main(argv: list[str]) -> None:
-    import warnings
+def _worker_single(out: Path, model_dir: str) -> None:
+    torch.save({"tp1": _run(model_dir, out.parent, "tp1", _config())}, out)
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+def _worker_two(out: Path, model_dir: str) -> None:
     import torch.distributed as dist
 
-    from streamrl.backends.rendezvous import init_distributed, shutdown
-
-    mode, model_dir, out = argv
-    init_distributed(device="cpu", timeout_s=120)
-    out_dir = Path(out).parent
-    if mode == "single":
-        runs = {"tp1": _run(model_dir, out_dir, "tp1", _config())}
-    else:
-        runs = {
-            "tp2": _run(model_dir, out_dir, "tp2", _config(2)),
-            "tp2_sp": _run(model_dir, out_dir, "tp2_sp", _config(2, sequence_parallel=True)),
-            "pp2": _run(model_dir, out_dir, "pp2", _config(1, 2)),
-        }
+    runs = {
+        "tp2": _run(model_dir, out.parent, "tp2", _config(2)),
+        "tp2_sp": _run(model_dir, out.parent, "tp2_sp", _config(2, sequence_parallel=True)),
+        "pp2": _run(model_dir, out.parent, "pp2", _config(1, 2)),
+    }
     if dist.get_rank() == 0:
         torch.save(runs, out)
-    shutdown()
 
 
 # ---------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from streamrl.models import save_random_model
-
-    path = tmp_path_factory.mktemp("megatron-lora-model") / "qwen3-tiny"
-    save_random_model("qwen3-tiny", path, seed=0)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def runs(model_dir, tmp_path_factory):
-    """Start the 1-rank and 2-rank workers together; `runs(mode)` waits for and loads one."""
-    from streamrl.backends.rendezvous import start_ranks
-
-    root = tmp_path_factory.mktemp("megatron-lora-runs")
-    started = {}
+def runs(rank_runs, tiny_model_dir):
+    """The 1-rank and the 2-rank run, started together."""
     for mode, world_size in (("single", 1), ("two", 2)):
-        out = root / mode / "result.pt"
-        out.parent.mkdir()
-        argv = [sys.executable, __file__, "worker", mode, model_dir, str(out)]
-        env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-        group = start_ranks(argv, world_size=world_size, log_dir=root / mode, env=env)
-        started[mode] = (group, out)
-    loaded = {}
-
-    def wait(mode: str) -> dict:
-        if mode not in loaded:
-            group, out = started[mode]
-            group.wait(RUN_TIMEOUT_S)
-            loaded[mode] = torch.load(out, weights_only=False)
-        return loaded[mode]
-
-    wait.out_dir = lambda mode: started[mode][1].parent
-    yield wait
-    for group, _ in started.values():
-        group.stop()
+        rank_runs.start(mode, world_size, tiny_model_dir, timeout_s=RUN_TIMEOUT_S)
+    return rank_runs
 
 
 # ---------------------------------------------------------------- tests
@@ -212,9 +165,10 @@ def _adapter_elements(config) -> int:
     return config.num_hidden_layers * sum(RANK * (inp + out) for inp, out in shapes)
 
 
-def test_the_checkpoint_is_a_peft_adapter_that_peft_runs_as_the_trained_policy(runs, model_dir):
+def test_the_checkpoint_is_a_peft_adapter_that_peft_runs_as_the_trained_policy(
+    runs, tiny_model_dir
+):
     from peft import PeftModel
-    from test_megatron import fixed_micro_batches, hf_token_logprobs
     from transformers import AutoModelForCausalLM
 
     from streamrl.weights import adapters
@@ -224,7 +178,7 @@ def test_the_checkpoint_is_a_peft_adapter_that_peft_runs_as_the_trained_policy(r
     assert {adapters.CONFIG_FILE, adapters.WEIGHTS_FILE, "optimizer"} <= files
     assert not any(name.startswith("model") for name in files), files
     assert json.loads((checkpoint / adapters.CONFIG_FILE).read_text())["r"] == RANK
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = PeftModel.from_pretrained(base, str(checkpoint)).eval()
     trained = runs("single")["tp1"]["trained"]
     for micro_batch, ours in zip(fixed_micro_batches(base.config.vocab_size), trained, strict=True):
@@ -258,5 +212,5 @@ def test_megatron_lora_refuses_models_whose_linears_it_cannot_hook():
     check_supported(shape_from_hf(random_config("qwen3-tiny")))
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker_main(sys.argv[2:])
+if __name__ == "__main__":
+    worker_main(single=_worker_single, two=_worker_two)

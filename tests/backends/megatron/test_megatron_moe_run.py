@@ -8,29 +8,25 @@ from __future__ import annotations
 import json
 
 import pytest
-from run_helpers import streamrl_run, write_config
-
-from streamrl.metrics import read_metrics
+from run_helpers import step_records, streamrl_run, write_config
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 
 def test_streamrl_run_trains_a_tiny_qwen3_moe_at_expert_parallel_2_with_routing_replay(tmp_path):
-    config = write_config(tmp_path, steps=3, eta=1, extra="[algorithm]\nrouting_replay = true\n")
+    config = write_config(
+        tmp_path, steps=3, eta=1, extra="[algorithm]\nrouting_replay = true\n",
+        megatron="expert_model_parallel_size = 2",
+    )  # fmt: skip
     text = config.read_text().replace(
         'path = "random:qwen3-tiny"', 'path = "random:qwen3-moe-tiny"'
-    )
-    text = text.replace(
-        "[learner]\nlr = 1e-3\nnum_threads = 1",
-        '[learner]\nbackend = "megatron"\nnum_gpus = 2\nlr = 1e-3\nnum_threads = 1\n'
-        "[learner.megatron]\nexpert_model_parallel_size = 2",
     )
     config.write_text(text)
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
-    steps = [r for r in read_metrics(out / "metrics.jsonl") if "kind" not in r]
+    steps = step_records(out)
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in steps)
     # Same weights on both sides at version 0, then one step apart: the learner's router agrees

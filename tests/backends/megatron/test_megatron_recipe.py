@@ -1,13 +1,13 @@
 """The Megatron backend's side of the training recipe, on CPU: the entropy bonus's gradient,
 the learning-rate schedule across a resume, and the KL reference from its own path.
 
-One real gloo rank runs this file as a script (`python tests/backends/megatron/test_megatron_recipe.py worker
-MODEL_DIR OTHER_MODEL_DIR OUT`), started in a module fixture; each test reads its result.
+One real gloo rank runs this file as a script (`python tests/backends/megatron/test_megatron_recipe.py
+worker single OUT MODEL_DIR OTHER_MODEL_DIR`, megatron_ranks.py), started in a module fixture;
+each test reads its result.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,40 +15,18 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_ranks import hf_token_logprobs, seeded_micro_batches, worker_main
+
 RUN_TIMEOUT_S = 240.0
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def micro_batches(vocab_size: int):
     """Two right-padded micro-batches with zero advantages, the same in every process."""
-    from streamrl.backends.base import MicroBatch
-
-    generator = torch.Generator().manual_seed(99)
-    out, lengths_by_batch = [], [[10, 7, 9], [8, 5]]
-    num_tokens = float(sum(length - 3 for lengths in lengths_by_batch for length in lengths))
-    first = 0
-    for lengths in lengths_by_batch:
-        rows, cols = len(lengths), max(lengths)
-        attention = torch.zeros(rows, cols, dtype=torch.int64)
-        loss_mask = torch.zeros(rows, cols)
-        for row, length in enumerate(lengths):
-            attention[row, :length] = 1
-            loss_mask[row, 3:length] = 1.0
-        input_ids = torch.randint(0, vocab_size, (rows, cols), generator=generator) * attention
-        out.append(
-            MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention,
-                loss_mask=loss_mask,
-                behaviour_logprobs=-torch.rand(rows, cols, generator=generator) * loss_mask,
-                sample_indices=list(range(first, first + rows)),
-                advantages=torch.zeros(rows, cols),
-                num_tokens_in_mini_batch=num_tokens,
-                num_sequences_in_mini_batch=5,
-            )
-        )
-        first += rows
-    return out
+    return seeded_micro_batches(
+        [[10, 7, 9], [8, 5]], token_ids=range(vocab_size),
+        generator=torch.Generator().manual_seed(99), prompt_tokens=3, advantage=0.0,
+        random_behaviour=True,
+    )  # fmt: skip
 
 
 SCHEDULE = {"lr": 1e-3, "lr_warmup_steps": 2, "lr_decay_style": "linear", "lr_decay_steps": 2}
@@ -94,7 +72,7 @@ def _hf_named_main_grads(backend) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _worker(model_dir: str, other_dir: str, out: Path) -> None:
+def _worker(out: Path, model_dir: str, other_dir: str) -> None:
     from streamrl.backends.build import build_backend
     from streamrl.backends.step import make_loss_fn
 
@@ -132,19 +110,6 @@ def _worker(model_dir: str, other_dir: str, out: Path) -> None:
     torch.save(results, out)
 
 
-def _worker_main(argv: list[str]) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from streamrl.backends.rendezvous import init_distributed, shutdown
-
-    model_dir, other_dir, out = argv
-    init_distributed(device="cpu", timeout_s=120)
-    _worker(model_dir, other_dir, Path(out))
-    shutdown()
-
-
 # ---------------------------------------------------------------- fixtures and tests
 
 
@@ -159,20 +124,9 @@ def other_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def result(tiny_model_dir, other_model_dir, tmp_path_factory) -> dict:
-    from streamrl.backends.rendezvous import start_ranks
-
-    root = tmp_path_factory.mktemp("megatron-recipe")
-    out = root / "result.pt"
-    argv = [sys.executable, __file__, "worker", tiny_model_dir, other_model_dir, str(out)]
-    # The script's own directory leads its sys.path: put this checkout's streamrl first.
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-    group = start_ranks(argv, world_size=1, log_dir=root, env=env)
-    try:
-        group.wait(RUN_TIMEOUT_S)
-    finally:
-        group.stop()
-    return torch.load(out, weights_only=False)
+def result(rank_runs, tiny_model_dir, other_model_dir) -> dict:
+    rank_runs.start("single", 1, tiny_model_dir, other_model_dir, timeout_s=RUN_TIMEOUT_S)
+    return rank_runs("single")
 
 
 def test_with_zero_advantages_megatrons_entropy_bonus_gradient_is_that_of_the_mean_entropy(
@@ -203,15 +157,8 @@ def test_with_zero_advantages_megatrons_entropy_bonus_gradient_is_that_of_the_me
 def _hf_logprobs(model_dir: str) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    from streamrl import algorithms
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    for mb in micro_batches(model.config.vocab_size):
-        with torch.no_grad():
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        out.append(algorithms.logprobs_from_logits(logits, mb.input_ids) * mb.attention_mask)
-    return out
+    return [hf_token_logprobs(model, mb) for mb in micro_batches(model.config.vocab_size)]
 
 
 def test_megatrons_kl_reference_is_built_from_the_reference_path_and_survives_a_resume(
@@ -236,5 +183,5 @@ def test_megatron_follows_the_lr_schedule_and_resumes_it_where_it_stopped(result
     assert result["lrs"] == pytest.approx(expected, rel=1e-12)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker_main(sys.argv[2:])
+if __name__ == "__main__":
+    worker_main(single=_worker)

@@ -13,12 +13,12 @@ token the engine reported.
 from __future__ import annotations
 
 import base64
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from megatron_ranks import worker_main
 
 from streamrl.backends.batching import pack_micro_batches
 from streamrl.fleet.results import parse_result
@@ -101,17 +101,11 @@ def test_a_resumed_turn_keeps_the_routing_of_its_last_engine_call():
 # ---------------------------------------------------------------- learner worker (script)
 
 
-def _learner_worker(model_dir: str, samples_path: str, out: str) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+def _learner_worker(out: Path, model_dir: str, samples_path: str) -> None:
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.backends.megatron.routing import control_of
-    from streamrl.backends.rendezvous import init_distributed, shutdown
     from streamrl.config import AlgorithmConfig, LearnerConfig
 
-    init_distributed(device="cpu", timeout_s=120)
     samples = make_decoder(list[Sample]).decode(Path(samples_path).read_bytes())
     batches = pack_micro_batches(samples, list(range(len(samples))), token_budget=512, pad_id=0)
 
@@ -135,19 +129,17 @@ def _learner_worker(model_dir: str, samples_path: str, out: str) -> None:
         step = backend.train_mini_batch(batches, loss, temperature=1.0, need_entropy=False)
         results[replay] = {"used": used, "step": step}
     torch.save({"results": results, "batches": batches}, out)
-    shutdown()
 
 
 # ---------------------------------------------------------------- end to end
 
 
 @pytest.fixture(scope="module")
-def replay_run(tmp_path_factory):
+def replay_run(rank_runs, tmp_path_factory):
     """Samples from a live engine; the learner (router perturbed) without and with replay."""
     import anyio
     from engine_helpers import running_engines
 
-    from streamrl.backends.rendezvous import start_ranks
     from streamrl.fleet.client import EngineClient
     from streamrl.models import build_random_model, save_random_model
 
@@ -187,14 +179,8 @@ def replay_run(tmp_path_factory):
     ]
     samples_path = root / "samples.msgpack"
     samples_path.write_bytes(make_encoder().encode(samples))
-    out = root / "learner.pt"
-    argv = [sys.executable, __file__, "worker", str(learner_dir), str(samples_path), str(out)]
-    group = start_ranks(argv, world_size=1, log_dir=root, env={"OMP_NUM_THREADS": "1"})
-    try:
-        group.wait(RUN_TIMEOUT_S)
-    finally:
-        group.stop()
-    return {"samples": samples, **torch.load(out, weights_only=False)}
+    rank_runs.start("learner", 1, str(learner_dir), str(samples_path), timeout_s=RUN_TIMEOUT_S)
+    return {"samples": samples, **rank_runs("learner")}
 
 
 def _engine_experts(micro_batch, layer: int) -> torch.Tensor:
@@ -262,5 +248,5 @@ def test_replay_brings_the_learners_logprobs_closer_to_the_engines(replay_run):
     assert mean_abs_gap(True) < mean_abs_gap(False)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _learner_worker(*sys.argv[2:5])
+if __name__ == "__main__":
+    worker_main(learner=_learner_worker)
