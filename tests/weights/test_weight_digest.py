@@ -12,6 +12,7 @@ from streamrl.models import build_random_model
 from streamrl.publish import group_transport as group_transport_module
 from streamrl.publish.group_transport import GroupTransport
 from streamrl.publish.publisher import WeightPublisher
+from streamrl.weights import digest as digest_module
 from streamrl.weights.digest import digest
 from streamrl.weights.group import FlatLayout
 
@@ -27,6 +28,28 @@ def test_the_digest_sees_a_changed_byte_and_two_swapped_ones():
     swapped[i], swapped[j] = data[j], data[i]
     assert len({digest([data]), digest([flipped]), digest([swapped])}) == 3
     assert digest([data]) == digest([data.clone()])
+
+
+def _by_definition(data: bytes) -> str:
+    """S1 = sum b_i and S2 = sum (i + 1) b_i modulo 2^61 - 1, one byte at a time."""
+    modulus = (1 << 61) - 1
+    plain = sum(data) % modulus
+    weighted = sum((i + 1) * b for i, b in enumerate(data)) % modulus
+    return f"{plain:016x}{weighted:016x}"
+
+
+@pytest.mark.parametrize("chunk_bytes", [512, 1 << 20])
+def test_the_digest_is_its_two_sums_across_rows_chunks_and_tensors(monkeypatch, chunk_bytes):
+    """Small chunks put chunk and row boundaries inside tensors, with tails shorter than a
+    row; the sums are exact however the bytes are split."""
+    monkeypatch.setitem(digest_module._CHUNK_BYTES, "cpu", chunk_bytes)
+    generator = torch.Generator().manual_seed(1)
+    sizes = (3, 256, 1000, 5000, 255)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in sizes]
+    tensors.append(torch.full((1300,), 255, dtype=torch.uint8))  # the largest bytes
+    everything = b"".join(bytes(t.tolist()) for t in tensors)
+    assert digest(tensors) == _by_definition(everything)
+    assert digest([torch.cat(tensors)]) == _by_definition(everything)
 
 
 def test_a_bucket_and_its_tensors_back_to_back_have_one_digest():
