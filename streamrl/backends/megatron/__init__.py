@@ -5,7 +5,9 @@ streamrl.backends.megatron` stays free of torch and Megatron):
 
 - `shapes`, `families`: what an HF config means (Llama, Qwen2/3, GLM-4, Qwen3-MoE,
   GLM-4.5, DeepSeek-V3)
-- `model`: GPTModel from an HF config, SDPA core attention, sequence-parallel norms
+- `model`: GPTModel from an HF config (its layer spec and TransformerConfig)
+- `layers`: the modules put into it: SDPA core attention, sequence-parallel norms, GLM-4's
+  post-norm linear, the critic's value head
 - `moe`, `mla`, `grouped_experts`: mixture-of-experts and latent-attention pieces
 - `rules`: which Megatron tensor is made of which HF tensors, stage by stage
 - `convert`: HF <-> Megatron weights by those rules (fused QKV, gate/up, TP shards, PP
