@@ -22,19 +22,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from streamrl.models import TOKENIZER_FILES
 from streamrl.weights import adapters
 
 _ADAPTER_FILES = (adapters.CONFIG_FILE, adapters.WEIGHTS_FILE)
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
 
 
 def export_adapter(checkpoint: Path, out: Path) -> Path:
@@ -46,7 +37,7 @@ def export_adapter(checkpoint: Path, out: Path) -> Path:
         )
     adapters.read_peft_adapter(checkpoint)  # refuses what is not a plain LoRA adapter
     out.mkdir(parents=True, exist_ok=True)
-    for name in (*_ADAPTER_FILES, *_TOKENIZER_FILES):
+    for name in (*_ADAPTER_FILES, *TOKENIZER_FILES):
         if (checkpoint / name).exists():
             shutil.copy(checkpoint / name, out / name)
     return out

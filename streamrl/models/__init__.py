@@ -34,6 +34,19 @@ from streamrl.models.smollm2 import (
     smollm2_tokenizer_dir,
 )
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+"""The files of a Hugging Face model directory that make its tokenizer (a checkpoint or an
+export carries them along)."""
+
 if TYPE_CHECKING:
     import torch
 

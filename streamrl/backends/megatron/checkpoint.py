@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from streamrl.backends.base import CRITIC_DIR
 from streamrl.backends.megatron import convert
+from streamrl.models import TOKENIZER_FILES
 from streamrl.weights import adapters
 
 if TYPE_CHECKING:
@@ -38,18 +39,7 @@ MegatronBackend = Any
 MegatronCritic = Any
 """`critic.MegatronCritic` (likewise)."""
 
-COPIED_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
+COPIED_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 """The files of the starting model's directory that a policy checkpoint carries along."""
 
 OPTIMIZER_DIR = "optimizer"
