@@ -29,6 +29,8 @@ class TrainState:
     skip: list[int] = field(default_factory=list)
     """Done seqs at or above next_seq."""
     samples_trained: int = 0
+    staleness_bound: int | None = None
+    """The bound `buffer.max_staleness = "auto"` had set (None: a fixed bound)."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

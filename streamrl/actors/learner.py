@@ -37,6 +37,7 @@ from typing import Any
 import anyio
 
 from streamrl import checkpoint, logs
+from streamrl.actors.auto_staleness import AutoStaleness, Observation
 from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
 from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
@@ -71,11 +72,13 @@ class LearnerLoop:
         pad_id: int,
         writer: RolloutWriter | None = None,
         advance: Callable[[int], Awaitable[None]] | None = None,
+        set_staleness: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """`backend` None: nothing is trained (`rollout_only`); `publisher` None: no engines
         take weights (`rollout_only`, `train_only`); `writer`: each step's groups are saved;
         `advance(step)`: called after each untrained step (`rollout_only`: the intake's
-        `on_published`, so a step's groups may start)."""
+        `on_published`, so a step's groups may start); `set_staleness(bound)`: where the
+        bound of `buffer.max_staleness = "auto"` goes (the intake's `set_max_staleness`)."""
         self.cfg = cfg
         self.backend = backend
         self.source = source
@@ -95,6 +98,11 @@ class LearnerLoop:
         self.stall = StallWatch(stall_s) if stall_s else None
         """Times the wait for each batch (None: `train.stall_warning_s = 0`, no report)."""
         self._trained_tokens = 0
+        self.set_staleness = set_staleness
+        self.staleness = (
+            AutoStaleness.for_run(cfg, start=state.staleness_bound) if set_staleness else None
+        )
+        """The auto bound's controller (None: the bound is fixed)."""
 
     def record_eval_reports(self) -> None:
         """Write the evaluation results that arrived since the last call to the metrics."""
@@ -158,6 +166,7 @@ class LearnerLoop:
             record = step_record(groups, times, stats, train_metrics)
             record.update(publish_metrics(publish, self.publisher))
             record["step_time_s"] = time.perf_counter() - wait_started
+            record.update(await self._tune_staleness(idle_s, record))
             self.metrics.write(record, step=self.state.step)
             if stats.accounting_problems:
                 raise AccountingError(
@@ -178,6 +187,24 @@ class LearnerLoop:
                 await self._publish()
             await self.publisher.wait_idle()
         return self.state
+
+    async def _tune_staleness(self, idle_s: float, record: dict[str, Any]) -> dict[str, float]:
+        """The auto bound's decision on this step (`streamrl.actors.auto_staleness`), applied;
+        with a fixed bound, only the bound."""
+        if self.staleness is None:
+            return {"staleness/bound": float(self.cfg.effective_max_staleness)}
+        decision = self.staleness.observe(
+            Observation(
+                idle_s=idle_s,
+                step_s=record["step_time_s"],
+                mismatch_kl=record.get("train/mismatch_kl"),
+                importance_ess=record.get("train/importance_ess"),
+            )
+        )
+        if decision.change:
+            await self.set_staleness(decision.bound)
+        self.state.staleness_bound = decision.bound
+        return decision.metrics()
 
     def _is_push_due(self) -> bool:
         """Whether this version goes to the engines now: every `weights.update_interval`

@@ -44,7 +44,7 @@ def _sync_async(args: argparse.Namespace, gpus: GpuMonitor) -> int:
 
     work_dir = Path(args.work_dir).resolve()
     base = load_config(args.config, args.overrides)
-    eta = args.eta if args.eta >= 0 else max(base.buffer.max_staleness, 1)
+    eta = args.eta if args.eta >= 0 else max(base.buffer.start_staleness, 1)
     record_path = work_dir / "async-groups.msgpack"
     result: dict[str, Any] = {"eta": eta, "runs": {}, "speedup": None}
     runs = result["runs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import types
 import typing
 
 import msgspec
@@ -49,6 +50,8 @@ def _type_name(annotation: typing.Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _type_name(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(arg) for arg in typing.get_args(annotation))
     if origin is typing.Literal:
         return " \\| ".join(f"`{value!r}`" for value in typing.get_args(annotation))
     if origin is list:

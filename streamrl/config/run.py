@@ -48,15 +48,18 @@ class RunConfig(_Section):
 
     @property
     def effective_max_staleness(self) -> int:
-        """eta actually enforced: `buffer.max_staleness`, or 0 in sync mode."""
-        return 0 if self.train.mode == "sync" else self.buffer.max_staleness
+        """eta enforced from the start: `buffer.max_staleness` (`buffer.auto.start` when
+        "auto", which the learner then moves), or 0 in sync mode."""
+        return 0 if self.train.mode == "sync" else self.buffer.start_staleness
 
     @property
     def buffer_capacity(self) -> int:
-        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * groups_started_per_step."""
+        """Groups the buffer holds: `buffer.capacity`, or (eta + 2) * groups_started_per_step
+        with eta the highest bound the run may use (`buffer.auto.limit` when "auto")."""
         if self.buffer.capacity:
             return self.buffer.capacity
-        return (self.effective_max_staleness + 2) * self.groups_started_per_step
+        eta = 0 if self.train.mode == "sync" else self.buffer.staleness_limit
+        return (eta + 2) * self.groups_started_per_step
 
     @property
     def groups_started_per_step(self) -> int:
@@ -167,7 +170,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         )
     if (
         cfg.train.mode == "async"
-        and cfg.buffer.max_staleness > 0
+        and cfg.buffer.staleness_limit > 0
         and cfg.algorithm.off_policy_correction == "none"
         and not cfg.algorithm.allow_uncorrected_async
     ):
@@ -175,6 +178,12 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             "async training with buffer.max_staleness > 0 needs an off-policy correction: set "
             "algorithm.off_policy_correction to 'decoupled_ppo' or 'tis', or buffer.max_staleness "
             "= 0, or train.mode = 'sync' (algorithm.allow_uncorrected_async = true overrides this)"
+        )
+    if cfg.buffer.is_auto and cfg.train.mode != "async":
+        problems.append(
+            f"buffer.max_staleness = 'auto' needs train.mode = 'async' (got "
+            f"{cfg.train.mode!r}): the bound follows the learner's waits and its off-policy "
+            f"diagnostics, which only an async run has; set a number"
         )
     if cfg.buffer.capacity and cfg.buffer.capacity < cfg.rollout.batch_size:
         problems.append(
@@ -267,14 +276,15 @@ def _update_interval_problems(cfg: RunConfig) -> list[str]:
             f"weights.update_interval = 1, or train.mode = 'async' with buffer.max_staleness "
             f">= {interval - 1}"
         ]
-    eta = cfg.buffer.max_staleness
+    eta = cfg.buffer.start_staleness  # an auto bound never goes below interval - 1 after
     if interval <= eta + 1:
         return []
+    key = "buffer.auto.start" if cfg.buffer.is_auto else "buffer.max_staleness"
     return [
-        f"weights.update_interval = {interval} is more than buffer.max_staleness + 1 = "
+        f"weights.update_interval = {interval} is more than {key} + 1 = "
         f"{eta + 1}: the learner would reach a version {eta + 1} ahead of the one the engines "
         f"serve before the next push, and wait for groups that admission starts only once a "
-        f"newer version is served (the run stops making progress); set buffer.max_staleness "
+        f"newer version is served (the run stops making progress); set {key} "
         f">= {interval - 1} or weights.update_interval <= {eta + 1}"
     ]
 

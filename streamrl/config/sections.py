@@ -201,14 +201,45 @@ class EngineConfig(_Section):
     """Restarts per engine before the run fails; 0 turns restarting off."""
 
 
+class AutoStalenessConfig(_Section):
+    """How `buffer.max_staleness = "auto"` moves the bound (docs/algorithms.md, "Staleness
+    that tunes itself"); every decision is in metrics.jsonl as `staleness/*`."""
+
+    start: NonNegInt = 1
+    """The bound the run starts with."""
+    limit: PositiveInt = 8
+    """The highest bound the controller may set; the buffer's default capacity is sized for it."""
+    max_mismatch_kl: PositiveFloat = 0.05
+    """Budget on the behaviour-to-proximal KL per trained token (nats, the step metric
+    `train/mismatch_kl`, mean over `window_steps`): above it the bound goes down by one.
+    0.05 is a log-ratio spread of about 0.3 (importance ESS about 0.9); the quickstart's
+    policy moves about 0.03 per version."""
+    min_importance_ess: Probability = 0.0
+    """Floor on the normalised effective sample size of the importance weights
+    (`train/importance_ess`, mean over `window_steps`): below it the bound goes down by one;
+    0 turns this check off."""
+    raise_idle_share: Probability = 0.1
+    """The bound goes up by one while, within the budget, the learner waits for data more
+    than this share of its step time (mean over `window_steps`)."""
+    min_gain: NonNegFloat = 0.1
+    """A raise is kept only if the steps per second after it beat those before by this share;
+    otherwise it is undone and that bound is not tried again for a while."""
+    window_steps: PositiveInt = 4
+    """Steps each decision looks at. After a change the controller first lets bound + 1 steps
+    pass (the groups admitted under the new bound reach the learner), then measures anew."""
+
+
 class BufferConfig(_Section):
-    max_staleness: NonNegInt = 1
+    max_staleness: NonNegInt | Literal["auto"] = 1
     """eta: max versions between the policy of a trained sample's oldest token and the
     learner (0 = on-policy); multi-turn episodes are bounded per turn by default
-    (`staleness_rule`)."""
+    (`staleness_rule`). `"auto"` lets the learner set it during the run, between
+    `auto.start` and `auto.limit` (`[buffer.auto]`); async mode only."""
+    auto: AutoStalenessConfig = AutoStalenessConfig()
+    """Used when `max_staleness = "auto"`."""
     capacity: NonNegInt = 0
     """Groups held at most; 0 means (max_staleness + 2) * rollout.batch_size
-    (rollout.over_sampling_batch_size when that is set)."""
+    (rollout.over_sampling_batch_size when that is set; `auto.limit` for an auto bound)."""
     filters: list[str] = msgspec.field(default_factory=lambda: ["zero_std"])
     """Group filters, applied in order as groups arrive; a dropped group is counted under
     the filter's name (metrics.jsonl `filtered/<name>`, `filtered_by` in summary.json's
@@ -238,11 +269,32 @@ class BufferConfig(_Section):
     no bound beyond the per-turn rule."""
 
     def __post_init__(self) -> None:
-        if self.max_episode_staleness and self.max_episode_staleness < self.max_staleness:
+        if self.max_episode_staleness and self.max_episode_staleness < self.staleness_limit:
+            name = "auto.limit" if self.is_auto else "max_staleness"
             raise ValueError(
                 f"buffer.max_episode_staleness = {self.max_episode_staleness} is below "
-                f"buffer.max_staleness = {self.max_staleness} (0 turns it off)"
+                f"buffer.{name} = {self.staleness_limit} (0 turns it off)"
             )
+        if self.is_auto and self.auto.start > self.auto.limit:
+            raise ValueError(
+                f"buffer.auto.start = {self.auto.start} is above buffer.auto.limit = "
+                f"{self.auto.limit}"
+            )
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the learner sets the bound during the run (`max_staleness = "auto"`)."""
+        return self.max_staleness == "auto"
+
+    @property
+    def staleness_limit(self) -> int:
+        """The highest bound the run may use: `max_staleness`, or `auto.limit` when auto."""
+        return self.auto.limit if self.is_auto else self.max_staleness
+
+    @property
+    def start_staleness(self) -> int:
+        """The bound the run starts with: `max_staleness`, or `auto.start` when auto."""
+        return self.auto.start if self.is_auto else self.max_staleness
 
 
 class AlgorithmConfig(_Section):

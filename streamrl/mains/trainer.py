@@ -267,13 +267,14 @@ class Trainer:
     def _actors(self, backend, device, state: checkpoint.TrainState, metrics: MetricsWriter):
         """The intake, the weight publisher and the learner loop of this run, connected: the
         publisher reports new versions to the intake; the loop sees the intake and publisher."""
+        from streamrl.actors.auto_staleness import start_bound
         from streamrl.queues.intake import Intake
 
         cfg = self.cfg
         intake = Intake(
             f"tcp://{self.spawner.reachable(cfg.buffer.host)}:{cfg.buffer.port}",
             batch_size=cfg.rollout.batch_size,
-            max_staleness=cfg.effective_max_staleness,
+            max_staleness=start_bound(cfg, state.staleness_bound),
             capacity=cfg.buffer_capacity,
             filters=self.filters,
             start_version=state.version,
@@ -299,7 +300,15 @@ class Trainer:
                 leader=self.leader,
             )
         advance = intake.on_published if backend is None else None  # rollout_only
-        loop = self.learner_loop(backend, intake, publisher, state, metrics, advance=advance)
+        loop = self.learner_loop(
+            backend,
+            intake,
+            publisher,
+            state,
+            metrics,
+            advance=advance,
+            set_staleness=intake.set_max_staleness if cfg.buffer.is_auto else None,
+        )
         return intake, publisher, loop
 
     def _rollout_keeper(self, intake, loop, model_path: str) -> RolloutKeeper:
@@ -320,7 +329,9 @@ class Trainer:
         self.early_rollout = None
         return keeper
 
-    def learner_loop(self, backend, source, publisher, state, metrics, *, advance=None):
+    def learner_loop(
+        self, backend, source, publisher, state, metrics, *, advance=None, set_staleness=None
+    ):
         """The run's learner loop on a step source: the live intake, or the saved rollouts
         of `train_only` (`streamrl.mains.replay`)."""
         from streamrl.actors.learner import LearnerLoop
@@ -337,6 +348,7 @@ class Trainer:
             pad_id=pad_token_id(backend),
             writer=self.rollout_writer(),
             advance=advance,
+            set_staleness=set_staleness,
         )
 
     def rollout_writer(self):

@@ -22,6 +22,14 @@ trainable ones when the learner asks. If fewer than (O - B) / O of them are
 dropped, the surplus waits in the buffer; the buffer's own bound still holds
 (a group whose oldest token is more than eta versions old is evicted as stale
 and counted, never trained), so every trained group keeps the staleness bound.
+
+A bound that changes during the run (`buffer.max_staleness = "auto"`,
+`streamrl.actors.auto_staleness`): admission applies a new eta at once, but a
+group whose credit was granted under eta' while the engines served u is owed
+eta' until the learner passes version u + eta' (the rule above trains it by
+then). `BoundHistory` keeps those promises: the buffer evicts at the largest
+bound still owed, so lowering eta never evicts a group admitted under a
+higher one that is still within it.
 """
 
 from __future__ import annotations
@@ -101,3 +109,25 @@ class Admission:
     def set_version(self, version: int) -> None:
         """The engines now serve `version`: B (or O) more groups may start per version gained."""
         self.version = max(self.version, version)
+
+
+class BoundHistory:
+    """The staleness bounds set during a run, and the one each version's eviction must honour
+    (see the module docstring)."""
+
+    def __init__(self, bound: int) -> None:
+        self.current = bound
+        self._owed: list[tuple[int, int]] = []
+        """(bound, last version it admitted groups at), for bounds replaced by a lower one."""
+
+    def set(self, bound: int, version: int) -> None:
+        """From now on admission uses `bound`; the engines serve `version`."""
+        if bound < self.current:
+            self._owed.append((self.current, version))
+        self.current = bound
+
+    def eviction_bound(self, version: int) -> int:
+        """The bound groups trained at `version` are held to: the current one, or a higher one
+        that admitted groups recently enough to be owed (bound + last version >= `version`)."""
+        self._owed = [(bound, last) for bound, last in self._owed if last + bound >= version]
+        return max([self.current, *(bound for bound, _ in self._owed)])

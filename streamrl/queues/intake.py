@@ -42,7 +42,7 @@ import anyio
 import msgspec
 
 from streamrl.queues.accounting import Accounting, StreamState
-from streamrl.queues.admission import Admission
+from streamrl.queues.admission import Admission, BoundHistory
 from streamrl.queues.buffer import Buffer
 from streamrl.queues.filters import GroupFilter, NamedFilter
 from streamrl.queues.horizon import StalenessRule
@@ -118,6 +118,7 @@ class Intake:
             num_buffered=lambda: len(self._buffer),
             groups_per_step=groups_per_step,
         )
+        self._bounds = BoundHistory(max_staleness)
         self._buffer = Buffer(
             capacity=capacity,
             max_staleness=max_staleness,
@@ -157,6 +158,7 @@ class Intake:
     async def take(self, num_groups: int, version: int) -> list[Group]:
         """The `num_groups` oldest trainable groups at `version` (waits while short); their
         slots go back to admission as credits."""
+        self._buffer.max_staleness = self._bounds.eviction_bound(version)
         groups = await self._buffer.take(num_groups, version)
         self._progress.on_taken()
         self._accounting.on_trained(group.prompt_seq for group in groups)
@@ -166,6 +168,13 @@ class Intake:
     async def on_published(self, version: int) -> None:
         """The engines now serve `version`: admission lets more groups start."""
         self._admission.set_version(version)
+        await self._receiver.grant()
+
+    async def set_max_staleness(self, bound: int) -> None:
+        """Admit new groups under `bound` from now on; groups admitted under a higher bound keep
+        it until they are due (`BoundHistory`). A higher bound lets more groups start now."""
+        self._bounds.set(bound, self._admission.version)
+        self._admission.max_staleness = bound
         await self._receiver.grant()
 
     async def stop(self, reason: str) -> None:
