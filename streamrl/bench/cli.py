@@ -1,6 +1,7 @@
 """Argument parsers of `streamrl bench ...` (argparse only: no heavy imports).
 
-streamrl bench staleness CONFIG --eta 0,1,2,4,8 --steps N [--corrections ...] [--json PATH]
+streamrl bench staleness CONFIG --eta 0,1,2,4,auto --steps N [--corrections ...] [--seeds 0,1,2]
+                          [--json PATH]
 streamrl bench sync-vs-async CONFIG [--eta K] --steps N [--json PATH]
 streamrl bench weight-sync --shape qwen2-0.5b --engines 1..N [--lora-rank 0,16] [--json PATH]
 streamrl bench collective [--backend nccl] [--json PATH]
@@ -38,11 +39,21 @@ def _staleness(commands) -> None:
         "staleness", help="effective training throughput and learning against max staleness"
     )
     _add_run_args(parser, default_steps=20)
-    parser.add_argument("--eta", default="0,1,2,4,8", help="comma-separated max_staleness")
+    parser.add_argument(
+        "--eta",
+        default="0,1,2,4,8",
+        help="comma-separated max_staleness values; `auto` for the learner's own bound",
+    )
     parser.add_argument(
         "--corrections",
         default="decoupled_ppo",
         help="comma-separated off-policy corrections to compare (decoupled_ppo, tis, none)",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated train.seed values, a run of each setting per seed (default: "
+        "the config's seed, once)",
     )
     parser.set_defaults(entry="streamrl.bench.staleness:staleness_command")
 

@@ -38,6 +38,7 @@ import anyio
 import httpx
 
 from streamrl.bench.gpu_monitor import GpuMonitor
+from streamrl.metrics import read_metrics
 from streamrl.process import ChildProcess, spawn, streamrl_argv
 
 POLL_S = 0.1
@@ -177,10 +178,30 @@ async def _read_engines(
 # ---------------------------------------------------------------- summary
 
 
-def step_records(run_dir: Path) -> list[dict[str, Any]]:
-    from streamrl.metrics import read_metrics
+CURVE_DIAGNOSTICS = {
+    "mismatch_kl": "train/mismatch_kl",
+    "importance_ess": "train/importance_ess",
+    "importance_ratio_std": "train/importance_ratio_std",
+    "clip_fraction": "train/clip_fraction",
+    "bound": "staleness/bound",
+    "auto_change": "staleness/auto_change",
+    "auto_reason": "staleness/auto_reason",
+}
+"""Per-step metrics each point of a run's reward curve carries (None where a run has none):
+the off-policy diagnostics and the staleness bound in force (`streamrl.actors.auto_staleness`)."""
 
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if "kind" not in r]
+
+
+def _eval_rewards(record: dict[str, Any]) -> dict[str, float]:
+    """An eval record's `eval/<dataset>/reward_mean` values, keyed by dataset."""
+    return {
+        key.split("/")[1]: value
+        for key, value in record.items()
+        if key.startswith("eval/") and key.endswith("/reward_mean")
+    }
 
 
 def summarize(
@@ -230,8 +251,14 @@ def summarize(
                 "staleness_mean": r["staleness_mean"],
                 "time_s": r["time"],
                 "entropy": r.get("train/entropy"),
+                **{name: r.get(key) for name, key in CURVE_DIAGNOSTICS.items()},
             }
             for r in steps
+        ],
+        "evals": [
+            {"version": r["version"], "time_s": r["time"], **_eval_rewards(r)}
+            for r in read_metrics(run_dir / "metrics.jsonl")
+            if r.get("kind") == "eval"
         ],
     }
     result.update(_engine_window(readings, warmup, len(steps)))

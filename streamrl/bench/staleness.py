@@ -1,7 +1,8 @@
 """`streamrl bench staleness`: effective training throughput and learning against eta.
 
-For each max_staleness eta (and each off-policy correction asked for), the same
-config runs `--steps` steps in its own output directory under the work dir,
+For each max_staleness eta (`auto` included: the learner's own bound,
+`streamrl.actors.auto_staleness`), each off-policy correction asked for and each seed,
+the same config runs `--steps` steps in its own output directory under the work dir,
 each in its own process (`runs.run_observed`). Reported per run:
 
 - effective training throughput: response tokens trained per second over the
@@ -10,16 +11,22 @@ each in its own process (`runs.run_observed`). Reported per run:
   (engine-side counter, so it includes groups generated but not yet trained);
 - learner idle share (waiting for a batch) and engine idle share (engine thread
   not stepping: nothing to run, or paused for a weight update);
-- the staleness histogram of trained groups and the reward curve (mean reward of
-  each trained batch against samples trained).
+- the staleness histogram of trained groups, the reward curve (mean reward of each
+  trained batch against samples trained and against time) with each step's off-policy
+  diagnostics and bound, and the run's evaluations.
 
-eta = 0 runs once, with the first correction: with no stale tokens every
+Per setting (eta, correction) over its seeds (`settings` in the result): the mean, min,
+max and standard deviation of the final reward and of the throughput, the final reward
+against eta 0's, and the throughput against the best fixed eta's.
+
+eta = 0 runs once per seed, with the first correction: with no stale tokens every
 correction is the same loss, so it is the shared on-policy baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,7 @@ from typing import Any
 from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import RunSpec, run_observed, write_run_config
+from streamrl.bench.staleness_plot import NUM_PANELS, plot_staleness
 
 CORRECTION_OVERRIDES = {
     "decoupled_ppo": ["algorithm.off_policy_correction='decoupled_ppo'"],
@@ -34,9 +42,35 @@ CORRECTION_OVERRIDES = {
     "none": ["algorithm.off_policy_correction='none'", "algorithm.allow_uncorrected_async=true"],
 }
 
+AUTO = "auto"
+Eta = int | str
+"""A fixed bound, or `AUTO`."""
+
 
 def parse_int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_etas(text: str) -> list[Eta]:
+    """`0,1,auto` -> [0, 1, "auto"]; ValueError naming a part that is neither."""
+    etas: list[Eta] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part == AUTO:
+            etas.append(AUTO)
+        elif part.isdigit():
+            etas.append(int(part))
+        elif part:
+            raise ValueError(f"--eta: {part!r} is neither a non-negative integer nor {AUTO!r}")
+    return etas
+
+
+def eta_order(eta: Eta) -> float:
+    """Fixed bounds in order, `auto` after them."""
+    return float("inf") if eta == AUTO else float(eta)
+
+
+def run_name(eta: Eta, correction: str, seed: int | None) -> str:
+    return f"eta{eta}-{correction}" + ("" if seed is None else f"-s{seed}")
 
 
 def run_overrides(work_dir: Path, name: str, steps: int, extra: list[str]) -> list[str]:
@@ -63,7 +97,12 @@ def staleness_command(args: argparse.Namespace) -> int:
 
 
 def _staleness(args: argparse.Namespace, gpus: GpuMonitor) -> int:
-    etas = parse_int_list(args.eta)
+    try:
+        etas = parse_etas(args.eta)
+        seeds: list[int | None] = [*parse_int_list(args.seeds)] or [None]
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     corrections = [c.strip() for c in args.corrections.split(",") if c.strip()]
     unknown = [c for c in corrections if c not in CORRECTION_OVERRIDES]
     if unknown:
@@ -74,48 +113,57 @@ def _staleness(args: argparse.Namespace, gpus: GpuMonitor) -> int:
         return 2
     work_dir = Path(args.work_dir).resolve()
     runs = []
-    for correction in corrections:
-        for eta in etas:
-            if eta == 0 and correction != corrections[0]:
-                continue  # the shared on-policy baseline ran already
-            name = f"eta{eta}-{correction}"
-            overrides = run_overrides(
-                work_dir,
-                name,
-                args.steps,
-                [
-                    *args.overrides,
-                    f"buffer.max_staleness={eta}",
-                    "train.mode='async'",
-                    *CORRECTION_OVERRIDES[correction],
-                ],
-            )
-            config_path = write_run_config(Path(args.config), overrides, work_dir / f"{name}.toml")
-            result = run_observed(
-                RunSpec(name, config_path, work_dir / name),
-                timeout_s=args.run_timeout_s,
-                log_level=args.run_log_level,
-                gpus=gpus,
-            )
-            result.update(
-                eta=eta,
-                correction=correction,
-                final_reward=final_reward(result["reward_curve"]),
-                mean_reward=final_reward(result["reward_curve"], fraction=1.0),
-            )
-            runs.append(result)
-            print(_line(result), file=sys.stderr, flush=True)
-            if args.json:  # after every run, so that a part cut short keeps what it measured
-                _write(args, work_dir, etas, corrections, runs)
-    summary = {"runs": runs, "baseline": _baseline_throughput(runs)}
+    for seed in seeds:
+        for correction in corrections:
+            for eta in etas:
+                if eta == 0 and correction != corrections[0]:
+                    continue  # the shared on-policy baseline ran already
+                result = _one_run(args, work_dir, gpus, eta=eta, correction=correction, seed=seed)
+                runs.append(result)
+                print(_line(result), file=sys.stderr, flush=True)
+                if args.json:  # after every run, so that a part cut short keeps what it measured
+                    _write(args, work_dir, etas, corrections, runs)
+    sweep = summarize_sweep(runs)
     best = max(runs, key=lambda r: r["effective_tokens_per_s"])
-    baseline = summary["baseline"]
+    baseline = sweep["baseline"]
     print(
         f"staleness: best {best['effective_tokens_per_s']:,.0f} trained tokens/s at eta "
         f"{best['eta']} ({best['correction']}); "
         + (f"eta 0: {baseline:,.0f}" if baseline is not None else "no eta 0 run")
     )
     return 0
+
+
+def _one_run(args, work_dir: Path, gpus: GpuMonitor, *, eta: Eta, correction: str, seed):
+    name = run_name(eta, correction, seed)
+    bound = f"buffer.max_staleness='{AUTO}'" if eta == AUTO else f"buffer.max_staleness={eta}"
+    overrides = run_overrides(
+        work_dir,
+        name,
+        args.steps,
+        [
+            *args.overrides,
+            bound,
+            "train.mode='async'",
+            *CORRECTION_OVERRIDES[correction],
+            *([] if seed is None else [f"train.seed={seed}"]),
+        ],
+    )
+    config_path = write_run_config(Path(args.config), overrides, work_dir / f"{name}.toml")
+    result = run_observed(
+        RunSpec(name, config_path, work_dir / name),
+        timeout_s=args.run_timeout_s,
+        log_level=args.run_log_level,
+        gpus=gpus,
+    )
+    result.update(
+        eta=eta,
+        correction=correction,
+        seed=seed,
+        final_reward=final_reward(result["reward_curve"]),
+        mean_reward=final_reward(result["reward_curve"], fraction=1.0),
+    )
+    return result
 
 
 def _write(args, work_dir: Path, etas, corrections, runs) -> None:
@@ -128,20 +176,96 @@ def _write(args, work_dir: Path, etas, corrections, runs) -> None:
             "config_file": args.config,
             "etas": etas,
             "corrections": corrections,
+            "seeds": parse_int_list(args.seeds),
             "steps": args.steps,
             "overrides": args.overrides,
             "resolved": _resolved(work_dir / f"{runs[0]['name']}.toml"),
         },
-        result={"runs": runs, "baseline": _baseline_throughput(runs)},
+        result=summarize_sweep(runs),
         plot=plot_staleness,
-        num_panels=(2, 2),
+        num_panels=NUM_PANELS,
     )
 
 
+# ---------------------------------------------------------------- over seeds
+
+
+def summarize_sweep(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result: every run, eta 0's throughput, and each setting over its seeds (see the
+    module docstring)."""
+    settings = [_setting(key, members) for key, members in group_settings(runs).items()]
+    fixed = [s for s in settings if s["eta"] != AUTO]
+    best = max(fixed, key=lambda s: s["effective_tokens_per_s"]["mean"], default=None)
+    zero = next((s for s in settings if s["eta"] == 0), None)
+    for setting in settings:
+        reward = setting["final_reward"]["mean"]
+        setting["final_reward_vs_eta0"] = (
+            reward / zero["final_reward"]["mean"] - 1
+            if zero and zero["final_reward"]["mean"]
+            else None
+        )
+        setting["tokens_per_s_vs_best_fixed"] = (
+            setting["effective_tokens_per_s"]["mean"] / best["effective_tokens_per_s"]["mean"] - 1
+            if best
+            else None
+        )
+    return {
+        "runs": runs,
+        "baseline": _baseline_throughput(runs),
+        "best_fixed_eta": None if best is None else best["eta"],
+        "settings": settings,
+    }
+
+
+def group_settings(runs: list[dict[str, Any]]) -> dict[tuple[Eta, str], list[dict[str, Any]]]:
+    """Runs by (eta, correction), fixed bounds in order then `auto`, first correction first."""
+    corrections = list(dict.fromkeys(r["correction"] for r in runs))
+    groups: dict[tuple[Eta, str], list[dict[str, Any]]] = {}
+    for run in sorted(
+        runs, key=lambda r: (corrections.index(r["correction"]), eta_order(r["eta"]))
+    ):
+        groups.setdefault((run["eta"], run["correction"]), []).append(run)
+    return groups
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, min, max and (population) standard deviation."""
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "std": statistics.pstdev(values),
+    }
+
+
+def _setting(key: tuple[Eta, str], members: list[dict[str, Any]]) -> dict[str, Any]:
+    eta, correction = key
+    out: dict[str, Any] = {
+        "eta": eta,
+        "correction": correction,
+        "seeds": [r.get("seed") for r in members],
+        "final_reward": spread([r["final_reward"] for r in members]),
+        "mean_reward": spread([r["mean_reward"] for r in members]),
+        "effective_tokens_per_s": spread([r["effective_tokens_per_s"] for r in members]),
+        "samples_per_s": spread([r["samples_per_s"] for r in members]),
+    }
+    evals = [r["evals"] for r in members if r.get("evals")]
+    if evals:
+        dataset = next(k for k in evals[0][0] if k not in ("version", "time_s"))
+        out["eval_dataset"] = dataset
+        out["eval_first"] = spread([e[0][dataset] for e in evals])
+        out["eval_last"] = spread([e[-1][dataset] for e in evals])
+        out["eval_last_version"] = spread([e[-1]["version"] for e in evals])
+    bounds = [p["bound"] for r in members for p in r["reward_curve"] if p.get("bound") is not None]
+    if eta == AUTO and bounds:
+        out["auto_bound"] = spread(bounds)
+    return out
+
+
 def _baseline_throughput(runs: list[dict[str, Any]]) -> float | None:
-    """The on-policy (eta 0) run's throughput; None when the sweep left eta 0 out."""
+    """The on-policy (eta 0) runs' mean throughput; None when the sweep left eta 0 out."""
     zero = [r["effective_tokens_per_s"] for r in runs if r["eta"] == 0]
-    return zero[0] if zero else None
+    return statistics.fmean(zero) if zero else None
 
 
 def _resolved(path: Path) -> str:
@@ -155,7 +279,7 @@ def _percent(value: float | None) -> str:
 def _line(run: dict[str, Any]) -> str:
     generated = run.get("generated_tokens_per_s")
     return (
-        f"  {run['name']:<22} {run['effective_tokens_per_s']:>10,.1f} trained tok/s  "
+        f"  {run['name']:<26} {run['effective_tokens_per_s']:>10,.1f} trained tok/s  "
         f"gen {generated or 0:>10,.1f} tok/s  learner idle {_percent(run['learner_idle_frac'])}  "
         f"engine idle {_percent(run.get('engine_idle_frac'))}  "
         f"reward {run['final_reward']:.3f}  staleness {run['staleness_histogram']}"
@@ -167,7 +291,7 @@ def _line(run: dict[str, Any]) -> str:
 
 def merge_command(args: argparse.Namespace) -> int:
     """`streamrl bench merge --json OUT IN.json ...`: one staleness result from several parts
-    (runs by name; a later file wins), re-plotted."""
+    (runs by name; a later file wins), summarised over seeds again and re-plotted."""
     import json
 
     records = [json.loads(Path(path).read_text()) for path in args.inputs]
@@ -179,11 +303,16 @@ def merge_command(args: argparse.Namespace) -> int:
     for record in records:
         for run in record["result"]["runs"]:
             by_name[run["name"]] = run
+    first_correction = records[0]["config"]["corrections"][0]
     runs = sorted(
         by_name.values(),
-        key=lambda r: (r["correction"] != records[0]["config"]["corrections"][0], r["eta"]),
+        key=lambda r: (
+            r.get("seed") is not None,
+            r.get("seed") or 0,
+            r["correction"] != first_correction,
+            eta_order(r["eta"]),
+        ),
     )
-    summary = {"runs": runs, "baseline": _baseline_throughput(runs)}
     config = dict(records[0]["config"])
     config["merged_from"] = [
         {
@@ -194,107 +323,16 @@ def merge_command(args: argparse.Namespace) -> int:
         }
         for path, record in zip(args.inputs, records, strict=True)
     ]
-    config["etas"] = sorted({r["eta"] for r in runs})
+    config["etas"] = sorted({r["eta"] for r in runs}, key=eta_order)
     config["corrections"] = list(dict.fromkeys(r["correction"] for r in runs))
+    config["seeds"] = sorted({r["seed"] for r in runs if r.get("seed") is not None})
     write_result(
         args.json,
         bench="staleness",
         config=config,
-        result=summary,
+        result=summarize_sweep(runs),
         plot=plot_staleness,
-        num_panels=(2, 2),
+        num_panels=NUM_PANELS,
     )
     print(f"merge: {len(runs)} runs into {args.json}")
     return 0
-
-
-# ---------------------------------------------------------------- plot
-
-
-def plot_staleness(result: dict[str, Any], axes) -> None:
-    runs = result["runs"]
-    corrections = list(dict.fromkeys(r["correction"] for r in runs))
-    throughput_ax, idle_ax, reward_ax, hist_ax = axes
-    first = [r for r in runs if r["correction"] == corrections[0]]
-    etas = [r["eta"] for r in first]
-    colors = {eta: f"C{i}" for i, eta in enumerate(sorted({r["eta"] for r in runs}))}
-    x = list(range(len(first)))
-
-    throughput_ax.plot(
-        x, [r["effective_tokens_per_s"] for r in first], "o-", label="trained (effective)"
-    )
-    throughput_ax.plot(
-        x, [r.get("generated_tokens_per_s") or 0 for r in first], "s--", label="generated (engines)"
-    )
-    for correction in corrections[1:]:
-        others = [r for r in runs if r["correction"] == correction]
-        throughput_ax.plot(
-            [etas.index(r["eta"]) for r in others if r["eta"] in etas],
-            [r["effective_tokens_per_s"] for r in others if r["eta"] in etas],
-            "^:",
-            label=f"trained, {correction}",
-        )
-    throughput_ax.set_xticks(x, [str(e) for e in etas])
-    throughput_ax.set_xlabel("max staleness eta")
-    throughput_ax.set_ylabel("tokens per second")
-    throughput_ax.set_ylim(bottom=0)
-    throughput_ax.set_title(f"Throughput ({corrections[0]})")
-    throughput_ax.legend(fontsize=8)
-
-    shares = [
-        ("learner idle", [r["learner_idle_frac"] for r in first]),
-        ("engine idle", [r.get("engine_idle_frac") or 0.0 for r in first]),
-    ]
-    if all(r.get("gpu_busy") for r in first):  # GPU runs: nvidia-smi's busy share, mean of GPUs
-        shares.append(
-            ("GPU busy", [sum(r["gpu_busy"].values()) / len(r["gpu_busy"]) for r in first])
-        )
-    width = 0.8 / len(shares)
-    for index, (label, values) in enumerate(shares):
-        offset = (index - (len(shares) - 1) / 2) * width
-        idle_ax.bar([i + offset for i in x], [100 * v for v in values], width=width, label=label)
-    idle_ax.set_xticks(x, [str(e) for e in etas])
-    idle_ax.set_xlabel("max staleness eta")
-    idle_ax.set_ylabel("% of the window")
-    idle_ax.set_ylim(0, 100)
-    idle_ax.set_title("Idle time" if len(shares) == 2 else "Idle and busy time")
-    idle_ax.legend(fontsize=8)
-
-    styles = {c: s for c, s in zip(corrections, ["-", "--", ":"], strict=False)}
-    for run in runs:
-        curve = run["reward_curve"]
-        label = f"eta {run['eta']}"
-        if run["eta"] and len(corrections) > 1:
-            label += f", {run['correction']}"
-        reward_ax.plot(
-            [p["samples_trained"] for p in curve],
-            [p["reward_mean"] for p in curve],
-            styles[run["correction"]],
-            color=colors[run["eta"]],
-            label=label,
-            linewidth=1.2,
-        )
-    reward_ax.set_xlabel("samples trained")
-    reward_ax.set_ylabel("mean reward of the trained batch")
-    reward_ax.set_title("Learning at equal samples")
-    reward_ax.legend(fontsize=7, ncol=2)
-
-    bar = 0.8 / max(len(first), 1)
-    for index, run in enumerate(first):
-        histogram = {int(k): v for k, v in run["staleness_histogram"].items()}
-        total = sum(histogram.values()) or 1
-        keys = sorted(histogram)
-        offset = (index - (len(first) - 1) / 2) * bar
-        hist_ax.bar(
-            [k + offset for k in keys],
-            [histogram[k] / total for k in keys],
-            width=bar,
-            color=colors[run["eta"]],
-            label=f"eta {run['eta']}",
-        )
-    top = max((int(k) for r in first for k in r["staleness_histogram"]), default=0)
-    hist_ax.set_xticks(range(top + 1))
-    hist_ax.set_xlabel("staleness of trained groups (versions)")
-    hist_ax.set_ylabel("share of trained groups")
-    hist_ax.set_title("Staleness distribution")
-    hist_ax.legend(fontsize=8)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from engine_helpers import engine_load, running_engines
 
+from streamrl.actors.auto_staleness import Reason
 from streamrl.agents import synthetic
 from streamrl.bench import phases, runs, staleness, sync_async
 from streamrl.bench.results import write_result
@@ -190,25 +191,57 @@ def test_synthetic_rewards_read_tokens_and_logprobs_only():
 # ---------------------------------------------------------------- plots
 
 
-def _staleness_result() -> dict:
-    def run(eta: int, correction: str) -> dict:
+def _staleness_result(*, seeds=(None,), auto=False) -> dict:
+    def run(eta, correction: str, seed) -> dict:
+        bound = 2 if eta == "auto" else eta
         return {
-            "name": f"eta{eta}-{correction}", "eta": eta, "correction": correction,
-            "effective_tokens_per_s": 100.0 + eta, "generated_tokens_per_s": 120.0,
-            "learner_idle_frac": 0.2, "engine_idle_frac": 0.5, "final_reward": 0.3,
-            "mean_reward": 0.2, "staleness_histogram": {"0": 1, str(eta): 3},
-            "reward_curve": [{"samples_trained": 16 * s, "reward_mean": 0.1 * s}
+            "name": staleness.run_name(eta, correction, seed), "eta": eta,
+            "correction": correction, "seed": seed,
+            "effective_tokens_per_s": 100.0 + bound + (seed or 0), "samples_per_s": 5.0,
+            "generated_tokens_per_s": 120.0, "learner_idle_frac": 0.2, "engine_idle_frac": 0.5,
+            "final_reward": 0.3 + 0.01 * (seed or 0), "mean_reward": 0.2,
+            "staleness_histogram": {"0": 1, str(bound): 3},
+            "reward_curve": [{"step": s, "samples_trained": 16 * s, "reward_mean": 0.1 * s,
+                              "time_s": 2.0 * s, "mismatch_kl": 0.001 * s,
+                              "importance_ess": 1.0 - 0.01 * s, "bound": bound,
+                              "auto_change": 1 if eta == "auto" and s == 2 else 0}
                              for s in range(1, 4)],
+            "evals": [{"version": 0, "time_s": 1.0, "multistep": 0.1},
+                      {"version": 3, "time_s": 7.0, "multistep": 0.2 + bound / 100}],
         }  # fmt: skip
 
-    return {"runs": [run(0, "decoupled_ppo"), run(2, "decoupled_ppo"), run(2, "none")],
-            "baseline": 100.0}  # fmt: skip
+    settings = [(0, "decoupled_ppo"), (2, "decoupled_ppo"), (2, "none")]
+    settings += [("auto", "decoupled_ppo")] if auto else []
+    runs = [run(eta, c, seed) for seed in seeds for eta, c in settings]
+    return staleness.summarize_sweep(runs)
+
+
+def test_a_sweep_is_summarised_per_setting_over_its_seeds():
+    result = _staleness_result(seeds=(0, 1, 2), auto=True)
+    settings = {(s["eta"], s["correction"]): s for s in result["settings"]}
+    assert list(settings) == [(0, "decoupled_ppo"), (2, "decoupled_ppo"),
+                              ("auto", "decoupled_ppo"), (2, "none")]  # fmt: skip
+    zero, auto = settings[(0, "decoupled_ppo")], settings[("auto", "decoupled_ppo")]
+    assert zero["seeds"] == [0, 1, 2]
+    assert zero["final_reward"] == pytest.approx(
+        {"mean": 0.31, "min": 0.30, "max": 0.32, "std": (2 / 3) ** 0.5 * 0.01}
+    )
+    assert zero["final_reward_vs_eta0"] == 0.0
+    assert result["best_fixed_eta"] == 2 and result["baseline"] == pytest.approx(101.0)
+    assert auto["tokens_per_s_vs_best_fixed"] == pytest.approx(0.0)
+    assert zero["tokens_per_s_vs_best_fixed"] == pytest.approx(101 / 103 - 1)
+    assert auto["eval_first"]["mean"] == pytest.approx(0.1)
+    assert auto["eval_last"]["mean"] == pytest.approx(0.22)
+    assert auto["auto_bound"]["max"] == 2
+    assert staleness.parse_etas("0, 2,auto") == [0, 2, "auto"]
+    with pytest.raises(ValueError, match="'x' is neither"):
+        staleness.parse_etas("0,x")
 
 
 def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path):
     path = write_result(tmp_path / "s.json", bench="staleness", config={},
-                        result=_staleness_result(), plot=staleness.plot_staleness,
-                        num_panels=(2, 2))  # fmt: skip
+                        result=_staleness_result(seeds=(0, 1), auto=True),
+                        plot=staleness.plot_staleness, num_panels=staleness.NUM_PANELS)  # fmt: skip
     assert path.with_suffix(".png").stat().st_size > 10_000
     record = json.loads(path.read_text())
     assert record["bench"] == "staleness" and "commit" in record and "machine" in record
@@ -216,7 +249,7 @@ def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path)
     for run in on_gpus["runs"]:
         run["gpu_busy"] = {"0": 0.9}  # a third bar beside the idle shares
     path = write_result(tmp_path / "g.json", bench="staleness", config={}, result=on_gpus,
-                        plot=staleness.plot_staleness, num_panels=(2, 2))  # fmt: skip
+                        plot=staleness.plot_staleness, num_panels=staleness.NUM_PANELS)  # fmt: skip
     assert path.with_suffix(".png").stat().st_size > 10_000
     run = {"effective_tokens_per_s": 90.0, "learner_idle_frac": 0.1, "learner_train_frac": 0.8,
            "engine_idle_frac": 0.3, "gpu_busy": {"0": 0.95}}  # fmt: skip
@@ -323,19 +356,38 @@ def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_
 SMOKE_SETS = ["--set", "rollout.batch_size=2", "--set", "rollout.sampling.max_new_tokens=8"]
 
 
+AUTO_SETS = ["--set", "buffer.auto.start=0", "--set", "buffer.auto.window_steps=1",
+             "--set", "buffer.auto.raise_idle_share=0.0"]  # fmt: skip
+"""An auto bound that decides on every step and raises whenever the learner waited at all."""
+
+
 @pytest.mark.slow
 def test_staleness_runs_each_eta_in_its_own_directory_and_reports_throughput(tmp_path):
-    result = _bench("staleness", "bench/configs/cpu_tiny.toml", "--eta", "0,1", "--steps", "3",
-                    *SMOKE_SETS, "--work-dir", str(tmp_path / "work"),
+    """eta 0 and `auto` (started at 0, deciding every step): the auto run's learner waits at
+    bound 0, so the bound goes up at its first decision (step 2, after the fill) and every
+    trained group keeps the bound in force when it was admitted."""
+    result = _bench("staleness", "bench/configs/cpu_tiny.toml", "--eta", "0,auto", "--steps", "5",
+                    *SMOKE_SETS, *AUTO_SETS, "--work-dir", str(tmp_path / "work"),
                     "--json", str(tmp_path / "s.json"), timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    runs_ = json.loads((tmp_path / "s.json").read_text())["result"]["runs"]
-    assert [r["eta"] for r in runs_] == [0, 1]
+    out = json.loads((tmp_path / "s.json").read_text())["result"]
+    runs_ = out["runs"]
+    assert [r["eta"] for r in runs_] == [0, "auto"]
     for run in runs_:
         assert (tmp_path / "work" / run["name"] / "summary.json").exists()
         assert run["effective_tokens_per_s"] > 0 and run["accounting_ok"]
         assert run["engine_idle_frac"] is not None
-        assert max(int(k) for k in run["staleness_histogram"]) <= run["eta"]
+    assert max(int(k) for k in runs_[0]["staleness_histogram"]) == 0
+    assert {p["bound"] for p in runs_[0]["reward_curve"]} == {0}
+    curve = runs_[1]["reward_curve"]
+    assert [p["bound"] for p in curve[:2]] == [0, 1] and curve[1]["auto_change"] == 1
+    assert curve[1]["auto_reason"] == Reason.LEARNER_WAITS
+    assert all(p["mismatch_kl"] is not None for p in curve)
+    # A group trained at step k was admitted while the bound of step k - 1 or earlier held.
+    assert all(p["staleness_mean"] <= max(q["bound"] for q in curve[: i + 1])
+               for i, p in enumerate(curve))  # fmt: skip
+    assert max(int(k) for k in runs_[1]["staleness_histogram"]) <= max(p["bound"] for p in curve)
+    assert [s["eta"] for s in out["settings"]] == [0, "auto"]
 
 
 @pytest.mark.slow

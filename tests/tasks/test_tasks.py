@@ -38,7 +38,7 @@ def test_capitals_cover_every_country_once_per_round():
 
 
 def test_unknown_tasks_and_bad_sizes_are_errors():
-    with pytest.raises(KeyError, match="known: arithmetic, capitals"):
+    with pytest.raises(KeyError, match="known: arithmetic, capitals, multistep"):
         get_task("nope")
     with pytest.raises(ValueError, match="n must be > 0"):
         get_task("capitals").rows(0, 0)
@@ -88,3 +88,18 @@ def test_arithmetic_labels_are_the_correct_results():
         question = row["prompt"].removeprefix("What is ").split("?")[0]
         a, op, b = question.split()
         assert int(row["label"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+
+
+def test_multistep_labels_are_the_results_of_their_expressions_and_negative_ones_grade():
+    rows = get_task("multistep").rows(0, 300)
+    for row in rows:
+        first, op1, second, op2, third = (
+            row["prompt"].removeprefix("What is ").split("?")[0].split()
+        )
+        value = int(first) + (1 if op1 == "+" else -1) * int(second)
+        value += (1 if op2 == "+" else -1) * int(third)
+        assert int(row["label"]) == value
+        assert all(1 <= n <= 20 for n in row["metadata"]["numbers"])
+    negative = next(row for row in rows if int(row["label"]) < 0)
+    assert grade(negative["label"], f"The answer is {negative['label']}.")
+    assert not grade(negative["label"], f"The answer is {negative['label'].lstrip('-')}.")
