@@ -48,6 +48,9 @@ class Evaluator:
         self.interval = interval
         self.engines = engines
         self.sender = sender
+        self._done = anyio.Event()
+        self._done.set()
+        """Set while no evaluation is under way."""
         self.tokenizer = tokenizer
         self.reward_timeout_s = reward_timeout_s
         self.sets = []
@@ -75,11 +78,18 @@ class Evaluator:
             if self.sender.is_stopped:
                 return
             version = self.sender.version
+            self._done = anyio.Event()
             for dataset, prompts, reward_fn in self.sets:
                 report = await self.evaluate(dataset, prompts, reward_fn)
                 report["version"] = version
                 await self.sender.send_report("eval", report)
+            self._done.set()
             next_version = (version // self.interval + 1) * self.interval
+
+    async def finish_current(self) -> None:
+        """Wait until the evaluation under way, if any, is reported (the run's last version is
+        often evaluated while the run stops)."""
+        await self._done.wait()
 
     async def evaluate(self, dataset: EvalDataset, prompts: list, reward_fn) -> dict[str, Any]:
         started = time.perf_counter()

@@ -120,6 +120,10 @@ FATAL_ACK_TIMEOUT_S = 30.0
 
 SPEC_POLL_S = 0.02
 
+FINISH_EVAL_S = 20.0
+"""When told to stop, the rollout waits this long for an evaluation under way (usually the
+run's last version) to be reported; the trainer waits 30 s for the rollout to exit."""
+
 
 def rollout_command(args) -> int:
     from streamrl.models import load_tokenizer
@@ -232,6 +236,9 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
             tg.start_soon(evaluator.run)
         await worker.run()
         log.info("rollout stopped: %s", worker.counters.as_dict())
+        if cfg.eval.interval and cfg.eval.datasets:
+            with anyio.move_on_after(FINISH_EVAL_S):
+                await evaluator.finish_current()
         tg.cancel_scope.cancel()
 
 

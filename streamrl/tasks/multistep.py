@@ -20,7 +20,8 @@ def rows(rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
         signs = [rng.choice((1, -1)) for _ in range(2)]
         answer = numbers[0] + signs[0] * numbers[1] + signs[1] * numbers[2]
         terms = " ".join(
-            f"{'+' if sign > 0 else '-'} {number}" for sign, number in zip(signs, numbers[1:])
+            f"{'+' if sign > 0 else '-'} {number}"
+            for sign, number in zip(signs, numbers[1:], strict=True)
         )
         out.append(
             {

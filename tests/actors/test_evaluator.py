@@ -47,3 +47,69 @@ def test_the_evaluators_sampling_params_reach_the_generate_function_with_stop_to
         assert params == sampling.to_sglang()
         assert params["stop_token_ids"] == [11, 13]
         assert params["stop"] == ["\n\n"]
+
+
+class FakeSender:
+    """The evaluator's view of the stream: the version served, stop, reports."""
+
+    def __init__(self) -> None:
+        self.version = 4
+        self.is_stopped = False
+        self.reports: list[dict] = []
+        self._stopped = anyio.Event()
+
+    async def wait_version(self, version: int) -> None:
+        if version > self.version:
+            await self._stopped.wait()
+
+    async def send_report(self, kind: str, payload: dict) -> None:
+        self.reports.append(payload)
+
+    def stop(self) -> None:
+        self.is_stopped = True
+        self._stopped.set()
+
+
+def test_a_stopping_rollout_waits_for_the_evaluation_under_way_to_be_reported(tiny_model_dir):
+    """The last version is often evaluated while the run stops: `finish_current` returns once
+    that evaluation's report is sent, and at once when none is under way."""
+    from streamrl.models import load_tokenizer
+
+    release = anyio.Event()
+
+    async def slow_generate(ctx, prompt) -> Trajectory:
+        await release.wait()
+        return Trajectory(response_ids=[7], loss_mask=[1], logprobs=[-1.0], versions=[4], text="x")
+
+    sender = FakeSender()
+    evaluator = Evaluator(
+        [EvalDataset(name="capitals", path="builtin:capitals?n=2&seed=1")],
+        data_cfg=DataConfig(path="x", apply_chat_template=False),
+        interval=4,
+        tokenizer=load_tokenizer(tiny_model_dir),
+        engines=None,
+        sender=sender,
+        default_reward_fn="streamrl.tasks.capitals:capital_reward",
+        reward_timeout_s=10.0,
+        generate_fn=slow_generate,
+    )
+
+    async def main() -> None:
+        with anyio.fail_after(30):
+            await evaluator.finish_current()  # nothing under way yet
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(evaluator.run)
+                await anyio.wait_all_tasks_blocked()
+                sender.stop()  # the run stops while version 4 is being evaluated
+                assert not sender.reports
+                tg.start_soon(_release_later, release)
+                await evaluator.finish_current()
+                assert [r["version"] for r in sender.reports] == [4]
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+async def _release_later(event: anyio.Event) -> None:
+    await anyio.wait_all_tasks_blocked()
+    event.set()
