@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 31 on the one-GPU H200: the price of staleness on `builtin:multistep` with
+# SmolLM2-135M-Instruct, and `buffer.max_staleness = "auto"` against fixed bounds. Three calls
+# on one warm machine (the carry limit is 64 MiB and SmolLM2's GGUF is 98 MB):
+#
+#   bench/gpu/staleness_h200.sh stash OUT   carry .whl .gguf/part.aa: wheels into /tmp/site,
+#                                           the GGUF's first part into /tmp
+#   bench/gpu/staleness_h200.sh a OUT       carry .gguf/part.ab: join the GGUF, convert it
+#                                           once, then per seed (0, 1, 2, side by side):
+#                                           eta 0, 4, 2, 1 with decoupled PPO
+#   bench/gpu/staleness_h200.sh b OUT       auto, then eta 4, 2, 1 without correction
+#
+# Then on the CPU: `streamrl bench merge OUT/staleness_multistep_h200x1_[ab]*_s*.json --json
+# bench/results/gpu/staleness_multistep_h200x1.json`.
+#
+# The three seeds run side by side on the one GPU (the sweep would take an hour one run at a
+# time): each run shares the GPU with the two other seeds' runs of the same setting, which
+# start together, so throughputs compare across settings at a third of the machine each.
+# Run from the repository root on the GPU machine; each part stays within 10 minutes.
+set -uo pipefail
+PART=${1:?usage: staleness_h200.sh stash|a|b OUT}
+OUT=$(mkdir -p "${2:?usage: staleness_h200.sh PART OUT}" && cd "$2" && pwd)
+cd "$(dirname "$0")/../.."
+export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+export STREAMRL_CACHE_DIR=/tmp/streamrl-cache STREAMRL_SMOLLM2_GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+CONFIG=${CONFIG:-configs/gpu/staleness_multistep.toml}
+PY=${PYTHON:-python3}
+SEEDS=${SEEDS:-0 1 2}
+STEPS=${STEPS:-40}
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))  # a part's runs end by then (a device call: 600 s)
+
+sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair in turn
+  local name=$1 pids=()
+  shift
+  for seed in $SEEDS; do
+    (
+      part=0
+      for pair in "$@"; do
+        part=$((part + 1))
+        left=$((DEADLINE - $(date +%s)))
+        [ "$left" -gt 60 ] || { echo "no time left for $pair"; break; }
+        timeout "$left" "$PY" -m streamrl --log-level warning bench staleness "$CONFIG" \
+          --eta "${pair%%:*}" --corrections "${pair#*:}" --seeds "$seed" --steps "$STEPS" \
+          --work-dir "/tmp/staleness/$name-s$seed" --run-timeout-s 300 \
+          --json "$OUT/staleness_multistep_h200x1_${name}${part}_s$seed.json"
+      done
+    ) >"$OUT/${name}_s$seed.log" 2>&1 &
+    pids+=($!)
+  done
+  local status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+  for seed in $SEEDS; do echo "== seed $seed"; tail -12 "$OUT/${name}_s$seed.log"; done
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/${name}_gpu.txt"
+  return $status
+}
+
+case "$PART" in
+stash)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    cp .gguf/part.aa /tmp/smollm2.gguf.aa && ls -la /tmp/smollm2.gguf.aa /tmp/site | head
+  ;;
+a)
+  mkdir -p /tmp/smollm2 &&
+    cat /tmp/smollm2.gguf.aa .gguf/part.ab >/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
+    (cd /tmp/smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee "$OUT/gguf_sha256.txt"
+  # Convert once, before the three processes would race to do it.
+  python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())" || exit 1
+  python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, transformers.__version__)" \
+    | tee "$OUT/versions.txt"
+  sweep a 0,4,2,1:decoupled_ppo
+  ;;
+b)
+  sweep b auto:decoupled_ppo 4,2,1:none ;;
+*)
+  echo "unknown part $PART" >&2
+  exit 2
+  ;;
+esac
