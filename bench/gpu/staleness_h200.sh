@@ -5,13 +5,15 @@
 #
 #   bench/gpu/staleness_h200.sh stash OUT   carry .whl .gguf/part.aa: wheels into /tmp/site,
 #                                           the GGUF's first part into /tmp
-#   bench/gpu/staleness_h200.sh a OUT       carry .gguf/part.ab: join the GGUF, convert it
-#                                           once, then per seed (0, 1, 2, side by side):
-#                                           eta 0, 4, 2, 1 with decoupled PPO
-#   bench/gpu/staleness_h200.sh b OUT       auto, then eta 4, 2, 1 without correction
+#   bench/gpu/staleness_h200.sh a OUT       carry .gguf/part.ab .whl: join the GGUF, convert
+#                                           it once, then per seed (0, 1, 2, side by side),
+#                                           in this order until 540 s have passed: eta 0 and
+#                                           4 (decoupled PPO), 4 (no correction), auto, 2, 2
+#                                           (none), 1, 1 (none); ~80 s a run
+#   bench/gpu/staleness_h200.sh b OUT       the pairs in $PAIRS (what part a had no time for)
 #
-# Then on the CPU: `streamrl bench merge OUT/staleness_multistep_h200x1_[ab]*_s*.json --json
-# bench/results/gpu/staleness_multistep_h200x1.json`.
+# Each part merges its runs into OUT/staleness_multistep_h200x1_<part>.json (+ PNG, + its
+# logs as one .tgz); on the CPU, `streamrl bench merge` joins the parts.
 #
 # The three seeds run side by side on the one GPU (the sweep would take an hour one run at a
 # time): each run shares the GPU with the two other seeds' runs of the same setting, which
@@ -28,7 +30,9 @@ CONFIG=${CONFIG:-configs/gpu/staleness_multistep.toml}
 PY=${PYTHON:-python3}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-40}
-DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))  # a part's runs end by then (a device call: 600 s)
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-540}))  # a part's runs end by then (a device call: 600 s)
+PARTS=/tmp/staleness-parts
+mkdir -p "$PARTS"
 
 sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair in turn
   local name=$1 pids=()
@@ -43,15 +47,19 @@ sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair i
         timeout "$left" "$PY" -m streamrl --log-level warning bench staleness "$CONFIG" \
           --eta "${pair%%:*}" --corrections "${pair#*:}" --seeds "$seed" --steps "$STEPS" \
           --work-dir "/tmp/staleness/$name-s$seed" --run-timeout-s 300 \
-          --json "$OUT/staleness_multistep_h200x1_${name}${part}_s$seed.json"
+          --json "$PARTS/${name}${part}_s$seed.json"
       done
-    ) >"$OUT/${name}_s$seed.log" 2>&1 &
+    ) >"$PARTS/${name}_s$seed.log" 2>&1 &
     pids+=($!)
   done
   local status=0
   for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-  for seed in $SEEDS; do echo "== seed $seed"; tail -12 "$OUT/${name}_s$seed.log"; done
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/${name}_gpu.txt"
+  for seed in $SEEDS; do echo "== seed $seed"; tail -12 "$PARTS/${name}_s$seed.log"; done
+  # The device returns at most 8 files: one merged result, its plot, and the logs in one file.
+  "$PY" -m streamrl bench merge "$PARTS"/"$name"*_s*.json \
+    --json "$OUT/staleness_multistep_h200x1_$name.json"
+  tar czf "$OUT/staleness_multistep_h200x1_${name}_logs.tgz" --exclude='*.json' \
+    --exclude='*.png' --exclude='*.safetensors' --exclude='*.pt' -C "$PARTS" . /tmp/staleness
   return $status
 }
 
@@ -68,10 +76,12 @@ a)
   python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())" || exit 1
   python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, transformers.__version__)" \
     | tee "$OUT/versions.txt"
-  sweep a 0,4,2,1:decoupled_ppo
+  sweep a 0,4:decoupled_ppo 4:none auto:decoupled_ppo 2:decoupled_ppo 2:none 1:decoupled_ppo \
+    1:none
   ;;
-b)
-  sweep b auto:decoupled_ppo 4,2,1:none ;;
+b)  # what part a had no time for (set in PAIRS), e.g. PAIRS="1:decoupled_ppo 1:none"
+  # shellcheck disable=SC2086
+  sweep b ${PAIRS:-1:decoupled_ppo 1:none} ;;
 *)
   echo "unknown part $PART" >&2
   exit 2

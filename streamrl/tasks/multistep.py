@@ -1,15 +1,24 @@
 """The `multistep` task: a ± b ± c with a, b, c in [1, 20], "reply with only the number";
-scored by `streamrl.rewards.math:math_reward`.
+scored by `number_reward`: the last number of the response must be the result.
 
-Hard enough that SmolLM2-135M-Instruct does not saturate it in a short run: on 24 rows it
-answered 0 of 24 greedily and 12 of 96 samples (12.5%) at temperature 1.0 (its greedy answer
-to two-operand sums is usually right). The staleness benchmark uses it for that
-(`configs/gpu/staleness_multistep.toml`)."""
+Not `streamrl.rewards.math:math_reward`: math-verify evaluates an expression it parses, so a
+response that only repeats the question ("17 - 14 - 18") grades as right. SmolLM2-135M
+learned exactly that within 40 steps on an H200 (reward 0.999 at every eta). Here the
+answer has to be the number itself.
+
+The staleness benchmark uses this task (`configs/gpu/staleness_multistep.toml`) because
+SmolLM2-135M-Instruct does not solve it outright: it answered 0 of 24 rows greedily (its
+greedy answer to two-operand sums is usually right)."""
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
+
+from streamrl.rewards import RewardInput
+
+_NUMBER = re.compile(r"-?\d+")
 
 
 def rows(rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
@@ -31,3 +40,9 @@ def rows(rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def number_reward(inp: RewardInput) -> float:
+    """1.0 if the last integer in the response (a leading minus sign included) is the label."""
+    numbers = _NUMBER.findall(inp.response.replace(",", ""))
+    return 1.0 if numbers and inp.label is not None and numbers[-1] == str(inp.label) else 0.0
