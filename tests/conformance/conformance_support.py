@@ -7,39 +7,15 @@ it and fall back to a settle time on other servers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
-
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
-
-
-@contextlib.contextmanager
-def embedded_engine(model_dir: str, log_dir: Path) -> Iterator[str]:
-    """`streamrl engine serve` on a free port; yields its URL once `/health` answers, then
-    stops it with one SIGTERM and checks that it exits cleanly."""
-    port = free_port()
-    argv = streamrl_argv(
-        "engine", "serve", "--model", model_dir, "--port", str(port), "--num-threads", "1"
-    )
-    process = spawn(f"engine-{port}", argv, log_path=log_dir / f"engine-{port}.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ready(url, timeout_s=120, process=process)
-        yield url
-    finally:
-        # One signal only: a second SIGTERM that lands after the engine's event loop has
-        # closed (its handlers are gone) would kill it mid-exit with -15.
-        code = process.stop(timeout_s=30)
-    assert code == 0, f"the engine exited with {code}; see {process.log_path}"
 
 
 @dataclass(frozen=True)
