@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from engine_helpers import polling_client
 
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
 
@@ -46,7 +47,7 @@ class Target:
 def _load_counts(url: str) -> list[dict] | None:
     """The embedded engine's per-rank counts from `/get_load`; None where a server has none."""
     try:
-        rows = httpx.get(f"{url}/get_load", timeout=10).json()
+        rows = polling_client().get(f"{url}/get_load").json()
     except (httpx.HTTPError, ValueError):
         return None
     rows = rows if isinstance(rows, list) else [rows]
