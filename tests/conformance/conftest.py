@@ -1,7 +1,8 @@
 """Fixtures of the conformance suite: the server under test, a router in front of it, a teacher.
 
 By default the suite runs against the session's shared embedded engine on a tiny
-random model (`tiny_engine`), put back as it started after every test. To check a real SGLang server instead:
+random model (`tiny_engine`), put back as it started after every test. To check a real
+SGLang server instead:
 
     STREAMRL_CONFORMANCE_URL=http://host:30000 STREAMRL_CONFORMANCE_MODEL=/path/to/model \\
         pytest tests/conformance
