@@ -50,6 +50,31 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir, tmp_path_factory):
+    """One `streamrl engine serve` on `tiny_model_dir` (default arguments) for every test that
+    asks for it, started on first use; `_tiny_engine_put_back` restores it after each test.
+    Tests whose assertions need a fresh engine (counters from zero, shutdown, other
+    arguments) start their own with `engine_helpers.running_engines`."""
+    from engine_helpers import SharedEngine
+
+    engine = SharedEngine(tiny_model_dir, tmp_path_factory.mktemp("tiny-engine"))
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(autouse=True)
+def _tiny_engine_put_back(request):
+    """After each test that used `tiny_engine`, directly or through another fixture: the
+    engine running, idle, on the checkpoint and weight version it started with."""
+    if "tiny_engine" not in request.fixturenames:
+        yield
+        return
+    engine = request.getfixturevalue("tiny_engine")
+    yield
+    engine.put_back()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test PYTEST_ARGS="-n 2 --dist loadgroup"`), each module is one

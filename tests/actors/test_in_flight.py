@@ -7,7 +7,7 @@ import json
 import anyio
 import msgspec
 import pytest
-from engine_helpers import engine_load, running_engines
+from engine_helpers import engine_load
 
 from streamrl.actors.in_flight import InFlight
 from streamrl.actors.rollout import RolloutWorker
@@ -45,7 +45,7 @@ def worker(
 
 
 async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_from_them(
-    tiny_model_dir, tmp_path
+    tiny_engine, tiny_model_dir, tmp_path
 ):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(4)))
@@ -57,58 +57,55 @@ async def test_a_snapshot_holds_the_tokens_in_flight_and_a_restart_continues_fro
         on_group=groups.append,
         on_report=lambda report: reports.append(report),
     )
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        async with EngineSet([e.url for e in engines]) as engine_set:
-            async with anyio.create_task_group() as tg:
-                address = await tg.start(receiver.run)
-                sender = StreamSender(address, sender_id="rollout-test")
-                await tg.start(sender.run)
-                first = worker(
-                    PromptSource(str(data), tokenizer=tokenizer, seed=0),
-                    sender,
-                    engine_set,
-                    tokenizer,
-                )
-                tg.start_soon(first.run)
-                tg.start_soon(first.in_flight_loop)
-                with anyio.fail_after(60):  # readiness: both groups are decoding
-                    while len(first.in_flight.hold.active) < 4:
-                        await anyio.sleep(0.02)
-                    url = engines[0].url  # and two decode steps of all four after that
-                    tokens = engine_load(url)["generated_tokens"]
-                    while engine_load(url)["generated_tokens"] < tokens + 8:
-                        await anyio.sleep(0.02)
-                    await receiver.request_in_flight(7)
-                    while not [r for r in reports if r.kind == "in_flight"]:
-                        await anyio.sleep(0.02)
-                tg.cancel_scope.cancel()
-            (report,) = [r for r in reports if r.kind == "in_flight"]
-            assert report.payload["step"] == 7 and report.payload["complete"]
-            saved = msgspec.convert(report.payload["groups"], list[PartialGroup])
-            assert len(saved) == 2 and all(len(g.samples) == 2 for g in saved)
-            partial = [s for g in saved for s in g.samples]
-            assert all(0 < len(s.output_ids) < BUDGET and not s.finish_reason for s in partial)
-            assert all(len(s.logprobs) == len(s.versions) == len(s.output_ids) for s in partial)
-
-            # A new process continues them before any new prompt, with a generate function
-            # that scores its one completion itself (`finish` runs on a continued sample).
-            groups.clear()
-            receiver = StreamReceiver(
-                "tcp://127.0.0.1:0", credits=UnlimitedCredits(2), on_group=groups.append
+    async with EngineSet([tiny_engine.url]) as engine_set:
+        async with anyio.create_task_group() as tg:
+            address = await tg.start(receiver.run)
+            sender = StreamSender(address, sender_id="rollout-test")
+            await tg.start(sender.run)
+            first = worker(
+                PromptSource(str(data), tokenizer=tokenizer, seed=0),
+                sender,
+                engine_set,
+                tokenizer,
             )
-            async with anyio.create_task_group() as tg:
-                address = await tg.start(receiver.run)
-                sender = StreamSender(address, sender_id="rollout-test-2")
-                await tg.start(sender.run)
-                source = PromptSource(str(data), tokenizer=tokenizer, seed=0)
-                second = worker(
-                    source, sender, engine_set, tokenizer, generate_scored, resume=saved
-                )
-                tg.start_soon(second.run)
-                with anyio.fail_after(120):
-                    while len(groups) < 2:
-                        await anyio.sleep(0.05)
-                tg.cancel_scope.cancel()
+            tg.start_soon(first.run)
+            tg.start_soon(first.in_flight_loop)
+            with anyio.fail_after(60):  # readiness: both groups are decoding
+                while len(first.in_flight.hold.active) < 4:
+                    await anyio.sleep(0.02)
+                url = tiny_engine.url  # and two decode steps of all four after that
+                tokens = engine_load(url)["generated_tokens"]
+                while engine_load(url)["generated_tokens"] < tokens + 8:
+                    await anyio.sleep(0.02)
+                await receiver.request_in_flight(7)
+                while not [r for r in reports if r.kind == "in_flight"]:
+                    await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+        (report,) = [r for r in reports if r.kind == "in_flight"]
+        assert report.payload["step"] == 7 and report.payload["complete"]
+        saved = msgspec.convert(report.payload["groups"], list[PartialGroup])
+        assert len(saved) == 2 and all(len(g.samples) == 2 for g in saved)
+        partial = [s for g in saved for s in g.samples]
+        assert all(0 < len(s.output_ids) < BUDGET and not s.finish_reason for s in partial)
+        assert all(len(s.logprobs) == len(s.versions) == len(s.output_ids) for s in partial)
+
+        # A new process continues them before any new prompt, with a generate function
+        # that scores its one completion itself (`finish` runs on a continued sample).
+        groups.clear()
+        receiver = StreamReceiver(
+            "tcp://127.0.0.1:0", credits=UnlimitedCredits(2), on_group=groups.append
+        )
+        async with anyio.create_task_group() as tg:
+            address = await tg.start(receiver.run)
+            sender = StreamSender(address, sender_id="rollout-test-2")
+            await tg.start(sender.run)
+            source = PromptSource(str(data), tokenizer=tokenizer, seed=0)
+            second = worker(source, sender, engine_set, tokenizer, generate_scored, resume=saved)
+            tg.start_soon(second.run)
+            with anyio.fail_after(120):
+                while len(groups) < 2:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
     by_seq = {g.prompt_seq: g for g in groups[:2]}
     assert set(by_seq) == {g.prompt_seq for g in saved}
     for group in saved:

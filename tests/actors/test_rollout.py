@@ -6,7 +6,6 @@ import json
 
 import anyio
 import pytest
-from engine_helpers import running_engines
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents import single_turn
@@ -37,7 +36,7 @@ class FlakyReward:
 
 
 async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_failing_rewards(
-    tiny_model_dir, tmp_path
+    tiny_engine, tiny_model_dir, tmp_path
 ):
     data = tmp_path / "prompts.jsonl"
     data.write_text(
@@ -57,46 +56,45 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
 
     receiver = StreamReceiver("tcp://127.0.0.1:0", credits=admission, on_group=on_group)
     reward = FlakyReward()
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        async with (
-            EngineSet([e.url for e in engines]) as engine_set,
-            anyio.create_task_group() as tg,
-        ):
-            address = await tg.start(receiver.run)
-            sender = StreamSender(address, sender_id="rollout-test")
-            await tg.start(sender.run)
-            worker = RolloutWorker(
-                worker_id="rollout-test",
-                source=PromptSource(str(data), tokenizer=tokenizer, seed=0),
-                sender=sender,
-                engines=engine_set,
-                tokenizer=tokenizer,
-                generate_fn=single_turn.generate,
-                reward_fn=reward,
-                n_samples_per_prompt=n,
-                sampling_params={"max_new_tokens": 8, "temperature": 1.0},
-                max_consecutive_failures=0,
-            )
-            tg.start_soon(worker.run)
-            allowed = (0 + eta + 1) * batch_size
-            with anyio.fail_after(120):
-                while receiver.stats.num_groups < allowed:
-                    await arrived.wait()
-                    arrived = anyio.Event()
-            # Admission holds: nothing more may start at version 0 (bounded check).
-            with anyio.move_on_after(1.5):
+    async with (
+        EngineSet([tiny_engine.url]) as engine_set,
+        anyio.create_task_group() as tg,
+    ):
+        address = await tg.start(receiver.run)
+        sender = StreamSender(address, sender_id="rollout-test")
+        await tg.start(sender.run)
+        worker = RolloutWorker(
+            worker_id="rollout-test",
+            source=PromptSource(str(data), tokenizer=tokenizer, seed=0),
+            sender=sender,
+            engines=engine_set,
+            tokenizer=tokenizer,
+            generate_fn=single_turn.generate,
+            reward_fn=reward,
+            n_samples_per_prompt=n,
+            sampling_params={"max_new_tokens": 8, "temperature": 1.0},
+            max_consecutive_failures=0,
+        )
+        tg.start_soon(worker.run)
+        allowed = (0 + eta + 1) * batch_size
+        with anyio.fail_after(120):
+            while receiver.stats.num_groups < allowed:
                 await arrived.wait()
-            assert receiver.stats.num_groups == allowed
-            assert worker.counters.groups_started == allowed
-            # A new version lets exactly one more batch of groups start.
-            admission.set_version(1)
-            await receiver.grant()
-            with anyio.fail_after(120):
-                while receiver.stats.num_groups < allowed + batch_size:
-                    await arrived.wait()
-                    arrived = anyio.Event()
-            assert worker.counters.groups_started == allowed + batch_size
-            tg.cancel_scope.cancel()
+                arrived = anyio.Event()
+        # Admission holds: nothing more may start at version 0 (bounded check).
+        with anyio.move_on_after(1.5):
+            await arrived.wait()
+        assert receiver.stats.num_groups == allowed
+        assert worker.counters.groups_started == allowed
+        # A new version lets exactly one more batch of groups start.
+        admission.set_version(1)
+        await receiver.grant()
+        with anyio.fail_after(120):
+            while receiver.stats.num_groups < allowed + batch_size:
+                await arrived.wait()
+                arrived = anyio.Event()
+        assert worker.counters.groups_started == allowed + batch_size
+        tg.cancel_scope.cancel()
 
     groups = buffer.drain()
     assert len(groups) == allowed + batch_size
@@ -112,33 +110,30 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     assert all(s.reward == 0.0 and "flaky reward" in s.metadata["reward_error"] for s in failed)
 
 
-async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_tokens(
-    tiny_model_dir, tmp_path
-):
+async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_tokens(tiny_engine):
     from engine_helpers import engine_load
 
     from streamrl.agents.api import GenerateContext
 
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        url = engines[0].url
-        async with EngineSet([url]) as engine_set, anyio.create_task_group() as tg:
-            ctx = GenerateContext(
-                engines=engine_set,
-                tokenizer=None,
-                sampling_params={"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True},
-            )
-            result = {}
+    url = tiny_engine.url
+    async with EngineSet([url]) as engine_set, anyio.create_task_group() as tg:
+        ctx = GenerateContext(
+            engines=engine_set,
+            tokenizer=None,
+            sampling_params={"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True},
+        )
+        result = {}
 
-            async def generate() -> None:
-                result["completion"] = await ctx.generate([1, 5, 6, 7])
+        async def generate() -> None:
+            result["completion"] = await ctx.generate([1, 5, 6, 7])
 
-            tg.start_soon(generate)
-            with anyio.fail_after(60):  # readiness: the request is decoding on the engine
-                while not engine_load(url)["num_running_reqs"]:
-                    await anyio.sleep(0.01)
-            client = engine_set.engines[0]
-            await client.pause("abort")  # what the publisher does with pause_mode = "abort"
-            await client.continue_generation()
+        tg.start_soon(generate)
+        with anyio.fail_after(60):  # readiness: the request is decoding on the engine
+            while not engine_load(url)["num_running_reqs"]:
+                await anyio.sleep(0.01)
+        client = engine_set.engines[0]
+        await client.pause("abort")  # what the publisher does with pause_mode = "abort"
+        await client.continue_generation()
     completion = result["completion"]
     assert completion.num_resumes >= 1
     assert completion.num_engine_calls >= 2

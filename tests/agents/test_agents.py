@@ -539,10 +539,9 @@ async def test_an_episode_spanning_three_versions_trains_with_its_per_token_vers
 
 
 async def test_a_real_engine_episode_runs_across_weight_updates_with_each_turn_tagged(
-    tokenizer, tiny_model_dir, tmp_path
+    tokenizer, tiny_engine, tiny_model_dir
 ):
     """`streamrl engine serve` on a tiny model; the weights change after every turn."""
-    from engine_helpers import running_engines
 
     from streamrl.fleet.engine_set import EngineSet
 
@@ -552,25 +551,24 @@ async def test_a_real_engine_episode_runs_across_weight_updates_with_each_turn_t
         label=1000,
         metadata={"low": 1, "high": 1000, "max_guesses": 10},
     )
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        async with EngineSet([engines[0].url]) as engine_set:
+    async with EngineSet([tiny_engine.url]) as engine_set:
 
-            class UpdatedAfterEachTurn(GuessNumber):
-                async def step(self, action):
-                    outcome = await super().step(action)
-                    await engine_set.engines[0].update_weights_from_disk(
-                        tiny_model_dir, weight_version=self.num_turns
-                    )
-                    return outcome
+        class UpdatedAfterEachTurn(GuessNumber):
+            async def step(self, action):
+                outcome = await super().step(action)
+                await engine_set.engines[0].update_weights_from_disk(
+                    tiny_model_dir, weight_version=self.num_turns
+                )
+                return outcome
 
-            ctx = GenerateContext(
-                engines=engine_set,
-                tokenizer=tokenizer,
-                sampling_params={"max_new_tokens": 4, "temperature": 1.0},
-            )
-            trajectory = await agent_env.run_episode(
-                ctx, prompt, UpdatedAfterEachTurn(), agent_env.EpisodeLimits(max_turns=3)
-            )
+        ctx = GenerateContext(
+            engines=engine_set,
+            tokenizer=tokenizer,
+            sampling_params={"max_new_tokens": 4, "temperature": 1.0},
+        )
+        trajectory = await agent_env.run_episode(
+            ctx, prompt, UpdatedAfterEachTurn(), agent_env.EpisodeLimits(max_turns=3)
+        )
     turns, current = [], []
     for version, mask in zip(trajectory.versions, trajectory.loss_mask, strict=True):
         if mask:

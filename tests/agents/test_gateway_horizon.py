@@ -217,9 +217,8 @@ def test_the_staleness_rule_is_a_documented_buffer_key_and_the_episode_cap_is_ch
 
 @pytest.mark.anyio
 async def test_a_20_turn_episode_across_7_versions_at_eta_2_is_trained_with_per_turn_staleness(
-    tiny_model_dir, tmp_path
+    tiny_engine, tiny_model_dir
 ):
-    from engine_helpers import running_engines
 
     from streamrl.actors.rollout import RolloutWorker
     from streamrl.agents import gateway
@@ -232,31 +231,30 @@ async def test_a_20_turn_episode_across_7_versions_at_eta_2_is_trained_with_per_
 
     tokenizer = load_tokenizer(tiny_model_dir)
     prompt = Prompt(seq=0, index=0, epoch=0, text="count", input_ids=[1])
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        url = engines[0].url
-        async with EngineSet([url]) as engine_set:
+    url = tiny_engine.url
+    async with EngineSet([url]) as engine_set:
 
-            def worker(**agent_kwargs) -> RolloutWorker:
-                return RolloutWorker(
-                    worker_id="w",
-                    source=None,
-                    sender=None,
-                    engines=engine_set,
-                    tokenizer=tokenizer,
-                    generate_fn=gateway.generate,
-                    reward_fn=lambda inp: float(len(inp.response)),
-                    n_samples_per_prompt=2,
-                    sampling_params={"max_new_tokens": 3, "temperature": 1.0},
-                    max_consecutive_failures=0,
-                    generate_kwargs={
-                        "agent": "gateway_agents:long_episode",
-                        "agent_kwargs": {"turns": 20, **agent_kwargs},
-                    },
-                )
+        def worker(**agent_kwargs) -> RolloutWorker:
+            return RolloutWorker(
+                worker_id="w",
+                source=None,
+                sender=None,
+                engines=engine_set,
+                tokenizer=tokenizer,
+                generate_fn=gateway.generate,
+                reward_fn=lambda inp: float(len(inp.response)),
+                n_samples_per_prompt=2,
+                sampling_params={"max_new_tokens": 3, "temperature": 1.0},
+                max_consecutive_failures=0,
+                generate_kwargs={
+                    "agent": "gateway_agents:long_episode",
+                    "agent_kwargs": {"turns": 20, **agent_kwargs},
+                },
+            )
 
-            # Weights reloaded as versions 1..6 after turns 3, 6, ..., 18 (the last at 6).
-            long = await worker(engine_url=url, model_dir=tiny_model_dir).run_sample(prompt, 0)
-            fresh = await worker().run_sample(prompt, 1)  # 20 turns, all at version 6
+        # Weights reloaded as versions 1..6 after turns 3, 6, ..., 18 (the last at 6).
+        long = await worker(engine_url=url, model_dir=tiny_model_dir).run_sample(prompt, 0)
+        fresh = await worker().run_sample(prompt, 1)  # 20 turns, all at version 6
     turns = horizon.turn_min_versions(long)
     assert turns == [t // 3 for t in range(20)] and len(long.turn_starts) == 20
     assert horizon.turn_min_versions(fresh) == [6] * 20

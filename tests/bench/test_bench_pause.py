@@ -6,21 +6,18 @@ import json
 import subprocess
 import sys
 
-from engine_helpers import running_engines
 
-
-def test_the_pause_bench_measures_each_mode_and_counts_what_abort_resends(tiny_model_dir, tmp_path):
+def test_the_pause_bench_measures_each_mode_and_counts_what_abort_resends(tiny_engine, tmp_path):
     out = tmp_path / "pause.json"
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        done = subprocess.run(
-            [
-                sys.executable, "-m", "streamrl", "bench", "pause", "--url", engines[0].url,
-                "--modes", "in_place,abort", "--requests", "3", "--prompt-tokens", "4",
-                "--max-new-tokens", "200", "--updates", "2", "--interval-s", "0.2",
-                "--json", str(out),
-            ],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "streamrl", "bench", "pause", "--url", tiny_engine.url,
+            "--modes", "in_place,abort", "--requests", "3", "--prompt-tokens", "4",
+            "--max-new-tokens", "200", "--updates", "2", "--interval-s", "0.2",
+            "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["result"]["modes"]
     assert set(rows) == {"in_place", "abort"} and out.with_suffix(".png").exists()

@@ -33,12 +33,9 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    from engine_helpers import running_engines
-
-    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine-logs")) as engines:
-        yield engines[0]
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def make_prompt(tokenizer, text: str = "What is 2 + 2?", seq: int = 0) -> Prompt:

@@ -7,39 +7,16 @@ it and fall back to a settle time on other servers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-from streamrl.process import free_port, spawn, streamrl_argv, wait_http_ready
+from engine_helpers import polling_client
 
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
-
-
-@contextlib.contextmanager
-def embedded_engine(model_dir: str, log_dir: Path) -> Iterator[str]:
-    """`streamrl engine serve` on a free port; yields its URL once `/health` answers, then
-    stops it with one SIGTERM and checks that it exits cleanly."""
-    port = free_port()
-    argv = streamrl_argv(
-        "engine", "serve", "--model", model_dir, "--port", str(port), "--num-threads", "1"
-    )
-    process = spawn(f"engine-{port}", argv, log_path=log_dir / f"engine-{port}.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ready(url, timeout_s=120, process=process)
-        yield url
-    finally:
-        # One signal only: a second SIGTERM that lands after the engine's event loop has
-        # closed (its handlers are gone) would kill it mid-exit with -15.
-        code = process.stop(timeout_s=30)
-    assert code == 0, f"the engine exited with {code}; see {process.log_path}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +47,7 @@ class Target:
 def _load_counts(url: str) -> list[dict] | None:
     """The embedded engine's per-rank counts from `/get_load`; None where a server has none."""
     try:
-        rows = httpx.get(f"{url}/get_load", timeout=10).json()
+        rows = polling_client().get(f"{url}/get_load").json()
     except (httpx.HTTPError, ValueError):
         return None
     rows = rows if isinstance(rows, list) else [rows]

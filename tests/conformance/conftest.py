@@ -1,7 +1,8 @@
 """Fixtures of the conformance suite: the server under test, a router in front of it, a teacher.
 
-By default every module starts its own embedded engine (`streamrl engine serve`)
-on a tiny random model. To check a real SGLang server instead:
+By default the suite runs against the session's shared embedded engine on a tiny
+random model (`tiny_engine`), put back as it started after every test. To check a real
+SGLang server instead:
 
     STREAMRL_CONFORMANCE_URL=http://host:30000 STREAMRL_CONFORMANCE_MODEL=/path/to/model \\
         pytest tests/conformance
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conformance_support import Target, Teacher, embedded_engine, load_teacher
+from conformance_support import Target, Teacher, load_teacher
 
 from streamrl.fleet.router import Router
 
@@ -47,20 +48,29 @@ def _target(url: str, model_path: str | None, *, is_embedded: bool) -> Target:
     )
 
 
-@pytest.fixture(scope="module")
-def target(request, tmp_path_factory) -> Iterator[Target]:
-    """The server under test: `STREAMRL_CONFORMANCE_URL`, or an embedded engine for this module."""
+@pytest.fixture(scope="session")
+def target(request) -> Target:
+    """The server under test: `STREAMRL_CONFORMANCE_URL`, or the shared embedded engine."""
     url = os.environ.get(ENV + "URL")
     if url:
-        yield _target(url, os.environ.get(ENV + "MODEL") or None, is_embedded=False)
+        return _target(url, os.environ.get(ENV + "MODEL") or None, is_embedded=False)
+    engine = request.getfixturevalue("tiny_engine")
+    return _target(engine.url, engine.model_dir, is_embedded=True)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_engine_put_back(request):
+    """Every test here reaches the server through `target`; the shared embedded engine is
+    put back as it started after each (a real server is left to the tests themselves)."""
+    if os.environ.get(ENV + "URL"):
+        yield
         return
-    model_dir = request.getfixturevalue("tiny_model_dir")
-    logs = tmp_path_factory.mktemp("conformance-engine")
-    with embedded_engine(model_dir, logs) as engine_url:
-        yield _target(engine_url, model_dir, is_embedded=True)
+    engine = request.getfixturevalue("tiny_engine")
+    yield
+    engine.put_back()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def router(target, tmp_path_factory) -> Iterator[Router]:
     """The real sglang-router with the server under test as its only worker (skipped where
     it is not installed: the H200 machine, whose carry limit leaves no room for its wheel)."""

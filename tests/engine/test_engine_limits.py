@@ -6,7 +6,7 @@ import json
 
 import anyio
 import pytest
-from engine_helpers import engine_load, running_engines
+from engine_helpers import engine_load
 
 from streamrl.actors.rollout import RolloutWorker
 from streamrl.agents.api import GenerateContext, Trajectory
@@ -69,7 +69,7 @@ async def _oov_generate(ctx: GenerateContext, prompt) -> Trajectory:
 
 @pytest.mark.anyio
 async def test_a_token_beyond_the_vocabulary_is_counted_and_never_reaches_the_engine(
-    tiny_model_dir, tmp_path
+    tiny_engine, tiny_model_dir, tmp_path
 ):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(3)))
@@ -78,34 +78,33 @@ async def test_a_token_beyond_the_vocabulary_is_counted_and_never_reaches_the_en
     receiver = StreamReceiver(
         "tcp://127.0.0.1:0", credits=UnlimitedCredits(3), on_group=groups.append
     )
-    with running_engines(tiny_model_dir, tmp_path) as engines:
-        url = engines[0].url
-        async with EngineSet([url]) as engine_set, anyio.create_task_group() as tg:
-            engine_set.set_limits(await engine_set.read_limits(vocab_size=49152, model_max=4096))
-            assert engine_set.limits == RequestLimits(vocab_size=49152, context_length=2048)
-            address = await tg.start(receiver.run)
-            sender = StreamSender(address, sender_id="rollout-test")
-            await tg.start(sender.run)
-            worker = RolloutWorker(
-                worker_id="rollout-test",
-                source=PromptSource(str(data), tokenizer=tokenizer, seed=0),
-                sender=sender,
-                engines=engine_set,
-                tokenizer=tokenizer,
-                generate_fn=_oov_generate,
-                reward_fn=lambda inp: 1.0,
-                n_samples_per_prompt=2,
-                sampling_params={"max_new_tokens": 4},
-                max_consecutive_failures=0,
-            )
-            before = engine_load(url)["num_finished_reqs"]
-            tg.start_soon(worker.run)
-            with anyio.fail_after(60):
-                while len(groups) < 3:
-                    await anyio.sleep(0.05)
-            await engine_set.engines[0].health_generate()  # the engine still serves
-            assert engine_load(url)["num_finished_reqs"] == before  # no /generate reached it
-            tg.cancel_scope.cancel()
+    url = tiny_engine.url
+    async with EngineSet([url]) as engine_set, anyio.create_task_group() as tg:
+        engine_set.set_limits(await engine_set.read_limits(vocab_size=49152, model_max=4096))
+        assert engine_set.limits == RequestLimits(vocab_size=49152, context_length=2048)
+        address = await tg.start(receiver.run)
+        sender = StreamSender(address, sender_id="rollout-test")
+        await tg.start(sender.run)
+        worker = RolloutWorker(
+            worker_id="rollout-test",
+            source=PromptSource(str(data), tokenizer=tokenizer, seed=0),
+            sender=sender,
+            engines=engine_set,
+            tokenizer=tokenizer,
+            generate_fn=_oov_generate,
+            reward_fn=lambda inp: 1.0,
+            n_samples_per_prompt=2,
+            sampling_params={"max_new_tokens": 4},
+            max_consecutive_failures=0,
+        )
+        before = engine_load(url)["num_finished_reqs"]
+        tg.start_soon(worker.run)
+        with anyio.fail_after(60):
+            while len(groups) < 3:
+                await anyio.sleep(0.05)
+        await engine_set.engines[0].health_generate()  # the engine still serves
+        assert engine_load(url)["num_finished_reqs"] == before  # no /generate reached it
+        tg.cancel_scope.cancel()
     assert set(worker.counters.rejected) == {"token_out_of_vocab"}
     assert worker.counters.rejected["token_out_of_vocab"] == worker.counters.generation_failures
     assert worker.counters.generation_failures >= 2 * len(groups) >= 6

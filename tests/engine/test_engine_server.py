@@ -1,4 +1,5 @@
-"""The embedded engine over real HTTP: one `streamrl engine serve` process for the module."""
+"""The embedded engine over real HTTP: the session's shared `streamrl engine serve` process
+(`tiny_engine`), and one of its own for the shutdown test."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
 LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 3}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine-logs")) as engines:
-        yield engines[0]
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture

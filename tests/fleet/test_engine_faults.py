@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from engine_helpers import polling_client
 from run_helpers import (
     FLEET,
     check_finished_run,
@@ -41,7 +42,7 @@ def start_run(tmp_path: Path, *, steps: int, timeout_s: float) -> tuple[subproce
 
 def is_generating(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/get_load", timeout=2).json()[0]["num_running_reqs"] > 0
+        return polling_client().get(f"{url}/get_load", timeout=2).json()[0]["num_running_reqs"] > 0
     except (httpx.HTTPError, KeyError, IndexError):
         return False
 

@@ -185,12 +185,9 @@ def test_an_unknown_dtype_name_is_an_error():
 _ENGINE_PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):
-    from engine_helpers import running_engines
-
-    with running_engines(tiny_model_dir, tmp_path_factory.mktemp("engine-logs")) as engines:
-        yield engines[0]
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def _random_weights(seed: int) -> dict[str, torch.Tensor]:
