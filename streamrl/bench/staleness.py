@@ -34,7 +34,7 @@ from typing import Any
 from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import RunSpec, run_observed, write_run_config
-from streamrl.bench.staleness_plot import NUM_PANELS, plot_staleness
+from streamrl.bench.staleness_plot import NUM_PANELS, eta_order, group_settings, plot_staleness
 
 CORRECTION_OVERRIDES = {
     "decoupled_ppo": ["algorithm.off_policy_correction='decoupled_ppo'"],
@@ -62,11 +62,6 @@ def parse_etas(text: str) -> list[Eta]:
         elif part:
             raise ValueError(f"--eta: {part!r} is neither a non-negative integer nor {AUTO!r}")
     return etas
-
-
-def eta_order(eta: Eta) -> float:
-    """Fixed bounds in order, `auto` after them."""
-    return float("inf") if eta == AUTO else float(eta)
 
 
 def run_name(eta: Eta, correction: str, seed: int | None) -> str:
@@ -215,17 +210,6 @@ def summarize_sweep(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "best_fixed_eta": None if best is None else best["eta"],
         "settings": settings,
     }
-
-
-def group_settings(runs: list[dict[str, Any]]) -> dict[tuple[Eta, str], list[dict[str, Any]]]:
-    """Runs by (eta, correction), fixed bounds in order then `auto`, first correction first."""
-    corrections = list(dict.fromkeys(r["correction"] for r in runs))
-    groups: dict[tuple[Eta, str], list[dict[str, Any]]] = {}
-    for run in sorted(
-        runs, key=lambda r: (corrections.index(r["correction"]), eta_order(r["eta"]))
-    ):
-        groups.setdefault((run["eta"], run["correction"]), []).append(run)
-    return groups
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -16,13 +16,27 @@ REASON_MARKERS = {1: "^", -1: "v"}
 """Markers of the auto bound's changes: raised, lowered."""
 
 
-def plot_staleness(result: dict[str, Any], axes) -> None:
-    from streamrl.bench.staleness import group_settings
+def eta_order(eta) -> float:
+    """Fixed bounds in order, `auto` after them."""
+    return float("inf") if eta == "auto" else float(eta)
 
+
+def group_settings(runs: list[dict[str, Any]]) -> dict[tuple[Any, str], list[dict[str, Any]]]:
+    """Runs by (eta, correction), fixed bounds in order then `auto`, first correction first."""
+    corrections = list(dict.fromkeys(r["correction"] for r in runs))
+    groups: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+    for run in sorted(
+        runs, key=lambda r: (corrections.index(r["correction"]), eta_order(r["eta"]))
+    ):
+        groups.setdefault((run["eta"], run["correction"]), []).append(run)
+    return groups
+
+
+def plot_staleness(result: dict[str, Any], axes) -> None:
     settings = group_settings(result["runs"])
     corrections = list(dict.fromkeys(correction for _, correction in settings))
     styles = {c: s for c, s in zip(corrections, ["-", "--", ":"], strict=False)}
-    etas = sorted({eta for eta, _ in settings}, key=_order)
+    etas = sorted({eta for eta, _ in settings}, key=eta_order)
     colors = {eta: f"C{i}" for i, eta in enumerate(etas)}
 
     def label(key) -> str:
@@ -53,10 +67,6 @@ def plot_staleness(result: dict[str, Any], axes) -> None:
         ax.set_title(title)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
-
-
-def _order(eta) -> float:
-    return float("inf") if eta == "auto" else float(eta)
 
 
 def _mean(values: list[float]) -> float:
