@@ -68,7 +68,9 @@ def _fake_run(run_dir: Path, *, num_steps: int = 4, step_s: float = 2.0) -> None
                 "weights/broadcast_s": 0.01, "weights/gb_per_s": 1.0,
             }  # fmt: skip
             handle.write(json.dumps(record) + "\n")
-        handle.write(json.dumps({"kind": "eval", "step": 2}) + "\n")
+        evaluation = {"kind": "eval", "dataset": "capitals", "step": 2, "version": 2, "time": 9.5,
+                      "eval/capitals/reward_mean": 0.5, "eval/capitals/pass_at_1": 0.5}  # fmt: skip
+        handle.write(json.dumps(evaluation) + "\n")
     summary = {
         "groups_started": 20, "groups_trained": 16, "groups_filtered": 0, "groups_evicted": 0,
         "accounting_ok": True,
@@ -94,6 +96,7 @@ def test_the_window_leaves_out_the_first_step_and_uses_the_learner_clock(tmp_pat
     assert result["engine_idle_frac"] == pytest.approx(1.0 - 3.0 / 6.0)
     assert result["generated_tokens_per_s"] == pytest.approx(600 / 6.0)
     assert [p["reward_mean"] for p in result["reward_curve"]] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert result["evals"] == [{"version": 2, "time_s": 9.5, "capitals": 0.5}]
 
 
 def test_engine_figures_are_absent_rather_than_wrong_when_readings_are_missing(tmp_path):
