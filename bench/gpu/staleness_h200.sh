@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31 on the one-GPU H200: the price of staleness on `builtin:multistep` with
+# Issue 31 on the one-GPU H200: the price of staleness on `builtin:world_capitals` with
 # SmolLM2-135M-Instruct, and `buffer.max_staleness = "auto"` against fixed bounds. Three calls
 # on one warm machine (the carry limit is 64 MiB and SmolLM2's GGUF is 98 MB):
 #
@@ -10,10 +10,12 @@
 #                                           in this order until 540 s have passed: eta 0 and
 #                                           4 (decoupled PPO), 4 (no correction), auto, 2, 2
 #                                           (none), 1, 1 (none); ~80 s a run
-#   bench/gpu/staleness_h200.sh b OUT       the pairs in $PAIRS (what part a had no time for)
+#   bench/gpu/staleness_h200.sh b OUT       the pairs in $PAIRS (what part a had no time for;
+#                                           SWEEP_NAME names the part, SEEDS its seeds)
 #
-# Each part merges its runs into OUT/staleness_multistep_h200x1_<part>.json (+ PNG, + its
-# logs as one .tgz); on the CPU, `streamrl bench merge` joins the parts.
+# Each part merges its runs into OUT/<config's name>_h200x1_<part>.json (+ PNG, + its logs as
+# one .tgz); on the CPU, `streamrl bench merge` joins the parts. CONFIG picks another config
+# (the first sweep ran configs/gpu/staleness_multistep.toml).
 #
 # The three seeds run side by side on the one GPU (the sweep would take an hour one run at a
 # time): each run shares the GPU with the two other seeds' runs of the same setting, which
@@ -26,7 +28,8 @@ cd "$(dirname "$0")/../.."
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 export STREAMRL_CACHE_DIR=/tmp/streamrl-cache STREAMRL_SMOLLM2_GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-CONFIG=${CONFIG:-configs/gpu/staleness_multistep.toml}
+CONFIG=${CONFIG:-configs/gpu/staleness_world_capitals.toml}
+NAME=$(basename "$CONFIG" .toml)
 PY=${PYTHON:-python3}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-40}
@@ -57,8 +60,8 @@ sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair i
   for seed in $SEEDS; do echo "== seed $seed"; tail -12 "$PARTS/${name}_s$seed.log"; done
   # The device returns at most 8 files: one merged result, its plot, and the logs in one file.
   "$PY" -m streamrl bench merge "$PARTS"/"$name"*_s*.json \
-    --json "$OUT/staleness_multistep_h200x1_$name.json"
-  tar czf "$OUT/staleness_multistep_h200x1_${name}_logs.tgz" --exclude='*.json' \
+    --json "$OUT/${NAME}_h200x1_$name.json"
+  tar czf "$OUT/${NAME}_h200x1_${name}_logs.tgz" --exclude='*.json' \
     --exclude='*.png' --exclude='*.safetensors' --exclude='*.pt' -C "$PARTS" . /tmp/staleness
   return $status
 }
@@ -81,7 +84,7 @@ a)
   ;;
 b)  # what part a had no time for (set in PAIRS), e.g. PAIRS="1:decoupled_ppo 1:none"
   # shellcheck disable=SC2086
-  sweep b ${PAIRS:-1:decoupled_ppo 1:none} ;;
+  sweep "${SWEEP_NAME:-b}" ${PAIRS:-1:decoupled_ppo 1:none} ;;
 *)
   echo "unknown part $PART" >&2
   exit 2

@@ -11,7 +11,9 @@ trades the two, one step of eta at a time:
                  have not reached the learner yet), and the run's first step (the
                  pipeline's fill): nothing is measured
     measuring    until `window_steps` steps under the current bound are seen
-    then, on the window's means:
+    then, on the window's medians of idle share and step time (one slow step, an
+    evaluation or a checkpoint, neither raises the bound nor undoes a raise) and means of
+    the diagnostics:
       over the budget (KL above max_mismatch_kl, or ESS below min_importance_ess)
                  -> bound - 1, and the bound that broke the budget is not tried again
                     for a while (the ceiling; twice as long each time it fails again)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -148,8 +151,10 @@ class AutoStaleness:
     def _decide(self) -> Decision:
         settings = self.settings
         window = list(self._window)
-        idle_share = sum(o.idle_s for o in window) / max(sum(o.step_s for o in window), 1e-9)
-        steps_per_s = len(window) / max(sum(o.step_s for o in window), 1e-9)
+        # Medians: one slow step (an evaluation, a checkpoint) neither makes the learner look
+        # idle nor hides what a raise gained.
+        idle_share = statistics.median(o.idle_s / max(o.step_s, 1e-9) for o in window)
+        steps_per_s = 1 / max(statistics.median(o.step_s for o in window), 1e-9)
         kl = _mean([o.mismatch_kl for o in window])
         ess = _mean([o.importance_ess for o in window])
         means = {

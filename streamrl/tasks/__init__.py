@@ -9,6 +9,7 @@ and Python version. The generation seed is the `seed` query parameter
 | task | what it asks | default reward |
 | --- | --- | --- |
 | `capitals` (`streamrl.tasks.capitals`) | the capital city of a well-known country (the quickstart task) | `streamrl.tasks.capitals:capital_reward` |
+| `world_capitals` (`streamrl.tasks.capitals`) | the capital of one of 138 countries, most less well known (the staleness benchmark's task) | `streamrl.tasks.capitals:capital_reward` |
 | `arithmetic` (`streamrl.tasks.arithmetic`) | a + b or a - b with a, b in [0, 50], "reply with only the number" | `streamrl.rewards.math:math_reward` |
 | `multistep` (`streamrl.tasks.multistep`) | a ± b ± c with a, b, c in [1, 20] (SmolLM2-135M: 0 of 24 greedily) | `streamrl.tasks.multistep:number_reward` (the last number is the result) |
 
@@ -56,6 +57,12 @@ TASKS: dict[str, Task] = {
             description="Name the capital of a well-known country (quickstart).",
             reward_fn="streamrl.tasks.capitals:capital_reward",
             make_rows=capitals.rows,
+        ),
+        Task(
+            name="world_capitals",
+            description="Name the capital of one of 138 countries, most less well known.",
+            reward_fn="streamrl.tasks.capitals:capital_reward",
+            make_rows=capitals.world_rows,
         ),
         Task(
             name="arithmetic",

@@ -1,8 +1,11 @@
-"""The `capitals` task: name the capital city of a well-known country (the quickstart task).
+"""The `capitals` task: name the capital city of a well-known country (the quickstart task),
+and `world_capitals`: the same question over 138 countries, most of them less well known.
 
-docs/quickstart-task.md records why: it is the candidate SmolLM2-135M-Instruct
-partly knows (about a third of samples right at temperature 1.0), and a few
-small policy-gradient steps raise that. Its reward is `capital_reward`.
+docs/quickstart-task.md records why `capitals`: it is the candidate SmolLM2-135M-Instruct
+partly knows (about a third of samples right at temperature 1.0), and a few small
+policy-gradient steps raise that, to about 0.98 within 20 steps on an H200. That saturation
+is why `world_capitals` exists: the staleness benchmark needs a task the model is still
+learning after 40 steps. Both are scored by `capital_reward`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,41 @@ CAPITALS = {
 """Countries whose capital is named unlike the country and spelt one way (the constitutional
 capital: Amsterdam, not The Hague; Bern is the federal city)."""
 
+MORE_CAPITALS = {
+    "Nigeria": "Abuja", "Ghana": "Accra", "Ethiopia": "Addis Ababa", "Tanzania": "Dodoma",
+    "Uganda": "Kampala", "Rwanda": "Kigali", "Senegal": "Dakar", "Mali": "Bamako",
+    "Niger": "Niamey", "Sudan": "Khartoum", "Libya": "Tripoli", "Zimbabwe": "Harare",
+    "Zambia": "Lusaka", "Mozambique": "Maputo", "Angola": "Luanda", "Namibia": "Windhoek",
+    "Botswana": "Gaborone", "Madagascar": "Antananarivo", "Cameroon": "Yaounde",
+    "Gabon": "Libreville", "Burkina Faso": "Ouagadougou", "Guinea": "Conakry",
+    "Sierra Leone": "Freetown", "Liberia": "Monrovia", "Malawi": "Lilongwe",
+    "Somalia": "Mogadishu", "Eritrea": "Asmara", "Mauritania": "Nouakchott", "Togo": "Lome",
+    "the Democratic Republic of the Congo": "Kinshasa", "the Republic of the Congo": "Brazzaville",
+    "South Sudan": "Juba", "Lesotho": "Maseru", "India": "New Delhi", "Bangladesh": "Dhaka",
+    "Nepal": "Kathmandu", "Cambodia": "Phnom Penh", "Laos": "Vientiane",
+    "Malaysia": "Kuala Lumpur", "Kazakhstan": "Astana", "Uzbekistan": "Tashkent",
+    "Kyrgyzstan": "Bishkek", "Tajikistan": "Dushanbe", "Turkmenistan": "Ashgabat",
+    "Azerbaijan": "Baku", "Armenia": "Yerevan", "Georgia": "Tbilisi", "Jordan": "Amman",
+    "Qatar": "Doha", "Oman": "Muscat", "the United Arab Emirates": "Abu Dhabi",
+    "Bahrain": "Manama", "North Korea": "Pyongyang", "Bhutan": "Thimphu", "Belarus": "Minsk",
+    "Lithuania": "Vilnius", "Latvia": "Riga", "Estonia": "Tallinn", "Slovakia": "Bratislava",
+    "Slovenia": "Ljubljana", "Croatia": "Zagreb", "Serbia": "Belgrade",
+    "Bosnia and Herzegovina": "Sarajevo", "Montenegro": "Podgorica",
+    "North Macedonia": "Skopje", "Albania": "Tirana", "Moldova": "Chisinau", "Malta": "Valletta",
+    "Cyprus": "Nicosia", "Brazil": "Brasilia", "Colombia": "Bogota", "Ecuador": "Quito",
+    "Paraguay": "Asuncion", "Uruguay": "Montevideo", "Jamaica": "Kingston",
+    "Haiti": "Port-au-Prince", "the Dominican Republic": "Santo Domingo",
+    "Honduras": "Tegucigalpa", "Nicaragua": "Managua", "Costa Rica": "San Jose",
+    "Guyana": "Georgetown", "Suriname": "Paramaribo", "Trinidad and Tobago": "Port of Spain",
+    "the Bahamas": "Nassau", "Barbados": "Bridgetown", "Fiji": "Suva",
+    "Papua New Guinea": "Port Moresby", "Samoa": "Apia",
+}  # fmt: skip
+"""`world_capitals`' countries beyond `CAPITALS`, chosen by the same rule (a capital named unlike
+the country, one capital, one usual spelling up to accents): no Bolivia, Sri Lanka or South
+Africa (more than one capital), no Ukraine or Myanmar (spellings differ)."""
+
+WORLD_CAPITALS = CAPITALS | MORE_CAPITALS
+
 _CAPITAL_QUESTIONS = (
     "What is the capital of {country}?",
     "What is the capital city of {country}?",
@@ -43,15 +81,24 @@ _CAPITAL_QUESTIONS = (
 
 
 def rows(rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
-    """Countries in shuffled rounds (each appears once per round), phrasing drawn per row."""
-    countries = sorted(CAPITALS)
+    """`CAPITALS`' countries in shuffled rounds (each once per round), phrasing drawn per row."""
+    return _rows(CAPITALS, rng, num_rows)
+
+
+def world_rows(rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
+    """`rows` over `WORLD_CAPITALS`."""
+    return _rows(WORLD_CAPITALS, rng, num_rows)
+
+
+def _rows(capitals: dict[str, str], rng: random.Random, num_rows: int) -> list[dict[str, Any]]:
+    countries = sorted(capitals)
     out: list[dict[str, Any]] = []
     while len(out) < num_rows:
         rng.shuffle(countries)
         for country in countries[: num_rows - len(out)]:
             question = rng.choice(_CAPITAL_QUESTIONS).format(country=country)
             out.append(
-                {"prompt": question, "label": CAPITALS[country], "metadata": {"country": country}}
+                {"prompt": question, "label": capitals[country], "metadata": {"country": country}}
             )
     return out
 
@@ -63,7 +110,7 @@ def _fold(text: str) -> str:
 
 
 _CAPITAL_PATTERNS = {
-    city: re.compile(rf"\b{re.escape(_fold(city))}\b") for city in CAPITALS.values()
+    city: re.compile(rf"\b{re.escape(_fold(city))}\b") for city in WORLD_CAPITALS.values()
 }
 
 
@@ -74,7 +121,7 @@ def names_city(text: str, city: str) -> bool:
 
 
 def capital_reward(inp: RewardInput) -> float:
-    """1.0 if the response names the label's city and no other capital in the table, else 0.0.
+    """1.0 if the response names the label's city and no other capital of `WORLD_CAPITALS`.
 
     Naming a second capital scores 0, so listing cities cannot earn reward.
     """

@@ -7,8 +7,11 @@ learned exactly that within 40 steps on an H200 (reward 0.999 at every eta). Her
 answer has to be the number itself.
 
 The staleness benchmark uses this task (`configs/gpu/staleness_multistep.toml`) because
-SmolLM2-135M-Instruct does not solve it outright: it answered 0 of 24 rows greedily (its
-greedy answer to two-operand sums is usually right)."""
+SmolLM2-135M-Instruct does not solve it outright: it answered 0 of 24 rows greedily. It
+turned out too hard to learn from: 0.027 of samples right at temperature 1.0 and 0.04 of
+greedy answers after 40 steps on an H200 (bench/results/gpu/staleness_multistep/). Two-operand
+sums in [0, 50] are not much easier for it under this reward (5 of 32 greedily, 4 of 128
+samples at temperature 1.0, on the CPU); the staleness benchmark now uses `world_capitals`."""
 
 from __future__ import annotations
 

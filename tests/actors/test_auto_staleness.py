@@ -88,6 +88,34 @@ def test_a_raise_that_does_not_make_steps_faster_is_undone_and_not_retried_at_on
     assert Reason.AT_LIMIT in {d.reason for d in decisions}
 
 
+class SlowEveryTenth(Pipeline):
+    """Every tenth step takes 8 s longer (an evaluation or a checkpoint on the way)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.num_steps = 0
+
+    def step(self, bound: int) -> Observation:
+        observation = super().step(bound)
+        self.num_steps += 1
+        if self.num_steps % 10:
+            return observation
+        return Observation(idle_s=observation.idle_s + 8.0, step_s=observation.step_s + 8.0,
+                           mismatch_kl=observation.mismatch_kl,
+                           importance_ess=observation.importance_ess)  # fmt: skip
+
+
+def test_one_slow_step_in_the_window_does_not_undo_a_raise_that_paid():
+    # Each raise up to bound 3 makes steps 1.5 to 2 times faster; the slow steps fall into
+    # the windows that judge the raises (steps 10 and 20 here), and in the mean they would
+    # hide the gain: every raise must still be kept.
+    controller = AutoStaleness(settings(raise_idle_share=0.05))
+    decisions = drive(controller, SlowEveryTenth(gen_s=4.0, train_s=1.0, saturates_at=4), 60)
+    assert not [d for d in decisions if d.reason == Reason.RAISE_DID_NOT_PAY]
+    assert [d.change for d in decisions if d.change] == [1, 1]
+    assert decisions[-1].bound == 3
+
+
 def test_the_bound_backs_off_when_the_mismatch_kl_leaves_the_budget_and_stays_below_it():
     # The learner always waits (generation never saturates), but each version of staleness
     # adds 0.004 nats of mismatch KL: bound 4 would be 0.018 > budget 0.015.

@@ -7,7 +7,7 @@ import pytest
 from streamrl.rewards import RewardInput, load_reward_fn
 from streamrl.rewards.math import grade
 from streamrl.tasks import TASKS, get_task
-from streamrl.tasks.capitals import CAPITALS, capital_reward
+from streamrl.tasks.capitals import CAPITALS, MORE_CAPITALS, WORLD_CAPITALS, capital_reward
 
 
 def scored(fn, response: str, label) -> float:
@@ -37,8 +37,27 @@ def test_capitals_cover_every_country_once_per_round():
     assert all(CAPITALS[row["metadata"]["country"]] == row["label"] for row in rows)
 
 
+def test_world_capitals_cover_both_tables_once_per_round_with_one_city_each():
+    assert not set(CAPITALS) & set(MORE_CAPITALS)
+    assert len(set(WORLD_CAPITALS.values())) == len(WORLD_CAPITALS) == 138
+    rows = get_task("world_capitals").rows(0, len(WORLD_CAPITALS))
+    assert sorted(row["metadata"]["country"] for row in rows) == sorted(WORLD_CAPITALS)
+    assert all(WORLD_CAPITALS[row["metadata"]["country"]] == row["label"] for row in rows)
+    # A country's name never names a capital (else the question would give it away), and
+    # no capital's name holds another's (else naming one would count as naming both).
+    for country, city in WORLD_CAPITALS.items():
+        assert scored(capital_reward, f"It is {country}.", city) == 0.0, country
+        assert scored(capital_reward, city, city) == 1.0, city
+
+
+def test_naming_a_second_capital_from_either_table_scores_nothing():
+    assert scored(capital_reward, "Abuja", "Abuja") == 1.0
+    assert scored(capital_reward, "Abuja, or maybe Accra", "Abuja") == 0.0
+    assert scored(capital_reward, "Oslo or Bishkek", "Oslo") == 0.0
+
+
 def test_unknown_tasks_and_bad_sizes_are_errors():
-    with pytest.raises(KeyError, match="known: arithmetic, capitals, multistep"):
+    with pytest.raises(KeyError, match="known: arithmetic, capitals, multistep, world_capitals"):
         get_task("nope")
     with pytest.raises(ValueError, match="n must be > 0"):
         get_task("capitals").rows(0, 0)
