@@ -38,10 +38,10 @@ lock:
 quickstart: setup
 	$(BIN)/streamrl run configs/quickstart.toml --set train.output_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)
 
-# `make test PYTEST_ARGS="-n 2 --dist loadgroup"` spreads the suite over two pytest-xdist
-# workers (tests/conftest.py keeps each module, and every Ray module, on one worker). It is
-# not the default: on 2 shared cores the extra load made a Ray clean-up wait time out once.
-PYTEST_ARGS ?=
+# Two pytest-xdist workers: many tests wait on processes they started (engines, runs), and
+# the other worker uses the core meanwhile. tests/conftest.py keeps each module, and every Ray
+# module, on one worker. `make test PYTEST_ARGS=` runs everything in one process.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -15,6 +15,7 @@ the main thread or another thread that lives as long as the child should
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -103,6 +104,19 @@ class ChildProcess:
     def placement(self) -> dict[str, str]:
         """Where the process runs, for engines.json: nothing to add on this machine."""
         return {}
+
+
+def stop_all(stops: Sequence[Callable[[], object]]) -> None:
+    """Call every stop at once, one thread each, and return when all have returned: stopping
+    N processes takes as long as the slowest stop, not their sum (each stop is bounded:
+    SIGTERM, then SIGKILL after its timeout). The first error is raised after all returned."""
+    if not stops:
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(stops), thread_name_prefix="stop") as pool:
+        futures = [pool.submit(stop) for stop in stops]
+    errors = [future.exception() for future in futures if future.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 class ProcessHandle(Protocol):

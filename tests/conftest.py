@@ -77,7 +77,7 @@ def _tiny_engine_put_back(request):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test PYTEST_ARGS="-n 2 --dist loadgroup"`), each module is one
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), each module is one
     group, so its tests share one worker and its module fixtures (a running engine, a
     trained model) are built once. Modules marked `xdist_group("ray")` share one group
     instead: they start Ray instances and count Ray's daemons machine-wide, so two of them

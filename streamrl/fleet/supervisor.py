@@ -28,7 +28,14 @@ from streamrl.config import RunConfig
 from streamrl.events import append_event
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.router import Router
-from streamrl.process import LocalSpawner, ProcessHandle, ServerArgv, Spawner, wait_http_ready
+from streamrl.process import (
+    LocalSpawner,
+    ProcessHandle,
+    ServerArgv,
+    Spawner,
+    stop_all,
+    wait_http_ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +187,10 @@ class EngineSupervisor:
         return result
 
     def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for engine in self.engines:
-            if engine.process is not None:
-                engine.process.stop()
+        """Stop the router and every engine, all at once (`stop_all`)."""
+        stops = [self.router.stop] if self.router is not None else []
+        stops += [engine.process.stop for engine in self.engines if engine.process is not None]
+        stop_all(stops)
 
     @property
     def urls(self) -> list[str]:

@@ -43,7 +43,7 @@ from streamrl.mains.rollout import spawn_rollout
 from streamrl.mains.rollout_keeper import RolloutKeeper
 from streamrl.mains.run_dir import initial_model, load_user_code, metrics_writer, prepare_run_dir
 from streamrl.metrics import MetricsWriter
-from streamrl.process import LocalSpawner, ProcessHandle, Spawner
+from streamrl.process import LocalSpawner, ProcessHandle, Spawner, stop_all
 from streamrl.queues.intake import IntakeState
 
 log = logging.getLogger(__name__)
@@ -74,14 +74,17 @@ class Trainer:
         """Stop every process this trainer started (idempotent; also after a failure)."""
         if self._is_stopped:  # a second call would reach processes of a closed spawner
             return
-        for child in self.children:
-            child.stop()
+        # All at once: after Ctrl-C or SIGTERM the run must be gone within one stop's timeout.
+        stops = [child.stop for child in self.children]
         if self.ranks is not None:
-            self.ranks.stop()
+            stops.append(self.ranks.stop)
         if self.supervisor is not None:
-            self.supervisor.stop()
-        self.spawner.close()
-        self._is_stopped = True
+            stops.append(self.supervisor.stop)
+        try:
+            stop_all(stops)
+        finally:
+            self._is_stopped = True
+            self.spawner.close()
 
     async def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary (see the module docstring). A learner

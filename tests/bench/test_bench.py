@@ -303,17 +303,11 @@ def test_collective_measures_two_gloo_ranks(tmp_path):
     assert (tmp_path / "c.png").exists()
 
 
-def test_weight_sync_publishes_to_a_real_engine_and_reports_its_cost(tmp_path):
-    result = _bench("weight-sync", "--shape", "qwen3-tiny", "--engines", "1", "--repeats", "1",
-                    "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "w.json"))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    row = json.loads((tmp_path / "w.json").read_text())["result"]["engines"][0]
-    assert row["num_engines"] == 1 and len(row["samples"]) == 2
-    assert row["gb_per_s_mean"] > 0 and row["engine_pause_s_mean"] >= row["broadcast_s_mean"]
-    assert (tmp_path / "w.png").exists()
-
-
-def test_weight_sync_with_lora_ranks_publishes_adapters_that_engines_merge(tmp_path):
+def test_weight_sync_publishes_full_weights_and_lora_adapters_to_a_real_engine_with_their_cost(
+    tmp_path,
+):
+    """One bench run (one engine start) measures both: rank 0 (the full weights) and rank 4
+    (adapters that the engine merges)."""
     result = _bench("weight-sync", "--shape", "qwen3-tiny", "--engines", "1", "--repeats", "1",
                     "--lora-rank", "0,4", "--work-dir", str(tmp_path / "work"),
                     "--json", str(tmp_path / "w.json"))  # fmt: skip
@@ -321,9 +315,12 @@ def test_weight_sync_with_lora_ranks_publishes_adapters_that_engines_merge(tmp_p
     record = json.loads((tmp_path / "w.json").read_text())["result"]
     full, lora = record["engines"]
     assert (full["lora_rank"], lora["lora_rank"]) == (0, 4)
+    assert full["num_engines"] == 1 and len(full["samples"]) == 2
+    assert full["gb_per_s_mean"] > 0 and full["engine_pause_s_mean"] >= full["broadcast_s_mean"]
     assert full["bytes"] == record["setup"]["bytes"] and 0 < lora["bytes"] < full["bytes"] / 4
     assert lora["num_tensors"] == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
     assert lora["gb_per_s_mean"] > 0 and "rank 4" in result.stdout
+    assert (tmp_path / "w.png").exists()
 
 
 def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_path):

@@ -240,12 +240,19 @@ def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans
 @pytest.mark.slow
 def test_sigterm_stops_a_ray_run_and_every_placed_process(tmp_path):
     """ray.init installs its own SIGTERM handler; the launcher's must win, so that the run
-    stops its actors, placement group and Ray instance on the way out."""
+    stops its actors, placement group and Ray instance on the way out. The placed processes
+    run at the trainer's niceness (Ray's default for workers is 15: on a busy machine they
+    starve, and stopping them takes longer)."""
     daemons_before = ray_daemon_pids()
     out = tmp_path / "out"
     process = start_run(write_config(tmp_path, steps=50, extra=RAY))
     try:
         wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
+        running = placed_pids(json.loads((out / "ray.json").read_text()))
+        trainer_niceness = os.getpriority(os.PRIO_PROCESS, process.pid)
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in running] == [
+            trainer_niceness
+        ] * len(running)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 130
     finally:

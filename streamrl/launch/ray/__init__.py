@@ -27,8 +27,9 @@ An engine binds its node's IP on a port free there (chosen by its actor);
 the buffer, the router and the weight-update master bind this machine's IP
 instead of loopback (`RaySpawner.reachable`).
 
-`RaySpawner.close` stops every child, kills the actors, removes the placement
-group and disconnects; a Ray instance the run started is shut down with it.
+`RaySpawner.close` stops every child (all at once, bounded), kills the actors, removes
+the placement groups from a cluster and disconnects; a Ray instance the run started is
+shut down with it, and what it placed here is killed by pid if it outlives that.
 Ray is imported in this package only (and by tests): nothing below the launcher knows it.
 `hosts` holds the actor and the driver's handle to it, `spawner` the connection, the
 placement groups and the `Spawner` the trainer uses.

@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import select
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 from streamrl.mains.follower import NODE_IP_ENV
 from streamrl.process import ChildProcess, free_port, spawn
 
+log = logging.getLogger(__name__)
+
 LOST_EXIT_CODE = -int(signal.SIGKILL)
 """What `RayProcess.poll` reports once its actor is gone: the child died with it (PDEATHSIG)."""
 CALL_TIMEOUT_S = 60.0
 """Bound on one call to a ProcessHost (they answer in milliseconds unless the node is lost)."""
+STOP_TIMEOUT_S = 10.0
+"""A stopped process gets SIGKILL this long after its SIGTERM."""
+REPLY_MARGIN_S = 5.0
+"""How long past a stop's own timeout the driver waits for the actor's answer; an actor that
+has not answered by then is killed, and its process with it (PDEATHSIG)."""
 
 
 class ProcessHost:
@@ -84,7 +94,7 @@ class ProcessHost:
     async def log_tail(self, num_lines: int = 30) -> str:
         return self.child.log_tail(num_lines) if self.child is not None else "(not started)"
 
-    async def stop(self, timeout_s: float = 10.0) -> int | None:
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         if self.child is None:
             return None
         return await asyncio.to_thread(self.child.stop, timeout_s)
@@ -155,12 +165,20 @@ class RayProcess:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             return f"(the log on node {self._node['node_ip']} is out of reach: {exc})"
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, SIGKILL after `timeout_s`; the exit code. Bounded by `timeout_s` plus
+        REPLY_MARGIN_S: an actor that does not answer by then is killed with its process."""
         import ray
 
         try:
-            return self._call("stop", timeout_s, timeout_s=timeout_s + CALL_TIMEOUT_S)
+            return self._call("stop", timeout_s, timeout_s=timeout_s + REPLY_MARGIN_S)
         except ray.exceptions.RayActorError:
+            return LOST_EXIT_CODE
+        except ray.exceptions.GetTimeoutError:
+            log.warning("%s did not answer a stop within %.0f s: killing its actor", self.name,
+                        timeout_s + REPLY_MARGIN_S)  # fmt: skip
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(self._host)
             return LOST_EXIT_CODE
 
     def kill(self) -> None:
@@ -168,3 +186,41 @@ class RayProcess:
 
         with contextlib.suppress(ray.exceptions.RayActorError):
             self._call("kill")
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22); None
+    when there is no such process. With the pid it names one process, even once pids wrap."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def kill_survivors(processes: dict[int, int], *, grace_s: float) -> list[int]:
+    """Wait up to `grace_s` for the processes in `processes` (pid -> `start_time`) to exit,
+    then SIGKILL the rest (the whole process group of a group leader); their pids."""
+    pending: dict[int, int] = {}  # pidfd -> pid: readable once the process has exited
+    for pid, started in processes.items():
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if start_time(pid) == started:  # checked after opening: the pidfd pins the process
+            pending[pidfd] = pid
+        else:
+            os.close(pidfd)
+    deadline = time.monotonic() + grace_s
+    while pending and (left_s := deadline - time.monotonic()) > 0:
+        exited, _, _ = select.select(list(pending), [], [], left_s)
+        for pidfd in exited:
+            os.close(pidfd)
+            del pending[pidfd]
+    for pidfd, pid in pending.items():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
+    return sorted(pending.values())

@@ -27,12 +27,23 @@ from streamrl.launch.placement import (
     rank_order,
     split_tp_groups,
 )
-from streamrl.launch.ray.hosts import CALL_TIMEOUT_S, ProcessHost, RayProcess
+from streamrl.launch.ray.hosts import (
+    CALL_TIMEOUT_S,
+    REPLY_MARGIN_S,
+    STOP_TIMEOUT_S,
+    ProcessHost,
+    RayProcess,
+    kill_survivors,
+    start_time,
+)
 from streamrl.mains.errors import RunError
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LEFTOVER_GRACE_S = 5.0
+"""How long after `ray.shutdown` a process the run placed on this machine may take to exit
+(actors exit with their raylet, components with their actor) before it is killed."""
 
 
 class RayUnavailable(ConfigError):
@@ -78,6 +89,9 @@ class RaySpawner:
         self.processes: dict[str, dict[str, Any]] = {}
         self.bundles: dict[str, dict[str, float]] = {}
         self.strategy = ""
+        self.local_processes: dict[int, int] = {}
+        """With an instance of the run's own: pid -> start time of every actor and component
+        process on this machine, for `close` to kill what outlives `ray.shutdown`."""
 
     @classmethod
     def start(cls, cfg: RunConfig, run_dir: Path) -> RaySpawner:
@@ -109,7 +123,13 @@ class RaySpawner:
             num_cpus = int(sum(bundle["CPU"] for bundle in needed))
             # The raylet takes its GPUs from CUDA_VISIBLE_DEVICES when it starts: leave rank
             # 0's out (this process trains on it), or Ray could hand it to a rank or engine.
-            with environ_set("CUDA_VISIBLE_DEVICES", gpus_for_own_instance(cfg)):
+            # Its workers run at niceness 15 unless told otherwise; the engines and the rollout
+            # they start must not yield the CPU to the learner 28 to 1 (weights 36 vs 1024),
+            # or on a busy machine they crawl and even stopping them runs past its timeout.
+            with (
+                environ_set("CUDA_VISIBLE_DEVICES", gpus_for_own_instance(cfg)),
+                environ_set("RAY_worker_niceness", "0"),
+            ):
                 ray.init(  # "local": a new instance even when RAY_ADDRESS names a cluster
                     address="local",
                     num_cpus=max(os.cpu_count() or 1, num_cpus),
@@ -151,6 +171,8 @@ class RaySpawner:
         )
         hosts = _start_hosts(self.placement_group, list(self.bundles.values()), list(self.bundles))
         found = ray.get([host.node.remote() for host in hosts], timeout=600)
+        for node in found:
+            self._remember_local(node["actor_pid"])
         self.hosts.update(zip(self.bundles, hosts, strict=True))
         self.nodes.update(zip(self.bundles, found, strict=True))
         self._record()
@@ -198,6 +220,8 @@ class RaySpawner:
         names = [f"learner-bundle{index}" for index in range(len(self.learner_bundles))]
         hosts = _start_hosts(self.learner_group, self.learner_bundles, names)
         found = ray.get([host.node.remote() for host in hosts], timeout=600)
+        for node in found:
+            self._remember_local(node["actor_pid"])
         order = rank_order([node["node_id"] for node in found], self.driver["node_id"])
         for rank, index in enumerate(order, start=1):
             self.hosts[f"learner-rank{rank}"] = hosts[index]
@@ -240,6 +264,12 @@ class RaySpawner:
             "processes": self.processes,
         }
         (self.run_dir / "ray.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    def _remember_local(self, pid: int) -> None:
+        """Keep `pid` for `close` when this run's own Ray instance placed it (on this machine)."""
+        started = start_time(pid) if self.is_own_instance else None
+        if started is not None:
+            self.local_processes[pid] = started
 
     # ---------------------------------------------------------------- Spawner
 
@@ -284,28 +314,41 @@ class RaySpawner:
                 f"cannot start {name}: its Ray actor on node {node['node_ip']} is gone ({exc})"
             ) from None
         self.processes[name] = {"pid": pid, "node_id": node["node_id"], "node_ip": node["node_ip"]}
+        self._remember_local(pid)
         self._record()
         return RayProcess(name, self.hosts[name], pid, node, log_path)
 
     def close(self) -> None:
-        """Stop every child, kill the actors, remove the placement group, disconnect (and shut
-        down a Ray instance this run started). Safe to call twice and after partial starts."""
+        """Stop every child, kill the actors, remove the placement groups, disconnect (and shut
+        down a Ray instance this run started). Safe to call twice and after partial starts.
+
+        Bounded: the children are stopped all at once (SIGKILL STOP_TIMEOUT_S after SIGTERM),
+        actors that have not answered REPLY_MARGIN_S later are killed with their children;
+        with an instance of the run's own, whatever it placed on this machine and is still
+        alive LEFTOVER_GRACE_S after `ray.shutdown` is killed by pid."""
         ray = require_ray()
         if not ray.is_initialized():
             return
-        stops = [host.stop.remote() for host in self.hosts.values()]
-        with contextlib.suppress(ray.exceptions.RayError):  # a lost actor's child died with it
-            ray.get(stops, timeout=CALL_TIMEOUT_S)
-        for host in self.hosts.values():
-            ray.kill(host)
+        hosts = list(self.hosts.values())
         self.hosts.clear()
-        from ray.util.placement_group import remove_placement_group
+        stops = [host.stop.remote(STOP_TIMEOUT_S) for host in hosts]
+        ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S + REPLY_MARGIN_S)
+        for host in hosts:
+            with contextlib.suppress(ray.exceptions.RayError):  # already gone
+                ray.kill(host)
+        if not self.is_own_instance:  # the cluster outlives the run: give its resources back
+            from ray.util.placement_group import remove_placement_group
 
-        for group in (self.placement_group, self.learner_group):
-            if group is not None:
-                remove_placement_group(group)
+            for group in (self.placement_group, self.learner_group):
+                if group is not None:
+                    remove_placement_group(group)
         self.placement_group = self.learner_group = None
         ray.shutdown()
+        killed = kill_survivors(self.local_processes, grace_s=LEFTOVER_GRACE_S)
+        self.local_processes.clear()
+        if killed:
+            log.warning("killed %d placed processes still alive after Ray shut down: pids %s",
+                        len(killed), killed)  # fmt: skip
 
 
 def _wait_placed(group, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> None:

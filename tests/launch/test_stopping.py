@@ -1,0 +1,59 @@
+"""Stopping what a run started in bounded time: `stop_all` stops every process at once, and
+`kill_survivors` kills by pid what outlived its grace, never a process that reused the pid."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from engine_helpers import wait_until
+from run_helpers import is_gone
+
+from streamrl.launch.ray.hosts import kill_survivors, start_time
+from streamrl.process import stop_all
+
+
+def test_stop_all_runs_every_stop_at_once_and_raises_the_first_error_after_all_returned():
+    arrived = threading.Barrier(3, timeout=60)  # opens only while all three stops wait at once
+    finished = []
+
+    def stop() -> None:
+        arrived.wait()
+        finished.append(True)
+
+    def failing_stop() -> None:
+        arrived.wait()
+        raise RuntimeError("engine-1 did not stop")
+
+    with pytest.raises(RuntimeError, match="engine-1 did not stop"):
+        stop_all([stop, failing_stop, stop])
+    assert finished == [True, True]
+
+
+def test_kill_survivors_kills_what_outlived_its_grace_and_leaves_a_reused_pid_alone():
+    exited = subprocess.Popen(["true"])
+    wait_until(lambda: is_gone(exited.pid), what="the short process to exit")
+    ignores_term = [sys.executable, "-c",
+                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "time.sleep(600)"]  # fmt: skip
+    stuck = subprocess.Popen(ignores_term, start_new_session=True)
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        wait_until(lambda: start_time(stuck.pid) is not None, what="the stuck process")
+        processes = {
+            exited.pid: start_time(exited.pid),
+            stuck.pid: start_time(stuck.pid),
+            other.pid: start_time(other.pid) + 1,  # as if the pid now named another process
+        }
+        assert kill_survivors(processes, grace_s=0.5) == [stuck.pid]
+        assert stuck.wait(timeout=30) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        stuck.kill()
+        other.kill()
+        for process in (exited, stuck, other):
+            process.wait()
+    assert start_time(stuck.pid) is None
