@@ -11,9 +11,8 @@ trades the two, one step of eta at a time:
                  have not reached the learner yet), and the run's first step (the
                  pipeline's fill): nothing is measured
     measuring    until `window_steps` steps under the current bound are seen
-    then, on the window's medians of idle share and step time (one slow step, an
-    evaluation or a checkpoint, neither raises the bound nor undoes a raise) and means of
-    the diagnostics:
+    then, on the window's means (the steps/s without the window's slowest step, so
+    that one slow step, an evaluation or a checkpoint, does not undo a raise):
       over the budget (KL above max_mismatch_kl, or ESS below min_importance_ess)
                  -> bound - 1, and the bound that broke the budget is not tried again
                     for a while (the ceiling; twice as long each time it fails again)
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -151,10 +149,12 @@ class AutoStaleness:
     def _decide(self) -> Decision:
         settings = self.settings
         window = list(self._window)
-        # Medians: one slow step (an evaluation, a checkpoint) neither makes the learner look
-        # idle nor hides what a raise gained.
-        idle_share = statistics.median(o.idle_s / max(o.step_s, 1e-9) for o in window)
-        steps_per_s = 1 / max(statistics.median(o.step_s for o in window), 1e-9)
+        # The learner's waits come in bursts (a few steps wait, most do not), so its idle
+        # share is a mean. The rate leaves out the window's slowest step: one slow step (an
+        # evaluation, a checkpoint) in the window that judges a raise does not undo it.
+        idle_share = sum(o.idle_s for o in window) / max(sum(o.step_s for o in window), 1e-9)
+        kept = sorted(o.step_s for o in window)[:-1] or [window[0].step_s]
+        steps_per_s = len(kept) / max(sum(kept), 1e-9)
         kl = _mean([o.mismatch_kl for o in window])
         ess = _mean([o.importance_ess for o in window])
         means = {

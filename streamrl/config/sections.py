@@ -220,10 +220,10 @@ class AutoStalenessConfig(_Section):
     0 turns this check off."""
     raise_idle_share: Probability = 0.1
     """The bound goes up by one while, within the budget, the learner waits for data more
-    than this share of its step time (median over `window_steps`)."""
+    than this share of its step time (mean over `window_steps`)."""
     min_gain: NonNegFloat = 0.1
-    """A raise is kept only if the steps per second after it (from the window's median step
-    time) beat those before by this share; otherwise it is undone and that bound is not tried
+    """A raise is kept only if the steps per second after it (the window's steps but its
+    slowest) beat those before by this share; otherwise it is undone and that bound is not tried
     again for a while. Below the steps' own noise, raises that gained nothing are kept and
     the bound drifts up (at 15% noise per step, 0.05 did)."""
     window_steps: PositiveInt = 4

@@ -106,14 +106,18 @@ class SlowEveryTenth(Pipeline):
 
 
 def test_one_slow_step_in_the_window_does_not_undo_a_raise_that_paid():
-    # Each raise up to bound 3 makes steps 1.5 to 2 times faster; the slow steps fall into
-    # the windows that judge the raises (steps 10 and 20 here), and in the mean they would
-    # hide the gain: every raise must still be kept.
+    # Each raise up to bound 3 makes steps 1.5 to 2 times faster; a slow step falls into the
+    # window that judges the raise to 2 (step 10 here), and in that window's mean it would
+    # hide the gain. The raises to 2 and 3 are kept; the slow step at 20 makes the learner
+    # wait, so 4 is tried, and undone because it did not pay.
     controller = AutoStaleness(settings(raise_idle_share=0.05))
     decisions = drive(controller, SlowEveryTenth(gen_s=4.0, train_s=1.0, saturates_at=4), 60)
-    assert not [d for d in decisions if d.reason == Reason.RAISE_DID_NOT_PAY]
-    assert [d.change for d in decisions if d.change] == [1, 1]
-    assert decisions[-1].bound == 3
+    bounds = [d.bound for d in decisions]
+    reached_3 = bounds.index(3)
+    assert reached_3 < 15 and min(bounds[reached_3:]) == 3
+    undone = [d for d in decisions if d.reason == Reason.RAISE_DID_NOT_PAY]
+    assert [d.bound for d in undone] == [3]
+    assert bounds[-1] == 3
 
 
 def test_the_bound_backs_off_when_the_mismatch_kl_leaves_the_budget_and_stays_below_it():
