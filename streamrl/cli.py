@@ -19,6 +19,7 @@ import importlib
 import sys
 
 from streamrl import logs
+from streamrl.config.sections import ConfigError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     entry = getattr(importlib.import_module(module_name), function_name)
     try:
         code = entry(args) or 0
+    except ConfigError as exc:  # a bad --set or config in any command: the message, no trace
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
     finally:
         # Nothing a collection could free matters once the command is over, and the full
         # one that Python makes on its way out walks every object torch and transformers

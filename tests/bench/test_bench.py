@@ -183,6 +183,15 @@ def test_the_gpu_driver_names_configs_that_exist():
     assert check.returncode == 0
 
 
+def test_a_bad_override_is_an_error_line_naming_the_key_not_a_traceback(tmp_path):
+    result = _bench("staleness", "configs/quickstart.toml", "--set", "buffer.nope=1",
+                    "--work-dir", str(tmp_path), timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert "error: configs/quickstart.toml: buffer.nope: unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
 def test_synthetic_rewards_read_tokens_and_logprobs_only():
     assert synthetic.confidence_reward([-1.0, -3.0]) == -2.0
     assert synthetic.confidence_reward([]) == 0.0
