@@ -13,8 +13,9 @@
 #                                              embedded engine in-process, one after the other,
 #                                              random Qwen2-0.5B with SmolLM2's vocabulary,
 #                                              64/256/512 requests x 128 + 256 tokens (~8 min)
-#   bench/gpu/sglang_h200.sh stash OUT         carry .gguf/part.aa: keep it in /tmp
-#   bench/gpu/sglang_h200.sh learn OUT         carry .gguf/part.ab: join the GGUF, convert it
+#   bench/gpu/sglang_h200.sh stash OUT         carry .gguf/part.aa: keep it in /tmp (again
+#                                              with part.ab; `bench/gpu/gguf_parts.sh`)
+#   bench/gpu/sglang_h200.sh learn OUT         carry .gguf/part.ac: join the GGUF, convert it
 #                                              to a Hugging Face directory, and
 #                                              `streamrl run configs/gpu/sglang_capitals.toml`
 #
@@ -26,6 +27,8 @@ cd "$(dirname "$0")/../.."
 # Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from this machine: the device copy's .git may be stale.
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu/gguf_parts.sh
+source bench/gpu/gguf_parts.sh
 
 if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
@@ -107,12 +110,11 @@ engine)
   exit $status
   ;;
 stash)
-  cp .gguf/part.aa /tmp/smollm2.gguf.aa && ls -la /tmp/smollm2.gguf.aa
+  gguf_stash
   ;;
 learn)
-  mkdir -p /tmp/smollm2 &&
-    cat /tmp/smollm2.gguf.aa .gguf/part.ab >/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
-    (cd /tmp/smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee "$OUT/gguf_sha256.txt"
+  gguf_join | tee "$OUT/gguf_sha256.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   sglang_env
   export STREAMRL_SMOLLM2_GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   model=$(python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())") ||

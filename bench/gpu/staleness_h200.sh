@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Issue 31 on the one-GPU H200: the price of staleness on `builtin:world_capitals` with
-# SmolLM2-135M-Instruct, and `buffer.max_staleness = "auto"` against fixed bounds. Three calls
-# on one warm machine (the carry limit is 64 MiB and SmolLM2's GGUF is 98 MB):
+# SmolLM2-135M-Instruct, and `buffer.max_staleness = "auto"` against fixed bounds. Calls on
+# one warm machine (the carry limit is 64 MiB and SmolLM2's GGUF is 98 MB, in the parts that
+# `bash bench/gpu/gguf_parts.sh split` makes):
 #
 #   bench/gpu/staleness_h200.sh stash OUT   carry .whl .gguf/part.aa: wheels into /tmp/site,
-#                                           the GGUF's first part into /tmp
-#   bench/gpu/staleness_h200.sh a OUT       carry .gguf/part.ab .whl: join the GGUF, convert
+#                                           the carried GGUF parts into /tmp; again with
+#                                           .gguf/part.ab
+#   bench/gpu/staleness_h200.sh a OUT       carry .gguf/part.ac: join the GGUF (its SHA-256
+#                                           checked), convert
 #                                           it once, then per seed (0, 1, 2, side by side),
 #                                           in this order until 540 s have passed: eta 0 and
 #                                           4 (decoupled PPO), 4 (no correction), auto, 2, 2
@@ -35,6 +38,8 @@ SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-40}
 DEADLINE=$(($(date +%s) + ${BUDGET_S:-540}))  # a part's runs end by then (a device call: 600 s)
 PARTS=/tmp/staleness-parts
+# shellcheck source=bench/gpu/gguf_parts.sh
+source bench/gpu/gguf_parts.sh
 mkdir -p "$PARTS"
 
 sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair in turn
@@ -68,13 +73,14 @@ sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair i
 
 case "$PART" in
 stash)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
-    cp .gguf/part.aa /tmp/smollm2.gguf.aa && ls -la /tmp/smollm2.gguf.aa /tmp/site | head
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  fi
+  gguf_stash
   ;;
 a)
-  mkdir -p /tmp/smollm2 &&
-    cat /tmp/smollm2.gguf.aa .gguf/part.ab >/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
-    (cd /tmp/smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee "$OUT/gguf_sha256.txt"
+  gguf_join | tee "$OUT/gguf_sha256.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   # Convert once, before the three processes would race to do it.
   python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())" || exit 1
   python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, transformers.__version__)" \

@@ -7,6 +7,7 @@ Fast tests use fakes and one tiny engine; the end-to-end smokes of `staleness` a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -179,8 +180,35 @@ def test_the_gpu_driver_names_configs_that_exist():
     script = (REPO / "bench/gpu/run_benches.sh").read_text()
     for name in ("gpu_2gpu", "gpu_1gpu", "cpu_tiny"):
         assert name in script and (REPO / f"bench/configs/{name}.toml").exists()
-    check = subprocess.run(["bash", "-n", str(REPO / "bench/gpu/run_benches.sh")])
-    assert check.returncode == 0
+    for path in sorted((REPO / "bench/gpu").glob("*.sh")):
+        check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert check.returncode == 0, (path.name, check.stderr)
+
+
+def test_gguf_parts_carried_in_separate_calls_join_only_when_all_arrived(tmp_path):
+    # The GPU scripts carry SmolLM2's GGUF in parts, one or two per call, and join them on
+    # the last: here a stand-in file in three parts, each in its own "call" directory.
+    whole = bytes(range(256)) * 1000
+    for index, (start, end) in enumerate([(0, 100_000), (100_000, 200_000), (200_000, None)]):
+        (tmp_path / f"call{index}/.gguf").mkdir(parents=True)
+        (tmp_path / f"call{index}/.gguf/part.a{'abc'[index]}").write_bytes(whole[start:end])
+
+    def join_after(calls: list[int]) -> subprocess.CompletedProcess:
+        setup = (
+            f"source {REPO}/bench/gpu/gguf_parts.sh && GGUF_STASH={tmp_path}/stash/smollm2 "
+            f"GGUF_DIR={tmp_path}/joined GGUF_FILE={tmp_path}/joined/model.gguf "
+            f"GGUF_SHA256={hashlib.sha256(whole).hexdigest()} && mkdir -p {tmp_path}/stash"
+        )
+        stashes = [f"(cd {tmp_path}/call{i} && gguf_stash >/dev/null)" for i in calls[:-1]]
+        last = f"cd {tmp_path}/call{calls[-1]} && gguf_join"
+        script = " && ".join([setup, *stashes, last])
+        return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+
+    missing = join_after([0, 2])
+    assert missing.returncode == 1 and "a part is missing" in missing.stderr
+    joined = join_after([0, 1, 2])
+    assert joined.returncode == 0, joined.stderr
+    assert (tmp_path / "joined/model.gguf").read_bytes() == whole
 
 
 def test_a_bad_override_is_an_error_line_naming_the_key_not_a_traceback(tmp_path):
