@@ -14,9 +14,15 @@ the others are timed:
   serves v);
 - learner stall: until `publish` returns (snapshot of the weights into staging
   buckets, plus waiting for a previous broadcast: none here);
-- engine pause: pause_generation until continue_generation (the whole broadcast
-  and the in-place copy happen inside it);
-- GB/s: bytes / broadcast time (per receiver: a broadcast sends every byte to each).
+- engine pause: how long generation stood still: pause_generation until
+  continue_generation (the whole broadcast and the in-place copy happen inside it);
+  by reference (`--backend ipc`) to embedded engines, which are handed the update
+  staged while they generate and load it at one step boundary with no pause call,
+  the time that load took on the engine's thread, as the engine measured it;
+- staging: by reference, handing the buckets over before any pause (the engine maps
+  them and checks their digest, names and shapes);
+- GB/s: bytes / (staging + broadcast time) (per receiver: a broadcast sends every
+  byte to each).
 
 With `--load-requests K`, K requests per engine keep generating during the
 publishes, so the pause also waits for a step boundary. `--peak` adds the
@@ -271,14 +277,16 @@ async def _measure(
         "learner_stall_s_mean": mean("weights/learner_stall_s"),
         "snapshot_s_mean": mean("weights/snapshot_s"),
         "engine_pause_s_mean": mean("weights/engine_pause_s"),
+        "staging_s_mean": mean("weights/staging_s"),
         "broadcast_s_mean": mean("weights/broadcast_s"),
-        "gb_per_s_mean": num_bytes / mean("weights/broadcast_s") / GB,
+        "gb_per_s_mean": num_bytes / (mean("weights/staging_s") + mean("weights/broadcast_s")) / GB,
         "median": {
             "publish_s": median("publish_s"),
             "learner_stall_s": median("weights/learner_stall_s"),
             "engine_pause_s": median("weights/engine_pause_s"),
+            "staging_s": median("weights/staging_s"),
             "broadcast_s": median("weights/broadcast_s"),
-            "gb_per_s": num_bytes / median("weights/broadcast_s") / GB,
+            "gb_per_s": statistics.median(sample["weights/gb_per_s"] for sample in timed),
         },
         "samples": samples,
     }
@@ -362,6 +370,7 @@ def plot_weight_sync(result: dict[str, Any], axes) -> None:
         for key, label in (
             ("publish_s_mean", "publish latency"),
             ("engine_pause_s_mean", "engine pause"),
+            ("staging_s_mean", "staging (before any pause)"),
             ("broadcast_s_mean", "broadcast"),
             ("learner_stall_s_mean", "learner stall"),
         ):

@@ -334,18 +334,25 @@ class EngineCore:
 
     async def update_weights(
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: str
-    ) -> None:
+    ) -> float:
         """Copy HF-named full tensors (or merge LoRA adapter pairs: `runner.adapters`) into the
-        live weights at a step boundary, then set ``version``.
+        live weights at a step boundary, then set ``version``; returns `load_planned`'s pause.
 
         Every name and shape is checked first: ValueError and nothing copied if one is wrong."""
-        plan = self.runner.plan_weights(list(tensors))
+        return await self.load_planned(self.runner.plan_weights(list(tensors)), version)
 
-        def load() -> None:
+    async def load_planned(self, plan: list, version: str) -> float:
+        """Apply a plan of `runner.plan_weights` (checked already, maybe long before) at one
+        step boundary and set ``version``. Returns the seconds the engine thread spent on it:
+        how long generation stood still for the update."""
+
+        def load() -> float:
+            started = time.perf_counter()
             self.runner.load_weights(plan)
             self.scheduler.weight_version = version
+            return time.perf_counter() - started
 
-        await self._call(load)
+        return await self._call(load)
 
     def flush_cache(self) -> bool:
         """True when idle (there is no prefix cache to drop); False while requests run."""

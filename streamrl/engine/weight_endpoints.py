@@ -6,11 +6,20 @@
                                       memory on the CPU: `streamrl.weights.ipc`)
     /update_weights_from_disk         a safetensors directory
     /destroy_weights_update_group
+    /load_staged_weights              streamrl's own: load what `stage` calls left staged
 
 With `weights_digest` in an update's body (streamrl's publisher sends it to embedded
 engines; SGLang has no such field) the received tensors are digested first
 (`streamrl.weights.digest`) and, on a mismatch, nothing is loaded: HTTP 400 with
 `digest_mismatch: true`, and the publisher sends the bucket again.
+
+Staged updates (streamrl's publisher, by reference only): an `/update_weights_from_tensor`
+whose body names a `stage` maps the tensors, checks their digest and every name and shape,
+and keeps the planned copy without loading anything, while the engine generates on. The
+buckets of one update share its `stage`; staging a new one drops an older one. Then
+`/load_staged_weights` with that `stage` copies all of them in at one step boundary and
+answers `engine_pause_s`, the time generation stood still: the copy alone, with no
+`pause_generation` around it.
 
 Group calls run in worker threads: the event loop keeps serving and the core
 keeps generating while the trainer's broadcast arrives; only the in-place copy
@@ -67,6 +76,8 @@ class WeightEndpoints:
         self._joining: set[str] = set()
         self.is_receiving = False
         """Inside update_weights_from_distributed's receive (reported by /get_load)."""
+        self._stage: str | None = None
+        self._staged: list[tuple[list, list]] = []  # per staged call: (plan, its tensors)
 
     @property
     def core(self) -> EngineCore:
@@ -80,6 +91,7 @@ class WeightEndpoints:
             ("/update_weights_from_disk", self.update_weights_from_disk),
             ("/update_weights_from_tensor", self.update_weights_from_tensor),
             ("/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("/load_staged_weights", self.load_staged_weights),
         ]
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -164,13 +176,15 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Tensors handed over by reference (CUDA IPC or shared memory; see
-        `streamrl.weights.ipc`): entry 0 of `serialized_named_tensors` (one GPU)."""
+        `streamrl.weights.ipc`): entry 0 of `serialized_named_tensors` (one GPU). With a
+        `stage`, checked and kept for `/load_staged_weights` instead of loaded."""
         body = await read_json(request)
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries:
             return _weight_result(False, "serialized_named_tensors must be a non-empty list")
         if body.get("load_format") not in (None, "auto"):
             return _weight_result(False, f"load_format {body['load_format']!r} is not supported")
+        stage = body.get("stage")
         async with self._lock:
             if body.get("abort_all_requests"):
                 self._abort_all()
@@ -180,36 +194,95 @@ class WeightEndpoints:
                 logger.exception("update_weights_from_tensor: bad payload")
                 return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
             try:
+                if stage is not None:
+                    return await self._keep_staged(str(stage), tensors, body)
                 return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
             finally:
-                del tensors  # release the sender's memory once copied
+                del tensors  # release the sender's memory once copied (or staged)
+
+    async def _keep_staged(self, stage: str, tensors: list, body: dict) -> web.Response:
+        """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`."""
+        refused = await self._digest_refusal(tensors, body, f"stage {stage}")
+        if refused is not None:
+            return refused
+        try:
+            plan = self.core.runner.plan_weights(tensors)
+        except ValueError as exc:
+            return _weight_result(False, f"loading weights failed: {exc}")
+        if stage != self._stage:
+            self._stage, self._staged = stage, []
+        self._staged.append((plan, tensors))
+        return _weight_result(True, f"staged {len(tensors)} tensors by reference as {stage!r}")
+
+    async def load_staged_weights(self, request: web.Request) -> web.Response:
+        """Load every call staged under `stage` at one step boundary (see the module docstring)."""
+        body = await read_json(request)
+        stage = body.get("stage")
+        async with self._lock:
+            if stage is None or str(stage) != self._stage:
+                return _weight_result(False, f"nothing is staged as {stage!r}")
+            staged, self._stage, self._staged = self._staged, None, []
+            version = body.get("weight_version")
+            version = self.core.weight_version if version is None else str(version)
+            plan = [entry for entry_plan, _ in staged for entry in entry_plan]
+            try:
+                pause_s = await self.core.load_planned(plan, version)
+            except Exception as exc:
+                logger.exception("load_staged_weights failed")
+                return _weight_result(False, f"loading weights failed: {exc}")
+            finally:
+                del staged, plan  # release the sender's memory
+            self._after_load(body)
+            what = f"stage {stage}"
+            logger.info(
+                "weights updated (%s) in %.1f ms; weight_version=%s", what, pause_s * 1e3, version
+            )
+            return json_response(
+                {
+                    "success": True,
+                    "message": f"updated {what}; weight_version={version}",
+                    "engine_pause_s": pause_s,
+                }
+            )
 
     async def _apply(self, tensors: list, body: dict, what: str) -> web.Response:
         version = body.get("weight_version")
         version = self.core.weight_version if version is None else str(version)
-        expected = body.get("weights_digest")
-        if expected:  # streamrl's publisher: check the bytes before loading any of them
-            received = await asyncio.to_thread(digest, [tensor for _, tensor in tensors])
-            if received != expected:
-                logger.error("weights digest mismatch (%s): %s != %s", what, received, expected)
-                return json_response(
-                    {
-                        "success": False,
-                        "message": f"weights digest mismatch: received {received}, "
-                        f"expected {expected}; nothing loaded",
-                        "digest_mismatch": True,
-                    },
-                    400,
-                )
+        refused = await self._digest_refusal(tensors, body, what)
+        if refused is not None:
+            return refused
         try:
             await self.core.update_weights(tensors, version)
         except Exception as exc:
             logger.exception("update_weights failed")
             return _weight_result(False, f"loading weights failed: {exc}")
-        if body.get("flush_cache", True) and not self.core.flush_cache():
-            logger.info("cache not flushed after the update: requests are running")
+        self._after_load(body)
         logger.info("weights updated (%s); weight_version=%s", what, version)
         return _weight_result(True, f"updated {what}; weight_version={version}")
+
+    async def _digest_refusal(self, tensors: list, body: dict, what: str) -> web.Response | None:
+        """The 400 answer when the body's `weights_digest` (streamrl's publisher) does not
+        match the received bytes; None when it matches or none was sent."""
+        expected = body.get("weights_digest")
+        if not expected:
+            return None
+        received = await asyncio.to_thread(digest, [tensor for _, tensor in tensors])
+        if received == expected:
+            return None
+        logger.error("weights digest mismatch (%s): %s != %s", what, received, expected)
+        return json_response(
+            {
+                "success": False,
+                "message": f"weights digest mismatch: received {received}, "
+                f"expected {expected}; nothing loaded",
+                "digest_mismatch": True,
+            },
+            400,
+        )
+
+    def _after_load(self, body: dict) -> None:
+        if body.get("flush_cache", True) and not self.core.flush_cache():
+            logger.info("cache not flushed after the update: requests are running")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         group_name = (await read_json(request)).get("group_name") or DEFAULT_GROUP_NAME

@@ -205,7 +205,8 @@ class EngineClient:
 
     async def accepts_digest(self) -> bool:
         """Whether this is an embedded engine, which checks a `weights_digest` before loading
-        (SGLang has no such field: it is not sent there). Asked once, then remembered."""
+        and takes staged updates (SGLang has neither: they are not sent there). Asked once,
+        then remembered."""
         if self._accepts_digest is None:
             version = str((await self.server_info()).get("version", ""))
             self._accepts_digest = version.startswith("streamrl")
@@ -323,11 +324,13 @@ class EngineClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         weights_digest: str | None = None,
+        stage: str | None = None,
         timeout_s: float = 600.0,
     ) -> dict:
         """Weights by reference, for an engine on the caller's own device: one entry per engine
         GPU, each from `streamrl.weights.ipc.serialize_named_tensors` (`weights_digest` as
-        for `update_weights_from_distributed`)."""
+        for `update_weights_from_distributed`). With `stage` (embedded engines only), checked
+        and kept for `load_staged_weights` instead of loaded."""
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),
             "load_format": None,
@@ -337,7 +340,26 @@ class EngineClient:
         }
         if weights_digest is not None:
             body["weights_digest"] = weights_digest
+        if stage is not None:
+            body["stage"] = stage
         return await self._json("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
+
+    async def load_staged_weights(
+        self,
+        stage: str,
+        *,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        timeout_s: float = 600.0,
+    ) -> dict:
+        """An embedded engine's `/load_staged_weights`: load every call staged as `stage` at one
+        step boundary; the answer's `engine_pause_s` is how long generation stood still."""
+        body = {
+            "stage": stage,
+            "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return await self._json("POST", "/load_staged_weights", body, timeout_s=timeout_s)
 
     async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> dict:
         """SGLang's `/load_lora_adapter`: the peft adapter directory `path` under `name`

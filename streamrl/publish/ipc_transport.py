@@ -1,10 +1,13 @@
 """Weights by reference, for engines on the learner's own GPU (`weights.transport = "ipc"`).
 
-    prepare  each engine's GPU count; each bucket's digest
-    send     per bucket: every engine's `/update_weights_from_tensor` with the bucket's
-             tensors as CUDA IPC handles (`streamrl.weights.ipc`), one payload entry per
-             engine GPU; each engine maps them and copies them in; the last call tags the
-             new version
+    prepare  each engine's GPU count; each bucket's digest; embedded engines are handed
+             every bucket now, as a staged update: they map it, check its digest, names
+             and shapes, and keep the planned copy while they generate on
+    send     embedded engines: `/load_staged_weights`, the copy at one step boundary with
+             no pause around it (in `in_place` mode); other engines (SGLang), paused: per
+             bucket `/update_weights_from_tensor` with the bucket's tensors as CUDA IPC
+             handles (`streamrl.weights.ipc`), one payload entry per engine GPU; each maps
+             them and copies them in; the last call tags the new version
 
 No group is joined, and the staging buffers stay untouched until every engine answered.
 One pipeline stage only: the engines share the learner's one GPU.
@@ -12,6 +15,7 @@ One pipeline stage only: the engines share the learner's one GPU.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -30,17 +34,59 @@ class IpcTransport(WeightTransport):
     gpu_counts: Callable[[list[EngineClient]], Awaitable[list[int]]] = engine_gpu_counts
     """GPUs of each engine (one payload entry each); by default its `/server_info` tp_size."""
     verifier: Verifier = field(default_factory=Verifier)
-    _gpu_counts: list[int] = field(default_factory=list)
+    _gpu_counts: dict[str, int] = field(default_factory=dict)
     _digests: list[str] = field(default_factory=list)
+    _staged: set[str] = field(default_factory=set)
+    """URLs of the engines that hold the update in progress staged."""
+    _stage: str = ""
+    """The name the staged calls of the update in progress share."""
+    _num_stages: int = 0
+    _staging_s: float = 0.0
+    _engine_pauses: dict[str, float] = field(default_factory=dict)
 
     async def prepare(self, engines: list[EngineClient], staged: Staged) -> None:
-        self._gpu_counts = await self.gpu_counts(engines)
+        counts = await self.gpu_counts(engines)
+        self._gpu_counts = {engine.url: n for engine, n in zip(engines, counts, strict=True)}
         self._digests = [await digest_of(bucket) for bucket in staged.buckets]
+        embedded = [engine for engine in engines if await engine.accepts_digest()]
+        self._num_stages += 1  # a resync of the same version stages afresh
+        self._stage = f"v{staged.version}.{self._num_stages}"
+        started = time.perf_counter()
+        for index, bucket in enumerate(staged.buckets):
+            await self._hand_over(embedded, bucket, None, self._digests[index], False, stage=True)
+        self._staging_s = time.perf_counter() - started
+        self._staged = {engine.url for engine in embedded}
+
+    def needs_pause(self, engine: EngineClient) -> bool:
+        return engine.url not in self._staged
+
+    @property
+    def staging_s(self) -> float:
+        return self._staging_s
+
+    @property
+    def engine_pauses(self) -> dict[str, float]:
+        return self._engine_pauses
 
     async def send(self, engines: list[EngineClient], staged: Staged, *, flush_cache: bool) -> None:
-        for index, bucket in enumerate(staged.buckets):
-            tag = staged.version if index == len(staged.buckets) - 1 else None
-            await self._hand_over(engines, bucket, tag, self._digests[index], flush_cache)
+        self._engine_pauses = {}
+        loading = [engine for engine in engines if engine.url in self._staged]
+        others = [engine for engine in engines if engine.url not in self._staged]
+
+        async def load(engine: EngineClient) -> None:
+            result = await engine.load_staged_weights(
+                self._stage, weight_version=staged.version, flush_cache=flush_cache
+            )
+            require_success(engine, result)
+            self._engine_pauses[engine.url] = float(result.get("engine_pause_s", 0.0))
+
+        try:
+            await each_engine(loading, load, what="load_staged_weights")
+            for index, bucket in enumerate(staged.buckets):
+                tag = staged.version if index == len(staged.buckets) - 1 else None
+                await self._hand_over(others, bucket, tag, self._digests[index], flush_cache)
+        finally:
+            self._staged = set()
 
     @property
     def num_digest_mismatches(self) -> int:
@@ -53,30 +99,37 @@ class IpcTransport(WeightTransport):
         weight_version: int | None,
         expected: str,
         flush_cache: bool,
+        *,
+        stage: bool = False,
     ) -> None:
-        """Every engine maps the bucket from this process's memory and copies it in (one
-        payload entry per engine GPU); the staging buffer stays untouched until they answer."""
+        """Every engine maps the bucket from this process's memory and copies it in, or with
+        `stage` keeps it staged (one payload entry per engine GPU); the staging buffer stays
+        untouched until they answer."""
+        if not engines:
+            return
         tensors = bucket.layout.unpack(bucket.flat)  # views (copies only where misaligned)
         payload = serialize_named_tensors(list(zip(bucket.names, tensors, strict=True)))
 
-        num_gpus = {
-            engine.url: count for engine, count in zip(engines, self._gpu_counts, strict=True)
-        }
-
         async def update(engine: EngineClient) -> None:
             result = await engine.update_weights_from_tensor(
-                [payload] * num_gpus[engine.url],
+                [payload] * self._gpu_counts[engine.url],
                 weight_version=weight_version,
                 flush_cache=flush_cache and weight_version is not None,
                 weights_digest=expected if await engine.accepts_digest() else None,
+                stage=self._stage if stage else None,
             )
             require_success(engine, result)
 
+        remaining = list(engines)
+
         async def attempt(mismatched: set[str]) -> None:
+            """One send to every engine that has not taken the bucket yet."""
+            nonlocal remaining
             await each_engine(
-                engines,
+                remaining,
                 lambda engine: checked(update, engine, mismatched),
                 what="update_weights_from_tensor",
             )
+            remaining = [engine for engine in remaining if engine.url in mismatched]
 
         await self.verifier.until_verified(attempt, bucket)

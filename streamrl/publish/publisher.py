@@ -2,8 +2,9 @@
 
     learner step v done ─► publish(v): wait for the previous update (stall), stage the
                            weights into flat staging buckets (stall), return
-    background:            prepare ─► pause engines ─► send (the last call tags
-                           weight_version v) ─► continue ─► settle
+    background:            prepare (maybe staging the update on the engines) ─► pause
+                           the engines that need it ─► send (the last call tags
+                           weight_version v) ─► continue them ─► settle
                            ─► on_published(v) (admission lets B more groups start)
 
 How the buckets reach the engines is the transport's (`streamrl.publish.transport`:
@@ -38,6 +39,11 @@ class PublishRecord:
     learner_stall_s: float = 0.0
     snapshot_s: float = 0.0
     engine_pause_s: float = 0.0
+    """The longest any engine stood still: from pause_generation to continue_generation's
+    answer for an engine paused around the send; what the engine measured for one that
+    loaded a staged update at a step boundary by itself."""
+    staging_s: float = 0.0
+    """Handing the bytes over before any pause (staged updates: mapped, digest checked)."""
     broadcast_s: float = 0.0
     num_bytes: int = 0
     num_engines: int = 0
@@ -45,7 +51,9 @@ class PublishRecord:
 
     @property
     def gb_per_s(self) -> float:
-        return self.num_bytes / self.broadcast_s / 1e9 if self.broadcast_s > 0 else 0.0
+        """Bytes over the time they travelled: staged, then sent."""
+        seconds = self.staging_s + self.broadcast_s
+        return self.num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -53,6 +61,7 @@ class PublishRecord:
             "weights/learner_stall_s": self.learner_stall_s,
             "weights/snapshot_s": self.snapshot_s,
             "weights/engine_pause_s": self.engine_pause_s,
+            "weights/staging_s": self.staging_s,
             "weights/broadcast_s": self.broadcast_s,
             "weights/bytes": self.num_bytes,
             "weights/gb_per_s": self.gb_per_s,
@@ -196,17 +205,18 @@ class WeightPublisher:
 
     async def _send(self, staged: Staged, engines: list[EngineClient], record: PublishRecord):
         await self.transport.prepare(engines, staged)  # the engines do not wait for it
+        record.staging_s = self.transport.staging_s
+        paused = [e for e in engines if self.pause_mode == "abort" or self.transport.needs_pause(e)]
         paused_at = time.perf_counter()
         try:
-            await each_engine(engines, lambda e: e.pause(self.pause_mode), what="pause")
+            await each_engine(paused, lambda e: e.pause(self.pause_mode), what="pause")
             send_started = time.perf_counter()
             await self.transport.send(engines, staged, flush_cache=self.flushes_cache)
             record.broadcast_s = time.perf_counter() - send_started
         finally:
-            # Whatever failed (a pause, a send, one engine's continue), every engine is asked
-            # to continue: the live ones generate on while the fleet restarts a dead one.
-            await each_engine(
-                engines, lambda e: e.continue_generation(), what="continue_generation"
-            )
-            record.engine_pause_s = time.perf_counter() - paused_at
+            # Whatever failed (a pause, a send, one engine's continue), every paused engine is
+            # asked to continue: the live ones generate on while the fleet restarts a dead one.
+            await each_engine(paused, lambda e: e.continue_generation(), what="continue_generation")
+            window = time.perf_counter() - paused_at if paused else 0.0
+            record.engine_pause_s = max([window, *self.transport.engine_pauses.values()])
         await self.transport.settle(engines, staged)

@@ -5,10 +5,10 @@ transport fills in its steps, one version at a time (the publisher never overlap
 
     stage(v)          pack the weights into staging buckets (a worker thread; the learner waits)
     prepare           before the pause: groups joined, engine GPUs counted, digests taken,
-                      files written (the engines keep generating)
-    pause every engine (`pause_mode`)
+                      files written, buckets staged (the engines keep generating)
+    pause every engine that `needs_pause` (`pause_mode`; in `abort` mode, every engine)
     send              inside the pause: every bucket; the very last call tags version v
-    continue every engine
+    continue every paused engine
     settle            after the pause: what the engines no longer need (old adapters)
 
 Every engine is called at once through `streamrl.fleet.engine_set.each_engine`: one
@@ -72,6 +72,22 @@ class WeightTransport(Protocol):
         """Every bucket to every (paused) engine; the last call tags `staged.version` and,
         with `flush_cache`, asks the engines to flush their prefix caches."""
         ...
+
+    def needs_pause(self, engine: EngineClient) -> bool:
+        """Whether `send` needs `engine` paused around it (in `in_place` mode): not an engine
+        that loads a staged update at one step boundary by itself."""
+        return True
+
+    @property
+    def staging_s(self) -> float:
+        """Seconds the last `prepare` spent handing the bytes over (staged updates)."""
+        return 0.0
+
+    @property
+    def engine_pauses(self) -> dict[str, float]:
+        """Per engine URL, how long the last `send` stood its generation still, as the engine
+        measured it (staged updates; an engine paused around `send` is not in it)."""
+        return {}
 
     async def settle(self, engines: list[EngineClient], staged: Staged) -> None:
         """After the engines continued: release what they no longer need."""

@@ -4,48 +4,51 @@ The publisher digests each bucket it sends; the embedded engine digests what it
 received (the same tensors, back to back, in the bucket's order) and answers with it.
 A mismatch means the bytes changed on the way: the bucket is sent again.
 
-The digest is two sums over the bytes b_i at offsets i = 0, 1, ..., modulo the Mersenne
-prime M = 2^61 - 1: S1 = sum b_i and S2 = sum (i + 1) b_i. A changed byte changes S1;
-two swapped bytes b_p != b_q change S2 by (b_q - b_p)(p - q), which M (a prime larger
-than either factor) cannot divide. It is a checksum against corruption, not a
-cryptographic hash.
+The digest reads the bytes as 16-bit words w_j (little-endian, signed; an odd last byte
+is padded with a zero) at word offsets j = 0, 1, ..., and takes two sums modulo the
+Mersenne prime M = 2^61 - 1: S1 = sum w_j and S2 = sum (j + 1) w_j. A changed word
+changes S1; two swapped words w_p != w_q change S2 by (w_q - w_p)(p - q), which M (a
+prime larger than either factor) cannot divide. It is a checksum against corruption,
+not a cryptographic hash.
 
-The bytes are read in chunks, each as rows of 256: row r's sum s_r and its moment
-m_r = sum c b_(r,c) give the chunk's sum of s_r and its local moment
-sum ((256 r + 1) s_r + m_r), exactly, as int64 on the tensors' device; a chunk at offset
-`base` adds base * (its sum) to S2. The rows' sums are one float64 matrix product with
-the columns (1, c) on the CPU (exact: every value stays below 2^24; about five times
-faster there than widening each byte), and int32 reductions on a GPU (no float64 GEMM
-of two columns). Every chunk's two numbers stay on the device until the end: one host
-synchronisation per call, not several per chunk.
+Words rather than bytes halve the elements read, and every float and integer weight of
+two bytes or more is a whole number of words, so a tensor is read in place. The words
+are read in chunks, each as rows of 256: row r's sum s_r and its moment
+m_r = sum c w_(r,c) are one float64 matrix product with the columns (1, c) (exact:
+|m_r| < 2^31), then a chunk's sum of s_r and its local moment
+sum ((256 r + 1) s_r + m_r) are exact int64 (below 2^61 for a chunk of 2^15 rows); a chunk
+at word offset `base` adds base * (its sum) to S2. Every chunk's two numbers stay on
+the device until the end: one host synchronisation per call.
+
+A tensor of an odd number of bytes (int8, bool) puts the words after it off the
+tensors' own alignment: those tensors are joined into one copy and read from there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 MODULUS = (1 << 61) - 1
 _ROW = 256
-_CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
-"""Bytes per chunk. At 64 MiB a chunk's local moment stays below 2^60 (int64 is exact)."""
+_CHUNK_WORDS = {"cpu": 1 << 21, "cuda": 1 << 23}
+"""Words per chunk: 4 MiB on the CPU, 16 MiB on a GPU (a float64 copy of 64 MiB at a time).
+At most 2^23 words (2^15 rows) keep a chunk's local moment below 2^61."""
 _columns: dict[torch.device, torch.Tensor] = {}
-_ramps: dict[torch.device, torch.Tensor] = {}
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> str:
     """The digest of `tensors`' bytes back to back (C order each), as 32 hex digits."""
     bases: list[int] = []
-    sums: list[torch.Tensor] = []  # per chunk: [its byte sum, its local moment], int64
-    offset = 0
-    for tensor in tensors:
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        chunk_bytes = _CHUNK_BYTES.get(data.device.type, _CHUNK_BYTES["cpu"])
-        for start in range(0, data.numel(), chunk_bytes):
+    sums: list[torch.Tensor] = []  # per chunk: [its word sum, its local moment], int64
+    offset = 0  # in words
+    for words in _word_runs(tensors):
+        chunk_words = _CHUNK_WORDS.get(words.device.type, _CHUNK_WORDS["cpu"])
+        for start in range(0, words.numel(), chunk_words):
             bases.append(offset + start)
-            sums.append(_chunk_sums(data[start : start + chunk_bytes]))
-        offset += data.numel()
+            sums.append(_chunk_sums(words[start : start + chunk_words]))
+        offset += words.numel()
     plain = weighted = 0
     by_device: dict[torch.device, list[int]] = {}
     for index, pair in enumerate(sums):
@@ -61,21 +64,36 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     return f"{plain:016x}{weighted:016x}"
 
 
-def _chunk_sums(chunk: torch.Tensor) -> torch.Tensor:
-    """[sum b_i, sum (i + 1) b_i] over one chunk's bytes, i counted from the chunk's start,
+def _word_runs(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The bytes of `tensors`, back to back, as int16 word tensors: each tensor in place
+    while the stream stays on a word boundary; from a tensor of an odd byte count on, one
+    joined copy until a tensor ends on a word boundary again (or the stream ends, padded
+    with a zero byte)."""
+    pending: list[torch.Tensor] = []
+    for tensor in tensors:
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if not pending and data.numel() % 2 == 0:
+            yield data.view(torch.int16)
+            continue
+        pending.append(data)
+        if sum(part.numel() for part in pending) % 2 == 0:
+            yield torch.cat(pending).view(torch.int16)
+            pending = []
+    if pending:
+        last = torch.zeros(1, dtype=torch.uint8, device=pending[-1].device)
+        yield torch.cat([*pending, last]).view(torch.int16)
+
+
+def _chunk_sums(words: torch.Tensor) -> torch.Tensor:
+    """[sum w_j, sum (j + 1) w_j] over one chunk's words, j counted from the chunk's start,
     as an int64 tensor on the chunk's device (nothing is read back here)."""
-    body = chunk.numel() - chunk.numel() % _ROW
-    rows = chunk[:body].view(-1, _ROW)
-    if chunk.device.type == "cpu":
-        both = (rows.to(torch.float64) @ _unit_and_ramp(chunk.device)).to(torch.int64)
-        row_sums, row_moments = both[:, 0], both[:, 1]
-    else:
-        wide = rows.to(torch.int32)
-        row_sums = wide.sum(dim=1, dtype=torch.int64)
-        row_moments = (wide * _ramp_int32(chunk.device)).sum(dim=1, dtype=torch.int64)
-    starts = torch.arange(len(row_sums), dtype=torch.int64, device=chunk.device) * _ROW + 1
-    tail = chunk[body:].to(torch.int64)  # fewer than 256 bytes
-    at = torch.arange(body + 1, chunk.numel() + 1, dtype=torch.int64, device=chunk.device)
+    body = words.numel() - words.numel() % _ROW
+    rows = words[:body].view(-1, _ROW)
+    both = (rows.to(torch.float64) @ _unit_and_ramp(words.device)).to(torch.int64)
+    row_sums, row_moments = both[:, 0], both[:, 1]
+    starts = torch.arange(len(row_sums), dtype=torch.int64, device=words.device) * _ROW + 1
+    tail = words[body:].to(torch.int64)  # fewer than 256 words
+    at = torch.arange(body + 1, words.numel() + 1, dtype=torch.int64, device=words.device)
     total = row_sums.sum() + tail.sum()
     moment = (starts * row_sums).sum() + row_moments.sum() + (tail * at).sum()
     return torch.stack([total, moment])
@@ -88,11 +106,3 @@ def _unit_and_ramp(device: torch.device) -> torch.Tensor:
         ramp = torch.arange(_ROW, dtype=torch.float64, device=device)
         columns = _columns[device] = torch.stack([torch.ones_like(ramp), ramp], dim=1)
     return columns
-
-
-def _ramp_int32(device: torch.device) -> torch.Tensor:
-    """(0, 1, ..., 255) as int32 on `device`."""
-    ramp = _ramps.get(device)
-    if ramp is None:
-        ramp = _ramps[device] = torch.arange(_ROW, dtype=torch.int32, device=device)
-    return ramp

@@ -236,12 +236,50 @@ async def test_one_publish_stages_then_sends_inside_one_pause_and_reports_the_ve
         "weights/learner_stall_s",
         "weights/snapshot_s",
         "weights/engine_pause_s",
+        "weights/staging_s",
         "weights/broadcast_s",
         "weights/bytes",
         "weights/gb_per_s",
         "weights/num_engines",
         "weights/ok",
     }
+
+
+class StagingTransport(FakeTransport):
+    """Stages the update on engine a in `prepare`; a then loads it by itself in `send`."""
+
+    def needs_pause(self, engine) -> bool:
+        return engine.url != "http://a"
+
+    @property
+    def staging_s(self) -> float:
+        return 0.25
+
+    @property
+    def engine_pauses(self) -> dict[str, float]:
+        return {"http://a": 30.0}  # longer than any window this test can take
+
+
+@pytest.mark.parametrize("pause_mode", ["in_place", "abort"])
+async def test_an_engine_that_loads_a_staged_update_is_not_paused_and_reports_its_pause(
+    pause_mode,
+):
+    log: list[str] = []
+    engines = [FakeEngine("http://a", log), FakeEngine("http://b", log)]
+    publisher = fake_publisher(log, engines, [], pause_mode=pause_mode)
+    publisher.transport = StagingTransport(log)
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(publisher.run)
+        record = await publisher.publish(1)
+        await publisher.wait_idle()
+        tasks.cancel_scope.cancel()
+    paused = {"in_place": ["b"], "abort": ["a", "b"]}[pause_mode]
+    assert [line for line in log if line.startswith(("pause", "continue"))] == [
+        *(f"pause http://{name} {pause_mode}" for name in paused),
+        *(f"continue http://{name}" for name in paused),
+    ]
+    assert record.engine_pause_s == 30.0 and record.staging_s == 0.25
+    assert record.gb_per_s == pytest.approx(24 / (0.25 + record.broadcast_s) / 1e9)
 
 
 async def test_only_abort_mode_asks_for_the_prefix_cache_flush():

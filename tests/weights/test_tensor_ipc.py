@@ -73,10 +73,17 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     async def on_published(version: int) -> None:
         published.append(version)
 
+    pauses: list[str] = []
+
+    class Client(EngineClient):
+        async def pause(self, mode: str = "abort") -> dict:
+            pauses.append(mode)
+            return await super().pause(mode)
+
     with running_engines(tiny_model_dir, tmp_path, extra_args=["--weight-version", "0"]) as (
         engine,
     ):
-        async with EngineClient(engine.url, timeout_s=120) as client:
+        async with Client(engine.url, timeout_s=120) as client:
             publisher = WeightPublisher(
                 weights=lambda: iter(weights.items()),
                 members=lambda: [client],
@@ -96,10 +103,64 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
                 tasks.cancel_scope.cancel()
     assert published == [1, 2] and all(record.ok for record in publisher.records)
     assert after.meta["weight_version"] == "2"
+    # Staged while generating, then loaded at one step boundary: never paused over HTTP;
+    # the engine's own measure of its stand-still is the record's pause.
+    assert pauses == []
+    for record in publisher.records:
+        assert 0 < record.engine_pause_s <= record.broadcast_s and record.staging_s > 0
     expected = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids, weights)
     assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
     served_before = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids)
     assert max(abs(a - b) for a, b in zip(after.logprobs, served_before, strict=True)) > 1e-2
+
+
+@pytest.mark.anyio
+async def test_a_staged_update_loads_nothing_until_it_is_loaded_whole(tiny_model_dir, tmp_path):
+    """Buckets staged under one name are checked (digest, names, shapes) and kept; the engine
+    serves its old weights until `/load_staged_weights`, which loads them all at once, once.
+    A bucket whose digest does not match is refused and not kept; staging under a new name
+    drops the old one."""
+    from engine_helpers import running_engines
+
+    from streamrl.fleet.client import EngineClient, EngineError
+    from streamrl.models import build_random_model
+    from streamrl.weights.digest import digest
+
+    prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    model = build_random_model("qwen3-tiny", seed=77)
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    halves = [named[: len(named) // 2], named[len(named) // 2 :]]
+    with running_engines(tiny_model_dir, tmp_path, extra_args=["--weight-version", "0"]) as (
+        engine,
+    ):
+        async with EngineClient(engine.url, timeout_s=120) as client:
+            before = await client.generate(prompt, params)
+
+            async def stage(name: str, half: list, expected: str | None = None) -> dict:
+                payload = serialize_named_tensors(half)
+                expected = expected or digest([t for _, t in half])
+                return await client.update_weights_from_tensor(
+                    [payload], weights_digest=expected, stage=name
+                )
+
+            assert (await stage("old", halves[0]))["success"]
+            for half in halves:
+                assert (await stage("v1", half))["success"]
+            with pytest.raises(EngineError, match="digest_mismatch"):
+                await stage("v1", halves[1], expected="0" * 32)
+            staged = await client.generate(prompt, params)
+            assert staged.output_ids == before.output_ids
+            assert staged.meta["weight_version"] == "0"
+            with pytest.raises(EngineError, match="nothing is staged as 'old'"):
+                await client.load_staged_weights("old")
+            loaded = await client.load_staged_weights("v1", weight_version=1)
+            assert loaded["success"] and 0 < loaded["engine_pause_s"] < 60
+            after = await client.generate(prompt, params)
+            with pytest.raises(EngineError, match="nothing is staged as 'v1'"):
+                await client.load_staged_weights("v1")
+    assert after.meta["weight_version"] == "1"
+    assert after.output_ids != before.output_ids or after.logprobs != before.logprobs
 
 
 def test_weights_by_reference_need_the_engines_on_the_learners_gpu():

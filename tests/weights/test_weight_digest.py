@@ -17,39 +17,59 @@ from streamrl.weights.digest import digest
 from streamrl.weights.group import FlatLayout
 
 
-def test_the_digest_sees_a_changed_byte_and_two_swapped_ones():
+def test_the_digest_sees_a_changed_byte_and_two_swapped_words():
     data = torch.randint(
         0, 256, (4000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
     flipped = data.clone()
     flipped[1234] ^= 1
-    i, j = 10, next(k for k in range(11, 4000) if data[k] != data[10])
-    swapped = data.clone()
-    swapped[i], swapped[j] = data[j], data[i]
+    words = data.view(torch.int16)
+    i, j = 10, next(k for k in range(11, 2000) if words[k] != words[10])
+    swapped_words = words.clone()
+    swapped_words[i], swapped_words[j] = words[j], words[i]
+    swapped = swapped_words.view(torch.uint8)
     assert len({digest([data]), digest([flipped]), digest([swapped])}) == 3
     assert digest([data]) == digest([data.clone()])
 
 
 def _by_definition(data: bytes) -> str:
-    """S1 = sum b_i and S2 = sum (i + 1) b_i modulo 2^61 - 1, one byte at a time."""
+    """S1 = sum w_j and S2 = sum (j + 1) w_j modulo 2^61 - 1 over the bytes' signed 16-bit
+    little-endian words (an odd last byte padded with a zero), one word at a time."""
     modulus = (1 << 61) - 1
-    plain = sum(data) % modulus
-    weighted = sum((i + 1) * b for i, b in enumerate(data)) % modulus
+    if len(data) % 2:
+        data += b"\0"
+    words = [int.from_bytes(data[i : i + 2], "little", signed=True) for i in range(0, len(data), 2)]
+    plain = sum(words) % modulus
+    weighted = sum((j + 1) * w for j, w in enumerate(words)) % modulus
     return f"{plain:016x}{weighted:016x}"
 
 
-@pytest.mark.parametrize("chunk_bytes", [512, 1 << 20])
-def test_the_digest_is_its_two_sums_across_rows_chunks_and_tensors(monkeypatch, chunk_bytes):
+@pytest.mark.parametrize("chunk_words", [300, 1 << 20])
+def test_the_digest_is_its_two_sums_across_rows_chunks_and_tensors(monkeypatch, chunk_words):
     """Small chunks put chunk and row boundaries inside tensors, with tails shorter than a
-    row; the sums are exact however the bytes are split."""
-    monkeypatch.setitem(digest_module._CHUNK_BYTES, "cpu", chunk_bytes)
+    row; tensors of an odd byte count put the words after them off the tensors' own
+    alignment; the sums are exact however the bytes are split."""
+    monkeypatch.setitem(digest_module._CHUNK_WORDS, "cpu", chunk_words)
     generator = torch.Generator().manual_seed(1)
-    sizes = (3, 256, 1000, 5000, 255)
+    sizes = (3, 256, 1000, 5001, 255, 4)
     tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator) for n in sizes]
-    tensors.append(torch.full((1300,), 255, dtype=torch.uint8))  # the largest bytes
-    everything = b"".join(bytes(t.tolist()) for t in tensors)
+    tensors.append(torch.full((1300,), 255, dtype=torch.uint8))  # words of -1
+    tensors.append(torch.tensor([0x7F, 0xFF] * 700, dtype=torch.uint8).flip(0))  # 0x7FFF
+    tensors.append(torch.randn(33, generator=generator).to(torch.bfloat16))
+    tensors.append(torch.ones(5, dtype=torch.bool))  # ends the stream on an odd byte
+    everything = b"".join(bytes(t.contiguous().view(torch.uint8).tolist()) for t in tensors)
     assert digest(tensors) == _by_definition(everything)
-    assert digest([torch.cat(tensors)]) == _by_definition(everything)
+    assert digest([torch.cat([t.view(torch.uint8) for t in tensors])]) == _by_definition(everything)
+
+
+def test_the_largest_words_stay_exact_in_a_whole_chunk():
+    """A chunk of 2^23 words of the largest magnitude: its int64 sums do not overflow."""
+    for value in (-(1 << 15), (1 << 15) - 1):
+        words = torch.full((1 << 23,), value, dtype=torch.int16)
+        n = words.numel()
+        plain = value * n % digest_module.MODULUS
+        weighted = value * n * (n + 1) // 2 % digest_module.MODULUS
+        assert digest([words]) == f"{plain:016x}{weighted:016x}"
 
 
 def test_a_bucket_and_its_tensors_back_to_back_have_one_digest():
