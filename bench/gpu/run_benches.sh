@@ -126,7 +126,7 @@ case "$PART" in
   engine-1gpu)  # issue 21's load: random Qwen2-0.5B, SmolLM2's vocabulary, 128 + 256 tokens
     bench engine --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 \
       --engines embedded,in-process --requests 64,256,512 --prompt-tokens 128 \
-      --max-new-tokens 256 --repeats 2 --work-dir "$WORK/engine" \
+      --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --work-dir "$WORK/engine" \
       --json "$OUT/engine_h200x1_embedded.json"
     ;;
   cpu-smoke)  # the driver's plumbing on a CPU machine, tiny config, a few minutes

@@ -99,7 +99,7 @@ engine)
   # SGLang's flags of the issue's figure (triton attention, CUDA graphs to 256) after the bundle's.
   timeout "${ENGINE_TIMEOUT_S:-570}" python3 -m streamrl --log-level warning bench engine \
     --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
-    --prompt-tokens 128 --max-new-tokens 256 --repeats 2 --ttft-probes 8 \
+    --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
     --sglang-args "${SGLANG_SAFE_ARGS[*]:-} --attention-backend triton --sampling-backend pytorch \
 --grammar-backend none --cuda-graph-max-bs 256 --mem-fraction-static 0.8" \
     --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"

@@ -191,9 +191,14 @@ def _engine(commands) -> None:
     parser.add_argument(
         "--ttft-probes", type=int, default=8, help="requests per round that stream (for TTFT)"
     )
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per count (median kept)")
     parser.add_argument(
-        "--warmup-new-tokens", type=int, default=8, help="tokens per request of the warm-up round"
+        "--repeats", type=int, default=3, help="measured rounds per count (median and spread)"
+    )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="unmeasured rounds of the same load before each count's measured ones",
     )
     parser.add_argument(
         "--embedded-args", default="", help="extra `streamrl engine serve` flags (one string)"

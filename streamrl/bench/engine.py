@@ -7,7 +7,7 @@ ids asking for `--max-new-tokens` tokens at temperature 1 with `ignore_eos` and
 `streamrl.models.save_random_model` (SmolLM2's tokenizer), or `--model DIR`.
 
 Engines, one after the other on the same device (each started, waited for on
-`/health`, warmed up, measured at every count of `--requests`, stopped); `auto`
+`/health`, measured at every count of `--requests`, stopped); `auto`
 runs embedded, sglang, in-process, and records an engine it leaves out, with why,
 under `skipped`:
 
@@ -18,8 +18,12 @@ under `skipped`:
 - `sglang`: `python -m sglang.launch_server` with `--sglang-args` (auto: only
   when `import sglang` can find the package).
 
-Per (engine, count), over `--repeats` rounds with fresh prompts each (no prefix
-cache can help): tokens/s = completion tokens of all N responses / wall time
+Per (engine, count): `--warmup-rounds` unmeasured rounds of the same load (every
+length and batch size the measured rounds pass through: CUDA graphs, kernels and
+caches are ready), then `--repeats` measured rounds, fresh prompts each (no prefix
+cache can help). A count's tokens/s is the median of its rounds, reported with their
+min, max and spread, and `steady`: the first measured round within 5% of the last
+(a warm-up that fell short shows as a first round slower than the rest). Per round: tokens/s = completion tokens of all N responses / wall time
 from the first send to the last answer; time to first token from
 `--ttft-probes` of the N requests (spread over the send order) that stream
 (server-sent events; TTFT = client time from send to the first event holding
@@ -42,7 +46,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from streamrl.bench.engine_results import plot_engine, ratios, round_line, summarise, summary_lines
+from streamrl.bench.engine_results import (
+    plot_engine,
+    ratios,
+    round_line,
+    summarise,
+    summary_lines,
+)
 from streamrl.bench.gpu_monitor import GpuMonitor
 from streamrl.bench.load import measure_http, measure_in_process, prompts_for
 from streamrl.bench.results import write_result
@@ -189,37 +199,47 @@ def sglang_argv(model: str, port: int, max_requests: int, args: argparse.Namespa
 
 
 async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any]:
-    if args.warmup_new_tokens > 0:
-        progress(f"[{name}] warm-up: {max(counts)} requests x {args.warmup_new_tokens} tokens")
-        await measure_http(
-            url,
-            prompts_for(max(counts), args.prompt_tokens, seed=1, vocab_size=args.vocab_size),
-            max_new_tokens=args.warmup_new_tokens,
-            num_probes=0,
+    async def one_round(prompts: list[list[int]], probes: int) -> dict[str, Any]:
+        before = await _load(url)
+        t0 = time.monotonic()
+        measured = await measure_http(
+            url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes
         )
-    rows = {}
-    for count in counts:
-        rounds = []
-        for repeat in range(args.repeats):
-            prompts = _round_prompts(count, repeat, args)
-            before = await _load(url)
-            t0 = time.monotonic()
-            measured = await measure_http(
-                url, prompts, max_new_tokens=args.max_new_tokens, num_probes=args.ttft_probes
+        measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+        after = await _load(url)
+        if before is not None and after is not None:
+            measured["engine_busy_share"] = (after["busy_s"] - before["busy_s"]) / measured[
+                "wall_s"
+            ]
+            measured["engine_generated_tokens"] = (
+                after["generated_tokens"] - before["generated_tokens"]
             )
-            measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
-            after = await _load(url)
-            if before is not None and after is not None:
-                measured["engine_busy_share"] = (after["busy_s"] - before["busy_s"]) / measured[
-                    "wall_s"
-                ]
-                measured["engine_generated_tokens"] = (
-                    after["generated_tokens"] - before["generated_tokens"]
-                )
-            rounds.append(measured)
-            progress(f"[{name}] {count} requests, round {repeat + 1}: {round_line(measured)}")
-        rows[str(count)] = summarise(rounds)
+        return measured
+
+    rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
     return {"counts": rows}
+
+
+async def _rounds(name: str, count: int, one_round, args: argparse.Namespace) -> dict[str, Any]:
+    """`--warmup-rounds` rounds of `count` requests (every length and batch size the measured
+    rounds go through, so CUDA graphs, kernels and caches are ready), then `--repeats`
+    measured rounds, summarised (`summarise`: median, spread, and whether the first measured
+    round is within `STEADY_TOLERANCE` of the last)."""
+    for index in range(args.warmup_rounds):
+        measured = await one_round(_warmup_prompts(count, index, args), 0)
+        progress(f"[{name}] {count} requests, warm-up {index + 1}: {round_line(measured)}")
+    rounds = []
+    for repeat in range(args.repeats):
+        measured = await one_round(_round_prompts(count, repeat, args), args.ttft_probes)
+        rounds.append(measured)
+        progress(f"[{name}] {count} requests, round {repeat + 1}: {round_line(measured)}")
+    summary = summarise(rounds)
+    if not summary["steady"]:
+        progress(
+            f"[{name}] {count} requests: not steady: the first round ran at "
+            f"{summary['first_over_last']:.2f}x the last (more --warmup-rounds?)"
+        )
+    return summary
 
 
 async def _load(url: str) -> dict | None:
@@ -249,30 +269,28 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
         "counts": {},
     }
     progress(f"[in-process] ready after {row['start_s']} s")
+
+    async def one_round(prompts: list[list[int]], probes: int, engine=core) -> dict[str, Any]:
+        t0 = time.monotonic()
+        measured = await measure_in_process(engine, prompts, max_new_tokens=args.max_new_tokens)
+        measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+        return measured
+
     try:
-        if args.warmup_new_tokens > 0:
-            progress(f"[in-process] warm-up: {max(counts)} x {args.warmup_new_tokens} tokens")
-            warm = prompts_for(max(counts), args.prompt_tokens, seed=1, vocab_size=args.vocab_size)
-            await measure_in_process(core, warm, max_new_tokens=args.warmup_new_tokens)
         for count in counts:
-            rounds = []
-            for repeat in range(args.repeats):
-                prompts = _round_prompts(count, repeat, args)
-                t0 = time.monotonic()
-                measured = await measure_in_process(
-                    core, prompts, max_new_tokens=args.max_new_tokens
-                )
-                measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
-                rounds.append(measured)
-                progress(
-                    f"[in-process] {count} requests, round {repeat + 1}: {round_line(measured)}"
-                )
-            row["counts"][str(count)] = summarise(rounds)
+            row["counts"][str(count)] = await _rounds("in-process", count, one_round, args)
     finally:
         core.shutdown()
-        del core
+        del core, one_round  # the engine's device memory goes back before the next engine
         _free_device_memory()
     return row
+
+
+def _warmup_prompts(count: int, index: int, args: argparse.Namespace) -> list[list[int]]:
+    """Warm-up `index`'s prompts: of the measured rounds' shape, never measured."""
+    return prompts_for(
+        count, args.prompt_tokens, seed=1000 * count + 500 + index, vocab_size=args.vocab_size
+    )
 
 
 def _round_prompts(count: int, repeat: int, args: argparse.Namespace) -> list[list[int]]:
@@ -301,7 +319,7 @@ def _write(args: argparse.Namespace, counts: list[int], result: dict[str, Any]) 
         key: getattr(args, key)
         for key in (
             "shape", "model", "engines", "device", "dtype", "prompt_tokens", "max_new_tokens",
-            "ttft_probes", "repeats", "warmup_new_tokens", "embedded_args", "sglang_args",
+            "ttft_probes", "repeats", "warmup_rounds", "embedded_args", "sglang_args",
         )
     }  # fmt: skip
     config["requests"] = counts

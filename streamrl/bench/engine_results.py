@@ -3,6 +3,7 @@ the ratios between engines, the printed lines and the figure."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 
@@ -16,13 +17,26 @@ def round_line(measured: dict[str, Any]) -> str:
     return line
 
 
+STEADY_TOLERANCE = 0.05
+"""The first measured round within this share of the last: the warm-up reached steady state."""
+
+
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The median round's figures (by tokens/s) beside every round's."""
+    """The median tokens/s and the spread of every round's, the median round's other figures
+    (the middle one by tokens/s; the lower middle of an even count), and the steady check."""
+    rates = [r["tokens_per_s"] for r in rounds]
     ordered = sorted(rounds, key=lambda r: r["tokens_per_s"])
     median = ordered[(len(ordered) - 1) // 2]
+    middle = statistics.median(rates)
+    first_over_last = rates[0] / rates[-1] if rates[-1] else float("nan")
     return {
-        "tokens_per_s": median["tokens_per_s"],
-        "tokens_per_s_all": [r["tokens_per_s"] for r in rounds],
+        "tokens_per_s": middle,
+        "tokens_per_s_all": rates,
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "spread": (max(rates) - min(rates)) / middle if middle else float("nan"),
+        "first_over_last": first_over_last,
+        "steady": abs(first_over_last - 1) <= STEADY_TOLERANCE,
         "ttft_s_median": median.get("ttft_s_median"),
         "gpu_busy": median.get("gpu_busy") or None,
         "engine_busy_share": median.get("engine_busy_share"),
@@ -58,7 +72,10 @@ def summary_lines(result: dict[str, Any], counts: list[int]) -> list[str]:
             ttft = cell["ttft_s_median"]
             cells.append(
                 f"{count}: {cell['tokens_per_s']:,.0f} tok/s"
-                + (f" (TTFT {ttft * 1e3:.0f} ms)" if ttft is not None else "")
+                f" (spread {cell['spread']:.0%}"
+                + (f", TTFT {ttft * 1e3:.0f} ms" if ttft is not None else "")
+                + ("" if cell["steady"] else ", NOT steady")
+                + ")"
             )
         lines.append(f"{name}: " + "; ".join(cells))
     for key, by_count in result.get("ratios", {}).items():

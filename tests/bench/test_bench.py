@@ -364,8 +364,8 @@ def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_
     out = tmp_path / "e.json"
     result = _bench("engine", "--device", "cpu", "--dtype", "float32", "--shape", "qwen3-tiny",
                     "--requests", "2,6", "--prompt-tokens", "16", "--max-new-tokens", "8",
-                    "--repeats", "1", "--ttft-probes", "2", "--work-dir", str(tmp_path / "work"),
-                    "--json", str(out))  # fmt: skip
+                    "--repeats", "3", "--warmup-rounds", "1", "--ttft-probes", "2",
+                    "--work-dir", str(tmp_path / "work"), "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["config"]["device"] == "cpu" and record["config"]["requests"] == [2, 6]
@@ -379,6 +379,11 @@ def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_
             cell = engines[name]["counts"][str(count)]
             measured = cell["median_round"]
             assert cell["tokens_per_s"] > 0, (name, count)
+            rates = cell["tokens_per_s_all"]
+            assert len(rates) == 3 and cell["tokens_per_s"] == sorted(rates)[1]
+            assert cell["tokens_per_s_min"] <= cell["tokens_per_s"] <= cell["tokens_per_s_max"]
+            assert cell["first_over_last"] == pytest.approx(rates[0] / rates[-1])
+            assert cell["steady"] == (abs(rates[0] / rates[-1] - 1) <= 0.05)
             assert measured["generated_tokens"] == count * 8 and measured["num_errors"] == 0
             assert measured["num_short"] == 0 and measured["num_without_logprobs"] == 0
     for count in (2, 6):
