@@ -31,7 +31,8 @@ watchdog writes it and exits if the run passes --hard-limit-s):
     weights; update time from GPU bf16 tensors and from CPU fp32 tensors.
 (f) `profile`: top CUDA kernels of eager decode steps at batch 256 (diagnosis).
 
-`--cpu-smoke` runs every section with tiny shapes on the CPU (checks the script).
+`--cpu-smoke` runs every section with tiny shapes on the CPU (checks the script);
+`--sections a,b` runs only those (by the names the JSON gives them).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Plan:
     check_len: int = 64  # their prompt and output lengths
     budget_s: float = 400.0  # optional sections are skipped past this
     hard_limit_s: float = 470.0  # the watchdog writes what it has and exits
+    only: tuple[str, ...] = ()  # run these sections alone (--sections); empty: every one
 
 
 SMOKE = Plan(
@@ -221,6 +223,8 @@ class Check:
             self.out.write_text(json.dumps(self.results, indent=1, default=str))
 
     async def section(self, name: str, body, *, needs_s: float = 0.0) -> dict | None:
+        if self.plan.only and name not in self.plan.only:
+            return None
         if self.elapsed() + needs_s > self.plan.budget_s:
             self.results["sections"][name] = {
                 "skipped": f"time budget ({self.elapsed():.0f} s used)"
@@ -765,8 +769,15 @@ def main() -> None:
         "--budget-s", type=float, default=None, help="skip optional sections past this"
     )
     parser.add_argument("--hard-limit-s", type=float, default=None, help="watchdog: write, exit")
+    parser.add_argument(
+        "--sections",
+        default="",
+        help="comma-separated sections to run alone (e.g. graphs_vs_eager)",
+    )
     args = parser.parse_args()
     plan = SMOKE if args.cpu_smoke else Plan()
+    if args.sections:
+        plan = replace(plan, only=tuple(s.strip() for s in args.sections.split(",") if s.strip()))
     if args.budget_s is not None:
         plan = replace(plan, budget_s=args.budget_s)
     if args.hard_limit_s is not None:

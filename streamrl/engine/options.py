@@ -47,7 +47,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     cuda_graphs: Annotated[bool, Meta(description="decode steps as CUDA graphs (compact)")] = True
     compile: Annotated[
         Literal["auto", "on", "off"],
-        Meta(description="torch.compile the small elementwise kernels (auto: on with graphs)"),
+        Meta(description="torch.compile the small elementwise kernels (auto: on CUDA)"),
     ] = "auto"
     seed: Annotated[int, Meta(description="seed for random models and sampling")] = 0
     weight_version: Annotated[str, Meta(description="the version the weights start at")] = "default"

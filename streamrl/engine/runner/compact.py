@@ -83,7 +83,9 @@ class CompactRunner(weights.InPlaceWeights):
         self.next_max_len = 1  # host bound on lane lengths for the next eager step
         self.result_set = 0
         self.graphs = None
-        self.pad_lanes = False
+        self.pad_lanes = device.type == "cuda"
+        """Eager steps shaped as the graphs are (bucket-sized, the whole cache's length): on
+        CUDA, so that graphs on or off, a batch's tokens are the same (docs/engine.md)."""
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self._decode_body, max_batch_size)
             self.graphs.capture()
@@ -208,7 +210,8 @@ class CompactRunner(weights.InPlaceWeights):
         if self.graphs is not None and self.graphs.replay(lanes, self.use_filters):
             return
         if self.graphs is not None or self.pad_lanes:
-            # Eager, shaped exactly as the graphs are (no graph for this key; CPU tests).
+            # Eager, shaped exactly as the graphs are (no graph for this key, or CUDA without
+            # graphs: the same kernels on the same shapes, so the same tokens).
             self._decode_body(bucket_for(self.max_batch_size, lanes), self.use_filters)
         else:
             self._decode_body(lanes, self.use_filters, min(self.next_max_len, self.max_seq_len))
