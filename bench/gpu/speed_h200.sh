@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 28's measurements on the one-GPU H200 (speed: engine decode over HTTP against SGLang,
+# weight updates by reference, the digest, graphs against eager, the Megatron learner), in
+# calls of at most 10 minutes on one warm machine:
+#
+#   bench/gpu/speed_h200.sh weights OUT    carry .whl: `streamrl bench weight-sync` by
+#                                          reference (qwen2-0.5b and qwen2-1.5b, 32 requests of
+#                                          load), the digest's cost per GB, and engine_check's
+#                                          graphs_vs_eager section (~5 min)
+#   bench/gpu/speed_h200.sh megatron OUT   (wheels installed by an earlier call):
+#                                          bench/gpu/megatron_check.py's throughput and 32k
+#                                          micro-batch sections (~5 min)
+#   bench/gpu/speed_h200.sh engine OUT     carry .sgl: `streamrl bench engine`, the embedded
+#                                          engine over HTTP, SGLang and in-process, 64/256/512
+#                                          requests x 128 + 256 tokens, a warm-up round and 3
+#                                          measured rounds per count (~6 min)
+#
+# Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
+# come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
+set -uo pipefail
+PART=${1:?usage: speed_h200.sh weights|megatron|engine OUT}
+OUT=$(mkdir -p "${2:?usage: speed_h200.sh PART OUT}" && cd "$2" && pwd)
+cd "$(dirname "$0")/../.."
+export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 STREAMRL_CACHE_DIR=/tmp/streamrl-cache
+
+if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    touch /tmp/site/.installed
+fi
+[ -f /tmp/site/.installed ] || { echo "no wheels in /tmp/site: carry .whl" >&2; exit 1; }
+export PYTHONPATH="/tmp/site:$PWD"
+status=0
+run() { (set -x; "$@") || status=$?; }
+
+case "$PART" in
+weights)
+  for shape in qwen2-0.5b qwen2-1.5b; do
+    run timeout 200 python3 -m streamrl --log-level warning bench weight-sync --shape "$shape" \
+      --backend ipc --engines 1 --repeats 5 --load-requests 32 --work-dir /tmp/wsb \
+      --json "$OUT/weight_sync_${shape}_h200x1_ipc.json"
+  done
+  run timeout 120 python3 bench/gpu/digest_check.py --out "$OUT/digest_h200x1.json"
+  run timeout 200 python3 bench/gpu/engine_check.py --sections graphs_vs_eager \
+    --out "$OUT/engine_check_graphs_h200x1.json" >/dev/null
+  ;;
+megatron)
+  run timeout 560 python3 bench/gpu/megatron_check.py ${MEGATRON_ARGS:-} \
+    --out "$OUT/megatron_check_h200x1.json"
+  ;;
+engine)
+  if [ -f .sgl/run-server.sh ]; then
+    # shellcheck disable=SC1091
+    source .sgl/run-server.sh --env || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site:$PWD"
+  fi
+  run timeout 570 python3 -m streamrl --log-level warning bench engine \
+    --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
+    --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
+    --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
+--cuda-graph-max-bs 512 --mem-fraction-static 0.8" \
+    --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"
+  for name in embedded sglang; do
+    tail -30 "/tmp/bench-engine/$name.log" >"$OUT/engine_h200x1_$name.log.txt" 2>/dev/null
+  done
+  ;;
+*)
+  echo "unknown part '$PART' (see the header of $0)" >&2
+  exit 2
+  ;;
+esac
+exit $status
