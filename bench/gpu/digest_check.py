@@ -1,5 +1,6 @@
 """The weight digest on the GPU: its cost per GB, and that it equals the CPU's digest of the
-same bytes (the publisher and an engine may digest on different devices).
+same bytes (the publisher and an engine may digest on different devices), for the Triton
+kernel and for the torch path it replaces where Triton is missing (`torch_path_*`).
 
 Run from the repository root on the GPU machine:
 
@@ -13,6 +14,7 @@ earlier revision of streamrl/weights/digest.py, say) and checks that it agrees.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -25,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from streamrl.weights import digest as digest_module  # noqa: E402
 from streamrl.weights.digest import digest  # noqa: E402
 
 SIZES_MIB = (64, 1024)
@@ -41,6 +44,17 @@ def timed(function, tensors) -> tuple[str, list[float]]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return value, times
+
+
+@contextlib.contextmanager
+def without_kernel():
+    """The digest as it runs where Triton is missing."""
+    saved = digest_module._uses_kernel
+    digest_module._uses_kernel = lambda words: False
+    try:
+        yield
+    finally:
+        digest_module._uses_kernel = saved
 
 
 def load(path: Path):
@@ -65,6 +79,10 @@ def main() -> None:
         row["ms_median"] = round(1e3 * statistics.median(times), 2)
         row["gb_per_s"] = round((mib << 20) / 1e9 / statistics.median(times), 1)
         row["equals_cpu_digest"] = value == digest([t.cpu() for t in tensors])
+        with without_kernel():
+            torch_value, torch_times = timed(digest, tensors)
+        row["torch_path_ms_median"] = round(1e3 * statistics.median(torch_times), 2)
+        row["torch_path_agrees"] = torch_value == value
         if args.compare:
             other, other_times = timed(load(args.compare), tensors)
             row["compared_ms_median"] = round(1e3 * statistics.median(other_times), 2)
@@ -73,6 +91,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     record = {
         "gpu": torch.cuda.get_device_name(),
+        "kernel": "triton" if digest_module._span_kernel() is not None else "torch",
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
         "repeats": REPEATS,

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from streamrl.engine.core import EngineCore
@@ -44,9 +45,11 @@ from streamrl.weights.digest import digest
 from streamrl.weights.group import (
     DEFAULT_GROUP_NAME,
     FLATTENED_BUCKET,
+    FlatLayout,
     destroy_weight_update_group,
     join_in_daemon_thread,
     receive_tensors,
+    torch_dtype,
 )
 from streamrl.weights.ipc import deserialize_named_tensors
 
@@ -176,20 +179,26 @@ class WeightEndpoints:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Tensors handed over by reference (CUDA IPC or shared memory; see
-        `streamrl.weights.ipc`): entry 0 of `serialized_named_tensors` (one GPU). With a
-        `stage`, checked and kept for `/load_staged_weights` instead of loaded."""
+        `streamrl.weights.ipc`): entry 0 of `serialized_named_tensors` (one GPU). With
+        `load_format = "flattened_bucket"` (streamrl's publisher), entry 0 holds one uint8
+        tensor, the bucket's bytes, which `names`, `dtypes` and `shapes` lay out as
+        `update_weights_from_distributed`'s do: one handle to map, not one per tensor. With
+        a `stage`, checked and kept for `/load_staged_weights` instead of loaded."""
         body = await read_json(request)
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries:
             return _weight_result(False, "serialized_named_tensors must be a non-empty list")
-        if body.get("load_format") not in (None, "auto"):
-            return _weight_result(False, f"load_format {body['load_format']!r} is not supported")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", FLATTENED_BUCKET):
+            return _weight_result(False, f"load_format {load_format!r} is not supported")
         stage = body.get("stage")
         async with self._lock:
             if body.get("abort_all_requests"):
                 self._abort_all()
             try:
                 tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
+                if load_format == FLATTENED_BUCKET:
+                    tensors = _unflatten(tensors, body)
             except Exception as exc:
                 logger.exception("update_weights_from_tensor: bad payload")
                 return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
@@ -292,6 +301,23 @@ class WeightEndpoints:
                 return _weight_result(False, f"no weight-update group {group_name!r}")
             await asyncio.to_thread(destroy_weight_update_group, entry[0])
         return _weight_result(True, f"destroyed weight-update group {group_name!r}")
+
+
+def _unflatten(received: list, body: dict) -> list[tuple[str, torch.Tensor]]:
+    """A flattened bucket's one uint8 tensor as its named tensors (views where aligned), laid
+    out by the body's `names`, `dtypes` and `shapes`. ValueError on a mismatch."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not all(isinstance(field, list) for field in (names, dtypes, shapes)):
+        raise ValueError("a flattened bucket needs names, dtypes and shapes lists")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError("names, dtypes and shapes differ in length")
+    if len(received) != 1 or received[0][1].dtype != torch.uint8:
+        raise ValueError("a flattened bucket is one uint8 tensor")
+    flat = received[0][1]
+    layout = FlatLayout([(tuple(s), torch_dtype(d)) for d, s in zip(dtypes, shapes, strict=True)])
+    if flat.numel() != layout.num_bytes:
+        raise ValueError(f"the bucket holds {flat.numel()} bytes, its layout {layout.num_bytes}")
+    return list(zip(names, layout.unpack(flat), strict=True))
 
 
 def _load_safetensors(model_dir: Path) -> list:

@@ -325,15 +325,17 @@ class EngineClient:
         abort_all_requests: bool = False,
         weights_digest: str | None = None,
         stage: str | None = None,
+        flattened: tuple[list[str], list[str], list[list[int]]] | None = None,
         timeout_s: float = 600.0,
     ) -> dict:
         """Weights by reference, for an engine on the caller's own device: one entry per engine
         GPU, each from `streamrl.weights.ipc.serialize_named_tensors` (`weights_digest` as
-        for `update_weights_from_distributed`). With `stage` (embedded engines only), checked
-        and kept for `load_staged_weights` instead of loaded."""
+        for `update_weights_from_distributed`). Embedded engines only: with `stage`, checked
+        and kept for `load_staged_weights` instead of loaded; with `flattened` (names, dtypes,
+        shapes), each entry holds one uint8 tensor of the tensors' bytes back to back."""
         body = {
             "serialized_named_tensors": list(serialized_named_tensors),
-            "load_format": None,
+            "load_format": None if flattened is None else "flattened_bucket",
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
             "weight_version": None if weight_version is None else str(weight_version),
@@ -342,6 +344,8 @@ class EngineClient:
             body["weights_digest"] = weights_digest
         if stage is not None:
             body["stage"] = stage
+        if flattened is not None:
+            body["names"], body["dtypes"], body["shapes"] = flattened
         return await self._json("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
 
     async def load_staged_weights(

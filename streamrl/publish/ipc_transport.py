@@ -3,6 +3,7 @@
     prepare  each engine's GPU count; each bucket's digest; embedded engines are handed
              every bucket now, as a staged update: they map it, check its digest, names
              and shapes, and keep the planned copy while they generate on
+             (each bucket as one flat tensor: one IPC handle to map, not one per tensor)
     send     embedded engines: `/load_staged_weights`, the copy at one step boundary with
              no pause around it (in `in_place` mode); other engines (SGLang), paused: per
              bucket `/update_weights_from_tensor` with the bucket's tensors as CUDA IPC
@@ -23,6 +24,7 @@ from streamrl.fleet.client import EngineClient, engine_gpu_counts
 from streamrl.fleet.engine_set import each_engine
 from streamrl.publish.transport import Staged, WeightTransport, require_success
 from streamrl.publish.verify import Verifier, checked, digest_of
+from streamrl.weights.group import FLATTENED_BUCKET
 from streamrl.weights.ipc import serialize_named_tensors
 from streamrl.weights.staging import Bucket
 
@@ -107,16 +109,28 @@ class IpcTransport(WeightTransport):
         untouched until they answer."""
         if not engines:
             return
-        tensors = bucket.layout.unpack(bucket.flat)  # views (copies only where misaligned)
-        payload = serialize_named_tensors(list(zip(bucket.names, tensors, strict=True)))
+        payloads: dict[bool, str] = {}
+
+        def payload(embedded: bool) -> str:
+            """Embedded engines map the bucket as one flat tensor (one IPC handle and event,
+            not one per tensor); SGLang takes it tensor by tensor."""
+            if embedded not in payloads:
+                if embedded:
+                    named = [(FLATTENED_BUCKET, bucket.flat)]
+                else:  # views (copies only where misaligned)
+                    named = list(zip(bucket.names, bucket.layout.unpack(bucket.flat), strict=True))
+                payloads[embedded] = serialize_named_tensors(named)
+            return payloads[embedded]
 
         async def update(engine: EngineClient) -> None:
+            embedded = await engine.accepts_digest()
             result = await engine.update_weights_from_tensor(
-                [payload] * self._gpu_counts[engine.url],
+                [payload(embedded)] * self._gpu_counts[engine.url],
                 weight_version=weight_version,
                 flush_cache=flush_cache and weight_version is not None,
-                weights_digest=expected if await engine.accepts_digest() else None,
+                weights_digest=expected if embedded else None,
                 stage=self._stage if stage else None,
+                flattened=(bucket.names, bucket.dtypes, bucket.shapes) if embedded else None,
             )
             require_success(engine, result)
 

@@ -12,13 +12,17 @@ prime larger than either factor) cannot divide. It is a checksum against corrupt
 not a cryptographic hash.
 
 Words rather than bytes halve the elements read, and every float and integer weight of
-two bytes or more is a whole number of words, so a tensor is read in place. The words
+two bytes or more is a whole number of words, so a tensor is read in place.
+
+On a GPU (with Triton) one kernel reads each word once: a program per span of 2^20 words
+keeps per-lane int64 sums of w and of (local offset + 1) w, exact (a span's moment stays
+below 2^54), and writes the span's two numbers. Elsewhere the words
 are read in chunks, each as rows of 256: row r's sum s_r and its moment
 m_r = sum c w_(r,c) are one float64 matrix product with the columns (1, c) (exact:
 |m_r| < 2^31), then a chunk's sum of s_r and its local moment
 sum ((256 r + 1) s_r + m_r) are exact int64 (below 2^61 for a chunk of 2^15 rows); a chunk
-at word offset `base` adds base * (its sum) to S2. Every chunk's two numbers stay on
-the device until the end: one host synchronisation per call.
+at word offset `base` adds base * (its sum) to S2. Every span's or chunk's two numbers stay
+on the device until the end: one host synchronisation per call.
 
 A tensor of an odd number of bytes (int8, bool) puts the words after it off the
 tensors' own alignment: those tensors are joined into one copy and read from there.
@@ -26,6 +30,7 @@ tensors' own alignment: those tensors are joined into one copy and read from the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -35,33 +40,48 @@ _ROW = 256
 _CHUNK_WORDS = {"cpu": 1 << 21, "cuda": 1 << 23}
 """Words per chunk: 4 MiB on the CPU, 16 MiB on a GPU (a float64 copy of 64 MiB at a time).
 At most 2^23 words (2^15 rows) keep a chunk's local moment below 2^61."""
+_SPAN_WORDS = 1 << 20
+"""Words per program of the GPU kernel (its local moment stays below 2^54)."""
+_TILE_WORDS = 2048
+"""Words a program reads at a time."""
 _columns: dict[torch.device, torch.Tensor] = {}
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> str:
     """The digest of `tensors`' bytes back to back (C order each), as 32 hex digits."""
-    bases: list[int] = []
-    sums: list[torch.Tensor] = []  # per chunk: [its word sum, its local moment], int64
+    bases: list[int] = []  # per piece (a span or a chunk): its first word's offset
+    runs: list[torch.Tensor] = []  # per run of words: [pieces, 2] int64, [sum, local moment]
     offset = 0  # in words
     for words in _word_runs(tensors):
-        chunk_words = _CHUNK_WORDS.get(words.device.type, _CHUNK_WORDS["cpu"])
-        for start in range(0, words.numel(), chunk_words):
-            bases.append(offset + start)
-            sums.append(_chunk_sums(words[start : start + chunk_words]))
+        if _uses_kernel(words):
+            pairs = _span_sums(words)
+            bases.extend(offset + i * _SPAN_WORDS for i in range(len(pairs)))
+        else:
+            chunk_words = _CHUNK_WORDS.get(words.device.type, _CHUNK_WORDS["cpu"])
+            starts = range(0, words.numel(), chunk_words)
+            pairs = torch.stack([_chunk_sums(words[i : i + chunk_words]) for i in starts])
+            bases.extend(offset + start for start in starts)
+        runs.append(pairs)
         offset += words.numel()
     plain = weighted = 0
-    by_device: dict[torch.device, list[int]] = {}
-    for index, pair in enumerate(sums):
-        by_device.setdefault(pair.device, []).append(index)
-    host: dict[int, tuple[int, int]] = {}
-    for indices in by_device.values():  # one transfer (and synchronisation) per device
-        values = torch.stack([sums[i] for i in indices]).tolist()
-        host.update(zip(indices, map(tuple, values), strict=True))
-    for index, base in enumerate(bases):
-        total, moment = host[index]
+    for (total, moment), base in zip(_read_back(runs), bases, strict=True):
         plain = (plain + total) % MODULUS
         weighted = (weighted + base * total + moment) % MODULUS
     return f"{plain:016x}{weighted:016x}"
+
+
+def _read_back(runs: list[torch.Tensor]) -> list[list[int]]:
+    """Every run's pairs as Python ints, in stream order: one transfer (and host
+    synchronisation) per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, pairs in enumerate(runs):
+        by_device.setdefault(pairs.device, []).append(index)
+    host: dict[int, list[list[int]]] = {}
+    for indices in by_device.values():
+        values = torch.cat([runs[i] for i in indices]).tolist()
+        for i in indices:
+            host[i], values = values[: len(runs[i])], values[len(runs[i]) :]
+    return [pair for index in range(len(runs)) for pair in host[index]]
 
 
 def _word_runs(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -106,3 +126,53 @@ def _unit_and_ramp(device: torch.device) -> torch.Tensor:
         ramp = torch.arange(_ROW, dtype=torch.float64, device=device)
         columns = _columns[device] = torch.stack([torch.ones_like(ramp), ramp], dim=1)
     return columns
+
+
+def _uses_kernel(words: torch.Tensor) -> bool:
+    return words.device.type == "cuda" and _span_kernel() is not None
+
+
+def _span_sums(words: torch.Tensor) -> torch.Tensor:
+    """[spans, 2] int64 on the words' GPU: per span of `_SPAN_WORDS` words, [sum w_j,
+    sum (j + 1) w_j] with j counted from the span's start; one kernel launch."""
+    spans = max(1, -(-words.numel() // _SPAN_WORDS))
+    out = torch.empty((spans, 2), dtype=torch.int64, device=words.device)
+    device = torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext()
+    with device:
+        _span_kernel()[(spans,)](words, out, words.numel(), _SPAN_WORDS, _TILE_WORDS)
+    return out
+
+
+_kernel: list = []
+
+
+def _span_kernel():
+    """The Triton kernel of `_span_sums`, or None where Triton is missing (torch then does it)."""
+    if not _kernel:
+        _kernel.append(_build_span_kernel())
+    return _kernel[0]
+
+
+def _build_span_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def span_sums(words, out, n, SPAN: tl.constexpr, TILE: tl.constexpr):
+        span = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, TILE).to(tl.int64)
+        total = tl.zeros([TILE], dtype=tl.int64)
+        moment = tl.zeros([TILE], dtype=tl.int64)
+        for start in range(0, SPAN, TILE):
+            local = start + lanes
+            at = span * SPAN + local
+            word = tl.load(words + at, mask=at < n, other=0).to(tl.int64)
+            total += word
+            moment += (local + 1) * word
+        tl.store(out + span * 2, tl.sum(total, axis=0))
+        tl.store(out + span * 2 + 1, tl.sum(moment, axis=0))
+
+    return span_sums

@@ -149,6 +149,13 @@ async def test_a_staged_update_loads_nothing_until_it_is_loaded_whole(tiny_model
                 assert (await stage("v1", half))["success"]
             with pytest.raises(EngineError, match="digest_mismatch"):
                 await stage("v1", halves[1], expected="0" * 32)
+            flat = torch.zeros(10, dtype=torch.uint8)  # a flattened bucket of the wrong size
+            with pytest.raises(EngineError, match="the bucket holds 10 bytes, its layout 16"):
+                await client.update_weights_from_tensor(
+                    [serialize_named_tensors([("flattened_bucket", flat)])],
+                    stage="v1",
+                    flattened=(["model.norm.weight"], ["float32"], [[4]]),
+                )
             staged = await client.generate(prompt, params)
             assert staged.output_ids == before.output_ids
             assert staged.meta["weight_version"] == "0"
