@@ -99,3 +99,33 @@ def test_the_learner_count_splits_experts_over_expert_parallel_ranks_only():
     # EP 4 over DP 4: a quarter of the experts each, whose optimizer state is not split
     # further (expert-DP 1); the dense part whole, its optimizer state split over DP 4.
     assert split == pytest.approx(6 * dense + 3 * dense + 18 * experts / 4, rel=1e-9)
+
+
+FULL_SIZE_RANDOM = {  # random shape -> (configs/models name, exact parameters of the HF model)
+    "qwen3-4b": ("qwen3-4b", 4_022_468_096),
+    "llama3-8b": ("llama3-8b", 8_030_261_248),
+    "glm4-9b": ("glm4-9b", 9_400_279_040),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(FULL_SIZE_RANDOM))
+def test_each_full_size_random_shape_builds_the_published_model_on_the_meta_device(shape):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.backends.megatron.families import rope_parameters
+    from streamrl.models import random_config
+
+    name, exact = FULL_SIZE_RANDOM[shape]
+    config = random_config(shape)
+    with torch.device("meta"):  # the shapes of the weights, none of their memory
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == exact  # a tied head counted once
+    assert shape_from_hf(config).num_parameters() == exact
+    assert exact / 1e9 == pytest.approx(PUBLISHED[name][0], rel=0.01)
+    # The same model as the shipped config.json: every field the shape reads, and RoPE.
+    assert shape_from_hf(config) == shape_of(name)
+    from transformers import AutoConfig
+
+    published = AutoConfig.from_pretrained(ROOT / "configs" / "models" / name)
+    assert rope_parameters(config)["rope_theta"] == rope_parameters(published)["rope_theta"]
