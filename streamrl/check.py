@@ -33,6 +33,9 @@ def check_command(args) -> int:
     for problem in problems:
         print(f"error: {args.config}: {problem}", file=sys.stderr)
     if problems:
+        if any(problem.endswith("(docs/memory.md)") for problem in problems):
+            for line in memory_plan_lines(cfg):  # the breakdown behind the refusal
+                print(f"# {line}", file=sys.stderr)
         return 2
     for line in memory_plan_lines(cfg):  # as TOML comments: the output still loads back
         print(f"# {line}")

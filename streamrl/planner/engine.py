@@ -12,6 +12,7 @@ CUDA graphs and activations.
 from __future__ import annotations
 
 from streamrl.backends.megatron.shapes import ModelShape
+from streamrl.planner import learner as learner_terms
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """The families the embedded engine's compact runner serves (`engine.runner.compact_supports`);
@@ -33,7 +34,9 @@ def kv_bytes_per_token(shape: ModelShape, *, tp_size: int, compute_bytes: int) -
     the KV heads split over TP (replicated when there are fewer than GPUs); MLA caches one
     latent of kv_lora_rank + qk_rope_head_dim per layer."""
     if shape.mla is not None:
-        return shape.num_layers * (shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim) * compute_bytes
+        return (
+            shape.num_layers * (shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim) * compute_bytes
+        )
     kv_heads = max(1, shape.num_kv_heads // tp_size)
     return 2 * shape.num_layers * kv_heads * shape.head_dim * compute_bytes
 
@@ -59,7 +62,8 @@ def prefill_activations(shape: ModelShape, *, tokens: int, compute_bytes: int) -
     product, c (3 h + 2 q + 2 kv + 3 f) per token."""
     query = shape.num_heads * shape.head_dim
     key_value = shape.num_kv_heads * shape.head_dim
-    per_token = 3 * shape.hidden_size + 2 * query + 2 * key_value + 3 * shape.ffn_hidden_size
+    ffn = learner_terms.mlp_width(shape)
+    per_token = 3 * shape.hidden_size + 2 * query + 2 * key_value + 3 * ffn
     return int(tokens * per_token * compute_bytes)
 
 

@@ -22,6 +22,7 @@ from streamrl.planner.plan import (
     learner_usage,
     sglang_engine_usage,
 )
+from streamrl.planner.report import names_of
 
 
 def gpu_size(cfg: Any) -> tuple[float | None, str]:
@@ -120,7 +121,7 @@ def fit_problems(plan: MemoryPlan, cfg: Any, shape: ModelShape) -> list[str]:
             continue
         seen.add(key)
         same = [g.name for g in plan.gpus if _identity(g) == key]
-        where = same[0] if len(same) == 1 else f"{', '.join(same)} (each)"
+        where = names_of(same)
         for usage in gpu.usages:
             pool = usage.terms.get("kv_pool")
             if pool is not None and pool < one_sequence:
@@ -129,7 +130,7 @@ def fit_problems(plan: MemoryPlan, cfg: Any, shape: ModelShape) -> list[str]:
                     f"SGLang's static share ({cfg.engine.mem_fraction_static} x "
                     f"{plan.gpu_bytes / GB:.1f} GB) leaves {max(pool, 0) / GB:.1f} GB of KV "
                     f"pool after {usage.terms['weights'] / GB:.1f} GB of weights, less than one "
-                    f"sequence of engine.max_seq_len = {cfg.engine.max_seq_len}"
+                    f"sequence of engine.max_seq_len = {cfg.engine.max_seq_len} (docs/memory.md)"
                 )
         if gpu.peak_bytes > plan.gpu_bytes:
             problems.append(_too_big(gpu, where, plan, cfg))
@@ -141,7 +142,7 @@ def _identity(gpu: GpuPlan) -> tuple:
 
 
 def _too_big(gpu: GpuPlan, where: str, plan: MemoryPlan, cfg: Any) -> str:
-    """"KEY: GPU n would need X GB at its peak, Y GB there; the largest terms: ..."."""
+    """The refusal of one GPU: the first key to change, the peak, the largest terms."""
     terms = sorted(
         ((bytes_, name, usage.role) for usage in gpu.usages for name, bytes_ in usage.terms.items()
          if name in usage.phases[usage.peak_phase]),
@@ -155,14 +156,19 @@ def _too_big(gpu: GpuPlan, where: str, plan: MemoryPlan, cfg: Any) -> str:
     if len({u.role for u in gpu.usages}) > 1:
         keys.insert(1, "cluster.engine_gpus")  # engines on GPUs of their own
     largest = ", ".join(f"{role} {name} {bytes_ / GB:.1f} GB" for bytes_, name, role in terms[:4])
-    processes = " + ".join(f"{u.role} {u.peak_bytes / GB:.1f} GB ({u.peak_phase})" for u in gpu.usages)
-    first, *others = keys[:4] or ["learner.micro_batch_tokens"]
+    processes = " + ".join(
+        f"{u.role} {u.peak_bytes / GB:.1f} GB ({u.peak_phase})" for u in gpu.usages
+    )
+    first = keys[0] if keys else "learner.micro_batch_tokens"
     return (
         f"{first}: {where} would need {gpu.peak_bytes / GB:.1f} GB at its peak ({processes}) "
         f"but has {plan.gpu_bytes / GB:.1f} GB ({plan.gpu_bytes_source}); the largest terms: "
-        f"{largest}. Change {first}" + (f" or {', '.join(others)}" if others else "")
-        + " (streamrl.planner; docs/memory.md)"
+        f"{largest}. Lower them with {_either(keys[:4] or [first])} (docs/memory.md)"
     )
+
+
+def _either(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} or {keys[-1]}"
 
 
 def _applies(key: str, cfg: Any) -> bool:

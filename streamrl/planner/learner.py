@@ -133,6 +133,16 @@ def reference_weights(shape: ModelShape, setup: LearnerSetup) -> int:
     return int(sum(local_parameters(shape, setup.layout)) * setup.compute_bytes)
 
 
+def model_state(shape: ModelShape, setup: LearnerSetup) -> int:
+    """What the model holds before any micro-batch: weights, gradients, master weights, Adam
+    moments and the KL reference (Megatron in bf16: 6 B per local parameter plus 12 B per
+    parameter of the optimizer shard, plus 2 B with a reference)."""
+    return sum(
+        term(shape, setup)
+        for term in (weights, gradients, master_weights, adam_moments, reference_weights)
+    )
+
+
 def autocast_weight_copies(shape: ModelShape, setup: LearnerSetup) -> int:
     """Torch backend under bf16 autocast: every float32 weight's bf16 cast is cached for the
     forward and saved for the backward, 2 bytes per parameter from the forward's end until
@@ -145,7 +155,19 @@ def autocast_weight_copies(shape: ModelShape, setup: LearnerSetup) -> int:
 # ---- one micro-batch
 
 
-def hf_layer_activation_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+def mlp_width(shape: ModelShape) -> float:
+    """The MLP's hidden width a token passes through, averaged over the layers: ffn in a
+    dense layer; top_k x expert_ffn + the shared expert's in an MoE layer (with balanced
+    routing, a GPU's experts see top_k / ep of the tokens of every EP rank: the same)."""
+    if shape.moe is None:
+        return shape.ffn_hidden_size
+    moe = shape.moe
+    routed = moe.top_k * moe.expert_ffn_hidden_size + moe.shared_ffn_hidden_size
+    widths = [routed if is_moe else shape.ffn_hidden_size for is_moe in moe.layer_is_moe]
+    return sum(widths) / len(widths)
+
+
+def hf_layer_activation_bytes_per_token(shape: ModelShape, compute_bytes: int) -> float:
     """Bytes one transformers decoder layer saves for the backward per token (torch backend).
 
     The residual stream is float32 (float32 weights), matmuls run in bf16 under autocast.
@@ -154,8 +176,9 @@ def hf_layer_activation_bytes_per_token(shape: ModelShape, compute_bytes: int) -
     input (5 c h, none in float32); attention keeps the rotated query, key and value
     expanded to every head (transformers' repeat_kv when a padding mask is passed), its
     output and the output projection's contiguous input (5 c q); the MLP keeps gate, up,
-    silu(gate) and their product (4 c f). Qwen3's q/k RMSNorm adds 2 r (q + kv)."""
-    hidden, ffn = shape.hidden_size, shape.ffn_hidden_size
+    silu(gate) and their product (4 c f, f = `mlp_width`). Qwen3's q/k RMSNorm adds
+    2 r (q + kv), GLM-4's post norms 4 r h."""
+    hidden, ffn = shape.hidden_size, mlp_width(shape)
     query = shape.num_heads * shape.head_dim
     key_value = shape.num_kv_heads * shape.head_dim
     casts = 5 * compute_bytes * hidden if compute_bytes != FP32 else 0
@@ -174,11 +197,12 @@ def megatron_layer_activation_bytes_per_token(shape: ModelShape, setup: LearnerS
     sequence parallelism (s): the two norms' and two column-parallel linears' inputs
     (4 c h / s); the fused qkv output, kept alive by the value view SDPA saves (c (q + 2 kv));
     the rotated query and key (c (q + kv)); SDPA's output and the projection's reshaped
-    input (2 c q); fc1's gate|up output and swiglu's output (3 c f); the log-sum-exp
-    (4 bytes per head). GLM-4's post norms add 2 c h / s."""
+    input (2 c q); fc1's gate|up output and swiglu's output (3 c f, f = `mlp_width`); the
+    log-sum-exp (4 bytes per head). GLM-4's post norms add 2 c h / s. MoE routing buffers
+    (permuted tokens, probabilities) are not counted."""
     c, t = setup.compute_bytes, setup.layout.tp
     s = t if setup.sequence_parallel else 1
-    hidden, ffn = shape.hidden_size, shape.ffn_hidden_size
+    hidden, ffn = shape.hidden_size, mlp_width(shape)
     query = shape.num_heads * shape.head_dim
     key_value = shape.num_kv_heads * shape.head_dim
     per_hidden = (6 if shape.post_norms else 4) * c * hidden / s

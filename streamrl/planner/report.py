@@ -13,12 +13,10 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         else f"GPU size unknown ({plan.gpu_bytes_source}): not checked; "
         "set cluster.gpu_memory_gb to check"
     )
-    lines = [
-        f"memory plan of {plan.model} ({plan.num_parameters / 1e9:.2f}B parameters), {size}"
-    ]
+    lines = [f"memory plan of {plan.model} ({plan.num_parameters / 1e9:.2f}B parameters), {size}"]
     lines += [f"  {note}" for note in plan.notes]
     for names, gpu in _groups(plan.gpus):
-        where = names[0] if len(names) == 1 else f"{', '.join(names)} (each)"
+        where = names_of(names)
         share = f" of {plan.gpu_bytes / GB:.1f} GB" if plan.gpu_bytes else ""
         lines.append(f"{where}: {gpu.peak_bytes / GB:.1f} GB at the peak{share}")
         for usage in gpu.usages:
@@ -37,6 +35,20 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     if not plan.gpus:
         lines.append("  nothing runs on a GPU")
     return lines
+
+
+def names_of(names: list[str]) -> str:
+    """One name as it is, GPU 0 ... GPU 3 as `GPUs 0-3 (each)`, others as `8 GPUs (each)`."""
+    if len(names) == 1:
+        return names[0]
+    prefixes = {name.rpartition(" ")[0] for name in names}
+    numbers = [name.rpartition(" ")[2] for name in names]
+    if len(prefixes) == 1 and all(n.isdigit() for n in numbers):
+        first, last = int(numbers[0]), int(numbers[-1])
+        if [int(n) for n in numbers] == list(range(first, last + 1)):
+            return f"{prefixes.pop()}s {first}-{last} (each)"
+        return f"{prefixes.pop()}s {', '.join(numbers)} (each)"
+    return f"{len(names)} GPUs (each)"
 
 
 def _groups(gpus: list[GpuPlan]) -> list[tuple[list[str], GpuPlan]]:
