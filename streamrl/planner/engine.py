@@ -11,8 +11,8 @@ CUDA graphs and activations.
 
 from __future__ import annotations
 
+import streamrl.planner.learner as learner_terms
 from streamrl.backends.megatron.shapes import ModelShape
-from streamrl.planner import learner as learner_terms
 
 COMPACT_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """The families the embedded engine's compact runner serves (`engine.runner.compact_supports`);

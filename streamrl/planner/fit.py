@@ -108,7 +108,7 @@ def fit_problems(plan: MemoryPlan, cfg: Any, shape: ModelShape) -> list[str]:
     """Each GPU (identical ones once) whose peak passes `plan.gpu_bytes`, and each SGLang
     engine whose KV pool holds less than one sequence, as a message that starts with the
     key to change."""
-    from streamrl.planner import engine as engine_terms
+    import streamrl.planner.engine as engine_terms
 
     one_sequence = cfg.engine.max_seq_len * engine_terms.kv_bytes_per_token(
         shape, tp_size=cfg.engine.tp_size, compute_bytes=2

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import streamrl.planner.engine as engine_terms
+import streamrl.planner.learner as learner_terms
 from streamrl.backends.megatron.memory import Parallelism
 from streamrl.backends.megatron.shapes import ModelShape
-from streamrl.planner import engine as engine_terms
-from streamrl.planner import learner as learner_terms
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 10**9
