@@ -5,8 +5,10 @@ user's code (reward, generate and filter functions), reads every data file (each
 up to `MAX_DATA_ROWS`, parsed and validated by the run's own reader, `streamrl.data.rows`; the
 first bad record is named as `path:line` with the number of bad ones; the first record must
 hold the label key), and checks that every model path exists and that its config loads.
-Each problem names its dotted key; any problem gives exit code 2. On success the resolved
-config is printed (it loads back identically).
+With the model's shape known, `streamrl.planner` counts each GPU's expected peak and a GPU
+that cannot hold it is a problem (docs/memory.md). Each problem names its dotted key; any
+problem gives exit code 2. On success the memory plan is printed as TOML comments, then the
+resolved config (the whole output loads back identically).
 """
 
 from __future__ import annotations
@@ -31,9 +33,37 @@ def check_command(args) -> int:
     for problem in problems:
         print(f"error: {args.config}: {problem}", file=sys.stderr)
     if problems:
+        if any(problem.endswith("(docs/memory.md)") for problem in problems):
+            for line in memory_plan_lines(cfg):  # the breakdown behind the refusal
+                print(f"# {line}", file=sys.stderr)
         return 2
+    for line in memory_plan_lines(cfg):  # as TOML comments: the output still loads back
+        print(f"# {line}")
     print(dump_toml(cfg), end="")
     return 0
+
+
+def memory_plan_lines(cfg: RunConfig) -> list[str]:
+    """`streamrl.planner`'s breakdown of each GPU's peak, or the line saying why there is none."""
+    from streamrl.planner.report import plan_lines
+
+    plan, reason = _memory_plan(cfg)
+    return plan_lines(plan) if plan is not None else [f"memory plan: none ({reason})"]
+
+
+def _memory_plan(cfg: RunConfig):
+    """(the plan, "") or (None, why not): SmolLM2 (135M parameters) and a model whose
+    config does not load (reported under model.path) or whose family the shapes do not
+    read are not planned."""
+    from streamrl import models
+    from streamrl.planner import plan_memory
+
+    if cfg.model.path == models.SMOLLM2_NAME:
+        return None, "SmolLM2-135M fits any GPU"
+    try:
+        return plan_memory(cfg), ""
+    except (NotImplementedError, ValueError, KeyError, AttributeError, OSError) as exc:
+        return None, f"the model's shape does not read: {exc}"
 
 
 def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
@@ -92,6 +122,7 @@ def find_problems(cfg: RunConfig, *, models: bool = True) -> list[str]:
                 attempt(
                     "learner.critic.path", lambda: problems.extend(_critic_layout_problems(cfg))
                 )
+        attempt("cluster.gpu_memory_gb", lambda: problems.extend(_memory_problems(cfg)))
     if cfg.train.mode == "train_only":
         attempt("train.load_rollouts", lambda: _check_rollouts(cfg))
     if cfg.logging.wandb:
@@ -235,6 +266,12 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     )
     engine_tp = cfg.engine.tp_size if cfg.engine.backend == "sglang" else 1
     return layout_problems(shape, layout, engine_tp_size=engine_tp)
+
+
+def _memory_problems(cfg: RunConfig) -> list[str]:
+    """What does not fit its GPU by `streamrl.planner`'s count, each naming the key to change."""
+    plan, _ = _memory_plan(cfg)
+    return plan.problems if plan is not None else []
 
 
 def _critic_layout_problems(cfg: RunConfig) -> list[str]:

@@ -3,7 +3,7 @@ backend) and how pytest-xdist spreads it over its workers.
 
 The tests live in rooms that mirror the package: actors/, agents/, algorithms/,
 backends/ (with backends/megatron/), bench/, compat/, config/, engine/, fleet/, launch/,
-models/, queues/, rewards/, tasks/, weights/; runs/ holds the end-to-end `streamrl run`
+models/, planner/, queues/, rewards/, tasks/, weights/; runs/ holds the end-to-end `streamrl run`
 tests, conformance/ the engine protocol suite that runs against both engines, house/ the
 checks on the repository itself (docs, import layers, lock). Scaffolding that several
 rooms share sits here, at the top: `engine_helpers` (engine processes), `run_helpers`

@@ -550,6 +550,11 @@ class ClusterConfig(_Section):
     learner_gpus: list[int] = []
     """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1. With `ray`, only the
     first is read (rank 0's, on the node of `streamrl run`): Ray gives the other ranks theirs."""
+    gpu_memory_gb: NonNegFloat = 0.0
+    """Memory of one GPU in GB (10^9 bytes) that `streamrl check` holds each GPU's planned
+    peak to (`streamrl.planner`, docs/memory.md); 0 means what the CUDA device reports (an
+    H200, sold as 141 GB, reports 143,771 MiB = 150.8 GB), and on a machine without one the
+    plan is printed but not checked."""
 
 
 class TrainConfig(_Section):

@@ -2,8 +2,9 @@
 config whose weights are drawn from a seed (`streamrl.models.build_random_model`).
 
 Tiny shapes (`*-tiny`) run every test and CPU benchmark; full-size ones are for the GPU
-checks. Every shape uses SmolLM2's special token ids and, unless its name says otherwise,
-SmolLM2's 49,152-token vocabulary, so random ids decode to real text.
+checks and keep their model's vocabulary (the logits' memory is part of what they measure).
+Every shape uses SmolLM2's special token ids; the tiny ones SmolLM2's 49,152-token
+vocabulary, so random ids decode to real text.
 """
 
 from __future__ import annotations
@@ -215,6 +216,66 @@ RANDOM_SHAPES.update(
             "rms_norm_eps": 1e-6,
             # DeepSeek-V3 itself uses YaRN (factor 40); plain RoPE here (see moe_check.py).
             "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+    }
+)
+# The dense models of a slime user's single-H200 runs (issue #27), at their real sizes: the
+# fields of each model's published config.json (configs/models/<name>/config.json holds the
+# same; tests/models/test_model_configs.py keeps the two equal), with SmolLM2's special ids.
+# `random_model_dir` draws them in float32: 16, 32 and 38 GB of safetensors on disk.
+RANDOM_SHAPES.update(
+    {
+        "qwen3-4b": {  # Qwen/Qwen3-4B: 4.02B parameters, tied embeddings, q/k RMSNorm
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+            **_SMOLLM2_SPECIAL,
+        },
+        "llama3-8b": {  # meta-llama/Meta-Llama-3-8B(-Instruct): 8.03B parameters
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            **_SMOLLM2_SPECIAL,
+        },
+        # THUDM/GLM-4-9B-0414 (transformers' Glm4ForCausalLM; the first GLM-4-9B is the
+        # remote-code ChatGLM architecture with the same sizes): 9.40B parameters, q/k/v
+        # bias, half-rotary interleaved RoPE, sandwich norms, 2 KV heads.
+        "glm4-9b": {
+            "model_type": "glm4",
+            "architectures": ["Glm4ForCausalLM"],
+            "hidden_size": 4096,
+            "intermediate_size": 13696,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "vocab_size": 151552,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
             "tie_word_embeddings": False,
             **_SMOLLM2_SPECIAL,
         },

@@ -66,6 +66,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "streamrl.types",
         "streamrl.weights",
     ),
+    # the memory planner: arithmetic on model shapes (the torch-free parts of the Megatron
+    # package), the model's config, the engines' placement
+    "streamrl.planner": (
+        "streamrl.backends.megatron.families",
+        "streamrl.backends.megatron.memory",
+        "streamrl.backends.megatron.shapes",
+        "streamrl.models",
+        "streamrl.placement",
+    ),
     # the long-running actors
     "streamrl.actors": (
         "streamrl.agents",

@@ -2,9 +2,9 @@
 shapes, no weights) and configs/slime/*.toml (parallel layouts for one node and several).
 
 Each layout passes `streamrl check` with the model checks on (the config.json loads, the
-layout splits the model: heads, KV heads, vocabulary, layers, experts), and its learner
-and engine hold the model within an H200's memory by `streamrl.backends.megatron.memory`'s
-count (activations and KV cache get the rest).
+layout splits the model: heads, KV heads, vocabulary, layers, experts), and every GPU of it
+holds its planned peak within an H200's 141 GB by `streamrl.planner`'s count (model state,
+activations, logits, KV cache).
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from pathlib import Path
 import pytest
 
 from streamrl.backends.megatron.families import shape_from_hf
-from streamrl.backends.megatron.memory import (
-    Parallelism,
-    engine_weight_bytes_per_gpu,
-    expert_parameters,
-    layout_problems,
-    learner_bytes_per_gpu,
-)
+from streamrl.backends.megatron.memory import Parallelism, expert_parameters, layout_problems
 from streamrl.check import find_problems
 from streamrl.config import load_config
+from streamrl.planner import learner as learner_terms
+from streamrl.planner import plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = sorted((ROOT / "configs" / "slime").glob("*.toml"))
@@ -56,21 +52,13 @@ def test_each_layout_passes_streamrl_check_with_its_model_and_fits_an_h200(path,
     monkeypatch.chdir(ROOT)
     cfg = load_config(path)
     assert find_problems(cfg, models=True) == []
-    shape = shape_of(Path(cfg.model.path).name)
-    megatron = cfg.learner.megatron
-    layout = Parallelism(
-        cfg.learner.num_gpus,
-        megatron.tensor_parallel_size,
-        megatron.pipeline_parallel_size,
-        megatron.expert_model_parallel_size,
+    plan = plan_memory(cfg, gpu_bytes=H200_BYTES, source="an H200")
+    assert plan.problems == []
+    learner = max(u.peak_bytes for g in plan.gpus for u in g.usages if u.role == "learner")
+    model_state = learner_terms.model_state(
+        shape_of(Path(cfg.model.path).name), learner_terms_setup(cfg)
     )
-    learner = learner_bytes_per_gpu(shape, layout, reference=cfg.algorithm.kl_loss_coef > 0)
-    assert learner < 0.75 * H200_BYTES, f"{learner / 1e9:.0f} GB per learner GPU"
-    fp8 = "fp8" in cfg.engine.extra_args
-    engine = engine_weight_bytes_per_gpu(
-        shape, cfg.engine.tp_size, bytes_per_weight=1 if fp8 else 2
-    )
-    assert engine < 0.65 * H200_BYTES, f"{engine / 1e9:.0f} GB of weights per engine GPU"
+    assert model_state < learner < H200_BYTES
     gpus = cfg.learner.num_gpus + cfg.engine.num_engines * cfg.engine.tp_size
     assert gpus % 8 == 0 and (gpus == 8) == (cfg.cluster.launcher == "local")
 
@@ -89,13 +77,56 @@ def test_a_layout_that_does_not_split_the_model_is_refused_naming_the_key():
     ]
 
 
+def learner_terms_setup(cfg, tokens: int = 0):
+    from streamrl.planner.plan import learner_setup
+
+    return learner_setup(shape_of(Path(cfg.model.path).name), cfg, tokens=tokens)
+
+
+def megatron_state(shape, layout: Parallelism) -> int:
+    setup = learner_terms.LearnerSetup(
+        backend="megatron", layout=layout, compute_bytes=2, tokens=0, reference=False
+    )
+    return learner_terms.model_state(shape, setup)
+
+
 def test_the_learner_count_splits_experts_over_expert_parallel_ranks_only():
     moe = shape_of("qwen3-30b-a3b")
     experts = expert_parameters(moe)
     dense = moe.num_parameters() - experts
-    one = learner_bytes_per_gpu(moe, Parallelism(1), reference=False)
+    one = megatron_state(moe, Parallelism(1))
     assert one == pytest.approx(18 * moe.num_parameters(), rel=1e-9)  # 2 + 4 + 12 bytes
-    split = learner_bytes_per_gpu(moe, Parallelism(4, ep=4), reference=False)
+    split = megatron_state(moe, Parallelism(4, ep=4))
     # EP 4 over DP 4: a quarter of the experts each, whose optimizer state is not split
     # further (expert-DP 1); the dense part whole, its optimizer state split over DP 4.
     assert split == pytest.approx(6 * dense + 3 * dense + 18 * experts / 4, rel=1e-9)
+
+
+FULL_SIZE_RANDOM = {  # random shape -> (configs/models name, exact parameters of the HF model)
+    "qwen3-4b": ("qwen3-4b", 4_022_468_096),
+    "llama3-8b": ("llama3-8b", 8_030_261_248),
+    "glm4-9b": ("glm4-9b", 9_400_279_040),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(FULL_SIZE_RANDOM))
+def test_each_full_size_random_shape_builds_the_published_model_on_the_meta_device(shape):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.backends.megatron.families import rope_parameters
+    from streamrl.models import random_config
+
+    name, exact = FULL_SIZE_RANDOM[shape]
+    config = random_config(shape)
+    with torch.device("meta"):  # the shapes of the weights, none of their memory
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == exact  # a tied head counted once
+    assert shape_from_hf(config).num_parameters() == exact
+    assert exact / 1e9 == pytest.approx(PUBLISHED[name][0], rel=0.01)
+    # The same model as the shipped config.json: every field the shape reads, and RoPE.
+    assert shape_from_hf(config) == shape_of(name)
+    from transformers import AutoConfig
+
+    published = AutoConfig.from_pretrained(ROOT / "configs" / "models" / name)
+    assert rope_parameters(config)["rope_theta"] == rope_parameters(published)["rope_theta"]

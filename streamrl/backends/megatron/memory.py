@@ -1,9 +1,8 @@
-"""How a model fits a parallel layout: the divisibility rules of the Megatron learner and of
-SGLang engines, and what the learner's weights, gradients and optimizer hold per GPU.
+"""How a model splits over a parallel layout: the divisibility rules of the Megatron learner
+and of SGLang engines, and which parameters are experts.
 
-Pure arithmetic on a `ModelShape` (no torch): `streamrl check` runs `layout_problems`,
-and tests/models/test_model_configs.py holds each shipped config of configs/slime/ under a GPU's
-memory with `learner_bytes_per_gpu` and `engine_weight_bytes_per_gpu`.
+Pure arithmetic on a `ModelShape` (no torch): `streamrl check` runs `layout_problems`;
+what each GPU then holds is `streamrl.planner`'s count (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -34,29 +33,6 @@ def expert_parameters(shape: ModelShape) -> int:
         return 0
     per_expert = 3 * shape.hidden_size * shape.moe.expert_ffn_hidden_size
     return shape.moe.num_moe_layers * shape.moe.num_experts * per_expert
-
-
-def learner_bytes_per_gpu(shape: ModelShape, layout: Parallelism, *, reference: bool) -> int:
-    """Bytes one learner GPU holds for the model, activations aside: bf16 weights (2 B per
-    parameter) and float32 gradients (4 B) of its shard, plus the distributed optimizer's
-    float32 master weights and Adam moments (12 B) split over the data-parallel ranks (the
-    experts' over the expert-data-parallel ranks, dp / ep); with `reference` (a KL loss), a
-    second bf16 copy of the weights. The shard is 1 / (tp * pp) of the dense parameters
-    and 1 / (tp * pp * ep) of the experts'."""
-    experts = expert_parameters(shape)
-    dense = shape.num_parameters() - experts
-    model_parallel = layout.tp * layout.pp
-    dense_local = dense / model_parallel
-    experts_local = experts / (model_parallel * layout.ep)
-    local = dense_local + experts_local
-    optimizer = 12 * (dense_local / layout.dp + experts_local / (layout.dp / layout.ep))
-    total = 6 * local + optimizer + (2 * local if reference else 0)
-    return int(total)
-
-
-def engine_weight_bytes_per_gpu(shape: ModelShape, tp_size: int, *, bytes_per_weight: float) -> int:
-    """The weights one GPU of an engine of `tp_size` GPUs holds (before its KV cache)."""
-    return int(shape.num_parameters() * bytes_per_weight / tp_size)
 
 
 def layout_problems(shape: ModelShape, layout: Parallelism, *, engine_tp_size: int) -> list[str]:
