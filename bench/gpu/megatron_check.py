@@ -1,22 +1,45 @@
 """Megatron backend on one or two GPUs: correctness against Hugging Face, and learner throughput.
 
-Run from the repository root (about 4-6 minutes on one H200):
+Run from the repository root (about 3-4 minutes on one H200; `--sections throughput,
+micro_batch_32k` skips the correctness sections):
 
     python bench/gpu/megatron_check.py --out bench/results/megatron_check.json
 
 Sections, each in its own try/except (a failure records its traceback and the
-run goes on); one JSON object is printed and written to --out:
+run goes on); the JSON is rewritten to --out after every section (and every
+shape of the throughput sections), and printed at the end:
 
 (a) `logprobs_vs_hf`: per-token log-probabilities of the Megatron model and the
     HF model (SDPA) with the same random Qwen2-0.5B-shaped weights, bf16;
     mean and max |diff| over real tokens (target: mean <= 1e-2).
 (b) `round_trip`: HF -> Megatron -> HF in bf16, bit-exact: pure conversion at
     TP=1, TP=2, TP=2 x PP=2, and through the live model (load, then `hf_weights`).
-(c) `throughput`: trained tokens/s and model FLOP utilisation
-    6 * N * tokens / time / 989e12 (H100/H200 dense bf16 peak; N = parameters
-    with tied embeddings counted once) for Qwen2-0.5B and Qwen2-1.5B shapes at
-    4096-token sequences, for the Megatron backend and for a plain PyTorch HF
-    step (AdamW, bf16 parameters, SDPA) on the same micro-batches.
+(c) `throughput`: one full RL learner step (`rl_step`: the old policy's
+    log-probabilities, a forward pass of their own, then forward/backward of every
+    micro-batch with log-probabilities and entropy, then the optimizer) for
+    Qwen2-0.5B and Qwen2-1.5B shapes, 4 micro-batches of 2 x 4096 tokens, timed over
+    3 steps after a warm-up (which compiles), with the time of each phase (CUDA
+    events, no extra synchronisation). Two Megatron variants: the default
+    (`learner.megatron.compile = "auto"`: compiled kernels, fused Adam on CUDA) and
+    `compile_off` (compile off, torch's foreach Adam as Megatron builds it); and, for
+    reference, a plain PyTorch HF training step (AdamW, bf16, SDPA; no old-logprob
+    pass). MFU figures (`step_flops`, all against the 989e12 dense bf16 peak, N =
+    parameters with tied embeddings counted once):
+      mfu_6n                    6 N tokens / step time: the issue's formula, the
+                                old-logprob pass counted as time but not as work
+      mfu_8n                    (6 N + 2 N) tokens / step time: the old-logprob
+                                forward counted as work too
+      mfu_8n_causal_attention   mfu_8n plus attention's score and value matmuls,
+                                causal (a token at position t meets t + 1 keys):
+                                per row of s tokens and layer, 2 d s (s + 1) forward
+                                (d = heads x head dim), x 3 for training
+      train_only                the same step without its old-logprob phase
+                                (comparable with the figures this script printed
+                                before, which timed `train_mini_batch` alone)
+(c') `micro_batch_32k`: the same RL step with one micro-batch of 8 x 4096 = 32,768
+    tokens per step at both shapes: peak memory, and whether it ran out of memory;
+    when it does, again with full activation recompute (`learner.gradient_checkpointing`:
+    every layer, Megatron's `full` / `uniform` / 1 layer).
 (d) `tp2_vs_tp1`: with two GPUs, TP=2 ranks (started with
     streamrl.backends.rendezvous) recompute (a)'s log-probabilities and
     one training step; otherwise "skipped: one GPU".
@@ -46,6 +69,7 @@ from megatron_ranks import nll_loss, seeded_micro_batches  # noqa: E402
 PEAK_BF16_FLOPS = 989e12
 ROWS_PER_MICRO_BATCH = 2
 MICRO_BATCHES_PER_STEP = 4
+MICRO_BATCH_32K_ROWS = 8  # x 4096 tokens: one 32,768-token micro-batch
 TIMED_STEPS = 3
 
 
@@ -71,13 +95,18 @@ PLAN = Plan()
 # ---------------------------------------------------------------- helpers
 
 
-def learner_config(tp: int = 1, *, lr: float = 1e-6):
+def learner_config(
+    tp: int = 1, *, lr: float = 1e-6, compile: str = "auto", recompute: bool = False
+):
     from streamrl.config import LearnerConfig, MegatronConfig
 
     return LearnerConfig(
         backend="megatron",
         lr=lr,
-        megatron=MegatronConfig(tensor_parallel_size=tp, use_distributed_optimizer=True),
+        gradient_checkpointing=recompute,
+        megatron=MegatronConfig(
+            tensor_parallel_size=tp, use_distributed_optimizer=True, compile=compile
+        ),
     )
 
 
@@ -226,41 +255,143 @@ def section_round_trip(model_dir: Path, state: dict) -> dict:
     return result
 
 
-def time_steps(step, tokens_per_step: int, num_params: int) -> dict:
-    step()  # warm-up (allocations, kernels)
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(TIMED_STEPS):
-        step()
-    synchronize()
-    seconds = (time.perf_counter() - start) / TIMED_STEPS
-    tokens_per_s = tokens_per_step / seconds
+def step_flops(shape, num_params: int, batch) -> dict:
+    """Model FLOPs of one RL step over `batch` (real tokens only; see the module docstring)."""
+    lengths = [int(n) for mb in batch for n in mb.attention_mask.sum(dim=1)]
+    tokens = sum(lengths)
+    width = shape.num_heads * shape.head_dim
+    attention_forward = 2 * shape.num_layers * width * sum(s * (s + 1) for s in lengths)
     return {
-        "step_s": round(seconds, 4),
-        "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": round(6 * num_params * tokens_per_s / PEAK_BF16_FLOPS, 4),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if PLAN.device == "cuda"
-        else None,
+        "tokens": tokens,
+        "train_6n": 6 * num_params * tokens,
+        "old_logprob_2n": 2 * num_params * tokens,
+        "attention_train": 3 * attention_forward,
+        "attention_old_logprob": attention_forward,
     }
 
 
-def throughput_megatron(model_dir: Path, batch, num_params: int, backend=None) -> dict:
+def mfu_figures(flops: dict, step_s: float, train_s: float) -> dict:
+    def mfu(work: float, seconds: float) -> float:
+        return round(work / seconds / PEAK_BF16_FLOPS, 4)
+
+    rl_work = flops["train_6n"] + flops["old_logprob_2n"]
+    attention = flops["attention_train"] + flops["attention_old_logprob"]
+    return {
+        "tokens_per_s": round(flops["tokens"] / step_s, 1),
+        "mfu_6n": mfu(flops["train_6n"], step_s),
+        "mfu_8n": mfu(rl_work, step_s),
+        "mfu_8n_causal_attention": mfu(rl_work + attention, step_s),
+        "train_only": {
+            "step_s": round(train_s, 4),
+            "tokens_per_s": round(flops["tokens"] / train_s, 1),
+            "mfu_6n": mfu(flops["train_6n"], train_s),
+            "mfu_6n_causal_attention": mfu(flops["train_6n"] + flops["attention_train"], train_s),
+        },
+    }
+
+
+class StepClock:
+    """Named marks inside a step: CUDA events on the GPU (no extra synchronisation), wall
+    time on CPU. A phase is named by the mark that ends it."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if PLAN.device == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def phases_s(self) -> dict[str, float]:
+        synchronize()
+        out: dict[str, float] = {}
+        for (_, begin), (name, end) in zip(self.marks, self.marks[1:], strict=False):
+            seconds = begin.elapsed_time(end) / 1e3 if PLAN.device == "cuda" else end - begin
+            out[name] = out.get(name, 0.0) + seconds
+        self.marks = []
+        return out
+
+
+def timed_optimizer(backend, clock: StepClock) -> None:
+    """Mark the optimizer step's start and end (Schedule.train calls `optimizer.step()`)."""
+    step = backend.optimizer.step
+
+    def marked_step(*args, **kwargs):
+        clock.mark("train_forward_backward_s")
+        result = step(*args, **kwargs)
+        clock.mark("optimizer_s")
+        return result
+
+    backend.optimizer.step = marked_step
+
+
+def rl_step(backend, batch, clock: StepClock) -> None:
+    """One learner step as `streamrl.backends.step.train_step` runs it with a proximal pass:
+    old-policy log-probabilities, then one optimizer step over the same micro-batches (with
+    entropy, as the learner always asks; here it feeds metrics only)."""
+    clock.mark("between_steps_s")
+    backend.compute_logprobs(batch, temperature=1.0)
+    clock.mark("old_logprob_forward_s")
+    backend.train_mini_batch(batch, nll_loss, temperature=1.0, need_entropy=True)
+    clock.mark("metrics_s")
+
+
+def time_rl_steps(backend, batch, flops: dict, *, steps: int = TIMED_STEPS) -> dict:
+    """A warm-up step (compilation, allocations), then `steps` timed ones."""
+    clock = StepClock()
+    timed_optimizer(backend, clock)
+    started = time.perf_counter()
+    rl_step(backend, batch, clock)
+    clock.phases_s()
+    first_step_s = time.perf_counter() - started
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        rl_step(backend, batch, clock)
+    synchronize()
+    step_s = (time.perf_counter() - start) / steps
+    phases = {name: seconds / steps for name, seconds in clock.phases_s().items()}
+    train_s = step_s - phases.get("old_logprob_forward_s", 0.0)
+    return {
+        "step_s": round(step_s, 4),
+        "phases_s": {name: round(seconds, 4) for name, seconds in phases.items()},
+        "first_step_s": round(first_step_s, 2),
+        **mfu_figures(flops, step_s, train_s),
+        "peak_memory_gib": peak_memory_gib(),
+    }
+
+
+def peak_memory_gib() -> float | None:
+    if PLAN.device != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def build_backend(model_dir: Path, **config):
     from streamrl.backends.megatron.backend import MegatronBackend
 
-    backend = backend or MegatronBackend(
-        str(model_dir), learner_config(), device=PLAN.device, dtype=PLAN.dtype, seed=0
+    return MegatronBackend(
+        str(model_dir), learner_config(**config), device=PLAN.device, dtype=PLAN.dtype, seed=0
     )
+
+
+def throughput_megatron(model_dir: Path, batch, flops: dict, backend=None, **config) -> dict:
+    backend = backend or build_backend(model_dir, **config)
+    if config.get("compile") == "off" and PLAN.device == "cuda":  # Megatron's own foreach Adam
+        for part in getattr(backend.optimizer, "chained_optimizers", [backend.optimizer]):
+            for group in part.optimizer.param_groups:
+                group["fused"], group["foreach"] = False, True
     reset_peak_memory()
-    tokens = sum(mb.input_ids.numel() for mb in batch)
-
-    def step():
-        backend.train_mini_batch(batch, nll_loss, temperature=1.0, need_entropy=False)
-
-    return time_steps(step, tokens, num_params)
+    result = time_rl_steps(backend, batch, flops)
+    result["compiled"] = backend.compiled
+    return result
 
 
-def throughput_hf(model_dir: Path, batch, num_params: int) -> dict:
+def throughput_hf(model_dir: Path, batch, flops: dict) -> dict:
+    """A plain PyTorch training step (no old-logprob pass): train_only figures only."""
     from transformers import AutoModelForCausalLM
 
     from streamrl.algorithms import aggregate, logprobs_from_logits
@@ -272,7 +403,6 @@ def throughput_hf(model_dir: Path, batch, num_params: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=PLAN.device == "cuda")
     on_gpu = [(mb.input_ids.to(PLAN.device), mb.loss_mask.to(PLAN.device), mb) for mb in batch]
     reset_peak_memory()
-    tokens = sum(mb.input_ids.numel() for mb in batch)
 
     def step():
         for input_ids, loss_mask, mb in on_gpu:
@@ -287,40 +417,113 @@ def throughput_hf(model_dir: Path, batch, num_params: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return time_steps(step, tokens, num_params)
+    step()  # warm-up
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        step()
+    synchronize()
+    step_s = (time.perf_counter() - start) / TIMED_STEPS
+    return {
+        "train_only": mfu_figures(flops, step_s, step_s)["train_only"],
+        "peak_memory_gib": peak_memory_gib(),
+    }
 
 
-def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict) -> None:
+def shape_model(shape_name: str, small_dir: Path, work_dir: Path) -> Path:
+    """The random HF checkpoint of a named shape (the small one is the correctness sections')."""
+    if shape_name == PLAN.small_shape:
+        return small_dir
+    directory = work_dir / shape_name
+    return directory if directory.exists() else save_random_hf(shape_name, directory)
+
+
+def measure(entry: dict, key: str, save, run, *args, **kwargs) -> None:
+    """entry[key] = run(*args, **kwargs), or its traceback; printed and saved either way."""
+    try:
+        entry[key] = run(*args, **kwargs)
+    except Exception:
+        entry[key] = {"error": traceback.format_exc()}
+    print(f"[megatron_check] {key}: {json.dumps(entry[key])[:2000]}", flush=True)
+    free_cuda()
+    save()
+
+
+def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, save) -> None:
     from transformers import AutoConfig
 
     from streamrl.backends.megatron.model import shape_from_hf
 
     for shape_name in (PLAN.small_shape, PLAN.large_shape):
         entry = out.setdefault(shape_name, {})
-        is_small = shape_name == PLAN.small_shape
         try:
-            model_dir = small_dir if is_small else save_random_hf(shape_name, work_dir / shape_name)
-            num_params = shape_from_hf(AutoConfig.from_pretrained(model_dir)).num_parameters()
+            model_dir = shape_model(shape_name, small_dir, work_dir)
+            shape = shape_from_hf(AutoConfig.from_pretrained(model_dir))
+            num_params = shape.num_parameters()
             batch = micro_batches(
-                vocab_size(model_dir), rows=ROWS_PER_MICRO_BATCH, seq_len=PLAN.seq_len,
+                shape.vocab_size, rows=ROWS_PER_MICRO_BATCH, seq_len=PLAN.seq_len,
                 count=MICRO_BATCHES_PER_STEP, seed=2, padded=False,
             )  # fmt: skip
-            tokens = sum(mb.input_ids.numel() for mb in batch)
-            entry.update(num_params=num_params, seq_len=PLAN.seq_len, tokens_per_step=tokens)
-            backend = state.pop("backend", None) if is_small else None
-            try:
-                entry["megatron"] = throughput_megatron(model_dir, batch, num_params, backend)
-            except Exception:
-                entry["megatron"] = {"error": traceback.format_exc()}
-            backend = None
-            free_cuda()
-            try:
-                entry["hf_pytorch"] = throughput_hf(model_dir, batch, num_params)
-            except Exception:
-                entry["hf_pytorch"] = {"error": traceback.format_exc()}
+            flops = step_flops(shape, num_params, batch)
+            entry.update(
+                num_params=num_params, seq_len=PLAN.seq_len, flops=flops,
+                micro_batches=f"{MICRO_BATCHES_PER_STEP} x {ROWS_PER_MICRO_BATCH} x {PLAN.seq_len}",
+            )  # fmt: skip
         except Exception:
             entry["error"] = traceback.format_exc()
-        free_cuda()
+            save()
+            continue
+        backend = state.pop("backend", None) if shape_name == PLAN.small_shape else None
+        measure(entry, "megatron", save, throughput_megatron, model_dir, batch, flops, backend)
+        backend = None
+        measure(
+            entry, "megatron_compile_off", save, throughput_megatron, model_dir, batch, flops,
+            compile="off",
+        )  # fmt: skip
+        measure(entry, "hf_pytorch", save, throughput_hf, model_dir, batch, flops)
+
+
+def one_big_micro_batch(model_dir: Path, shape, *, recompute: bool) -> dict:
+    """The RL step on one micro-batch of MICRO_BATCH_32K_ROWS x seq_len tokens."""
+    batch = micro_batches(
+        shape.vocab_size, rows=MICRO_BATCH_32K_ROWS, seq_len=PLAN.seq_len, count=1, seed=3,
+        padded=False,
+    )  # fmt: skip
+    flops = step_flops(shape, shape.num_parameters(), batch)
+    result: dict = {"recompute": "full, every layer" if recompute else "none"}
+    reset_peak_memory()
+    backend = None
+    try:
+        backend = build_backend(model_dir, recompute=recompute)
+        result.update(time_rl_steps(backend, batch, flops, steps=2), out_of_memory=False)
+    except torch.OutOfMemoryError as exc:
+        result.update(out_of_memory=True, error=str(exc).split("\n")[0][:300])
+    result["peak_memory_gib"] = peak_memory_gib()
+    result["tokens_per_micro_batch"] = flops["tokens"]
+    del backend
+    return result
+
+
+def section_micro_batch_32k(small_dir: Path, work_dir: Path, out: dict, save) -> None:
+    from transformers import AutoConfig
+
+    from streamrl.backends.megatron.model import shape_from_hf
+
+    for shape_name in (PLAN.small_shape, PLAN.large_shape):
+        entry = out.setdefault(shape_name, {})
+        try:
+            model_dir = shape_model(shape_name, small_dir, work_dir)
+            shape = shape_from_hf(AutoConfig.from_pretrained(model_dir))
+        except Exception:
+            entry["error"] = traceback.format_exc()
+            save()
+            continue
+        measure(entry, "no_recompute", save, one_big_micro_batch, model_dir, shape, recompute=False)
+        if entry["no_recompute"].get("out_of_memory"):
+            measure(
+                entry, "full_recompute", save, one_big_micro_batch, model_dir, shape,
+                recompute=True,
+            )  # fmt: skip
 
 
 def section_tp2(model_dir: Path, work_dir: Path, state: dict) -> dict:
@@ -375,7 +578,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "peak_bf16_flops": PEAK_BF16_FLOPS,
-        "peak_note": "989e12 = H100/H200 SXM dense bf16 peak; MFU = 6 * N * tokens/s / peak",
+        "peak_note": "989e12 = H100/H200 SXM dense bf16 peak; mfu_6n = 6 * N * tokens/s / peak "
+        "(N counts tied embeddings once); mfu_8n and *_causal_attention: the module docstring",
     }
     for module in ("transformers", "megatron.core", "transformer_engine", "apex"):
         try:
@@ -385,11 +589,22 @@ def environment() -> dict:
     return info
 
 
-def run(out_path: Path) -> dict:
+SECTIONS = ("logprobs_vs_hf", "round_trip", "throughput", "micro_batch_32k", "tp2_vs_tp1")
+
+
+def run(out_path: Path, sections: tuple[str, ...] = SECTIONS) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    report: dict = {"environment": environment(), "plan": repr(PLAN), "sections_s": {}}
+    report: dict = {
+        "environment": environment(), "plan": repr(PLAN), "sections": list(sections),
+        "sections_s": {},
+    }  # fmt: skip
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(report, indent=2))
+
     state: dict = {}
     with tempfile.TemporaryDirectory(prefix="megatron-check-") as tmp:
         work_dir = Path(tmp)
@@ -400,30 +615,36 @@ def run(out_path: Path) -> dict:
         except Exception:
             report["setup_error"] = traceback.format_exc()
             small_dir = None
-        sections = [
-            ("logprobs_vs_hf", lambda: section_logprobs(small_dir, state)),
-            ("round_trip", lambda: section_round_trip(small_dir, state)),
-            (
-                "throughput",
-                lambda: section_throughput(
-                    small_dir, work_dir, state, report.setdefault("throughput", {})
-                ),
+        runners = {
+            "logprobs_vs_hf": lambda: section_logprobs(small_dir, state),
+            "round_trip": lambda: section_round_trip(small_dir, state),
+            "throughput": lambda: section_throughput(
+                small_dir, work_dir, state, report.setdefault("throughput", {}), save
             ),
-            ("tp2_vs_tp1", lambda: section_tp2(small_dir, work_dir, state)),
-        ]
-        for name, section in sections:
+            "micro_batch_32k": lambda: section_micro_batch_32k(
+                small_dir, work_dir, report.setdefault("micro_batch_32k", {}), save
+            ),
+            "tp2_vs_tp1": lambda: section_tp2(small_dir, work_dir, state),
+        }
+        for name in sections:
             section_start = time.perf_counter()
+            if name not in ("round_trip", "throughput"):  # they reuse (a)'s backend
+                state.pop("backend", None)
+                free_cuda()
             try:
-                result = section()
+                if name in ("round_trip", "tp2_vs_tp1") and "batch" not in state:
+                    raise RuntimeError("needs the logprobs_vs_hf section (its model and batch)")
+                result = runners[name]()
                 if result is not None:
                     report[name] = result
             except Exception:
                 report[name] = {"error": traceback.format_exc()}
             report["sections_s"][name] = round(time.perf_counter() - section_start, 1)
+            print(f"[megatron_check] section {name}: {report['sections_s'][name]} s", flush=True)
             free_cuda()
+            save()
         report["total_s"] = round(time.perf_counter() - started, 1)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=2))
+    save()
     print(json.dumps(report))
     return report
 
@@ -440,10 +661,19 @@ def main() -> None:
         action="store_true",
         help="tiny shapes on CPU: checks the script, not the GPU",
     )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, run in this order (default: all of {','.join(SECTIONS)})",
+    )
     args = parser.parse_args()
+    sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
     if args.cpu_smoke:
         PLAN = SMOKE
-    run(args.out)
+    run(args.out, sections)
 
 
 if __name__ == "__main__":

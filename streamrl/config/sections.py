@@ -378,6 +378,12 @@ class MegatronConfig(_Section):
     """Step of the aux-loss-free balancing update of DeepSeek-V3 / GLM-4.5's expert correction
     bias per optimizer step; 0 keeps the checkpoint's bias (the engines' routing stays the
     learner's until the next weight push either way: the bias is published with the weights)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the learner's elementwise work: the fp32 log-softmax over the vocabulary
+    of every log-probability and entropy (one fused pass over the logits instead of about ten
+    fp32 passes per chunk) and the MLP's SwiGLU (Megatron's `bias_activation_fusion`, which it
+    compiles itself). `auto`: on with CUDA when a probe compilation works there, off on CPU;
+    `on` insists (also on CPU, where compiling costs more than it saves on small models)."""
 
 
 class CriticConfig(_Section):

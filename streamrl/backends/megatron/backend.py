@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from streamrl.backends.base import LossFn, MicroBatch
-from streamrl.backends.megatron import checkpoint, convert, export, parallel, routing
+from streamrl.backends.megatron import checkpoint, convert, export, parallel, routing, speed
 from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
@@ -107,6 +107,8 @@ class MegatronBackend:
             torch.set_num_threads(cfg.num_threads)
         self.dtype = dtype
         mcfg = cfg.megatron
+        self.compiled = speed.use_compile(mcfg.compile, self.device)
+        """torch.compile'd log-softmax and SwiGLU kernels (`learner.megatron.compile`)."""
         self.layout = parallel.initialize_parallel(
             tp_size=mcfg.tensor_parallel_size,
             pp_size=mcfg.pipeline_parallel_size,
@@ -182,6 +184,7 @@ class MegatronBackend:
             gradient_checkpointing=self.cfg.gradient_checkpointing,
             options=mcfg,
             allow_transformer_engine=not self.cfg.lora.is_enabled,
+            compiled=self.compiled,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
         routing.install(model, self.shape, replay=self.routing_replay)
@@ -224,7 +227,8 @@ class MegatronBackend:
 
     def wrap_for_training(self, model: torch.nn.Module) -> tuple[Any, Any]:
         """(Megatron DDP, Megatron Adam optimizer) around `model`, the policy or the critic,
-        with the learner's optimizer settings (the rate is set before each step)."""
+        with the learner's optimizer settings (the rate is set before each step). On CUDA the
+        Adam is torch's fused one; the gradient norm runs on foreach kernels (`speed.py`)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -261,6 +265,9 @@ class MegatronBackend:
             [ddp],
             use_gloo_process_groups=False,  # none are created (parallel.initialize_parallel)
         )
+        speed.install_foreach_grad_norm()
+        if self.device.type == "cuda":
+            speed.use_fused_adam(optimizer)
         return ddp, optimizer
 
     # ------------------------------------------------------------ forward
@@ -281,6 +288,7 @@ class MegatronBackend:
             temperature=temperature,
             group=parallel.tp_group() if self.layout.tp_size > 1 else None,
             need_entropy=need_entropy,
+            compiled=self.compiled,
         )
 
     # ------------------------------------------------------------ LearnerBackend

@@ -74,6 +74,7 @@ class MegatronCritic:
                 gradient_checkpointing=policy.cfg.gradient_checkpointing,
                 options=options,
                 value_head=True,
+                compiled=policy.compiled,
             )
             starting = StartingWeights(convert.HFCheckpoint(self.model_dir), self.shape)
             convert.load_into_model(self.model, starting, self.shape, **layout.shard)

@@ -18,6 +18,13 @@ same loss from the same reduced values, so each rank's share of the gradient
 flows into its own logits (the output layer's column-parallel backward then
 all-reduces the hidden-state gradient).
 
+On CUDA the per-row work is torch.compile'd (`compiled`, the backend's
+`megatron.compile` switch): the forward is one fused reduction over the bf16
+logits and the backward one pass that reads them and writes their gradient,
+where the plain path makes about ten fp32 passes over each chunk. Both paths
+compute the same formulas; they differ by float32 rounding only (the sums run
+in another order).
+
 Alignment (see streamrl.backends.base): position t holds the value for token
 t, predicted by the logits at t - 1; position 0 holds 0.
 """
@@ -31,9 +38,62 @@ CHUNK_BYTES = 256 * 2**20
 """The fp32 working set of one chunk of rows: [rows, V_local] temporaries never exceed it."""
 
 
-def _chunks(num_rows: int, width: int) -> list[slice]:
-    step = max(1, CHUNK_BYTES // (4 * width))
-    return [slice(start, start + step) for start in range(0, num_rows, step)]
+def _chunks(num_rows: int, width: int, *, compiled: bool) -> list[slice]:
+    """Row slices of [rows, V_local]. Compiled kernels keep no [rows, V_local] fp32 temporary,
+    so they take every row at once."""
+    step = num_rows if compiled else max(1, CHUNK_BYTES // (4 * width))
+    return [slice(start, start + step) for start in range(0, num_rows, max(step, 1))]
+
+
+def _scaled_copy(logits, scale: float):
+    """logits * scale as a new float32 tensor (also when the logits are float32 already)."""
+    x = logits.to(torch.float32, copy=True)
+    return x.mul_(scale) if scale != 1.0 else x
+
+
+def _row_stats(logits, index, scale: float, need_entropy: bool):
+    """Per row of [rows, V_local] logits, with x = logits * scale and m = max x: (m,
+    x_target - m, sum exp(x - m), sum exp(x - m)(x - m)), all float32 [rows]."""
+    x = _scaled_copy(logits, scale)
+    row_max = x.amax(dim=-1)
+    shifted = x.sub_(row_max.unsqueeze(-1))
+    picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    weighted = (exp * shifted).sum(dim=-1) if need_entropy else torch.zeros_like(sum_exp)
+    return row_max, picked, sum_exp, weighted
+
+
+def _row_grads(logits, index, log_norm, grad_logprobs, target_grad, entropy, grad_entropy, scale):
+    """d loss / d logits of [rows, V_local] logits (in their dtype), from the per-row scalars
+    (`entropy` and `grad_entropy` None when the entropy feeds no gradient); see
+    `_LogprobsAndEntropy`. Compiled, the target's term is a comparison with the column index
+    rather than a scatter, so the fused kernel writes each element once."""
+    logp = _scaled_copy(logits, scale).sub_(log_norm.unsqueeze(-1))
+    p = logp.exp()
+    g = p * -grad_logprobs.unsqueeze(-1)
+    if grad_entropy is not None:
+        g -= p * (logp + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        g = torch.where(columns == index.unsqueeze(-1), g + target_grad.unsqueeze(-1), g)
+    else:
+        g.scatter_add_(-1, index.unsqueeze(-1), target_grad.unsqueeze(-1))
+    return g.mul_(scale).to(logits.dtype) if scale != 1.0 else g.to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernels(compiled: bool):
+    """(row statistics, row gradients): plain torch, or torch.compile'd (one fused pass over
+    the logits each, instead of one fp32 temporary per operation)."""
+    if not compiled:
+        return _row_stats, _row_grads
+    if not _COMPILED:
+        _COMPILED["stats"] = torch.compile(_row_stats, dynamic=True)
+        _COMPILED["grads"] = torch.compile(_row_grads, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grads"]
 
 
 class _LogprobsAndEntropy(torch.autograd.Function):
@@ -46,33 +106,32 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         d log p(y) / d x_i = [i = y] - p_i,       d H / d x_i = -p_i (log p_i + H)
 
     Each TP rank computes its slice's gradient from the reduced scalars (the loss is the
-    same on every rank), as an identity-backward all-reduce would."""
+    same on every rank), as an identity-backward all-reduce would. Gradients are not
+    materialised: an entropy that only feeds metrics (no entropy bonus) costs no backward
+    work."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, scale, group, need_entropy):
+    def forward(ctx, logits, targets, vocab_start, scale, group, need_entropy, compiled):
+        ctx.set_materialize_grads(False)
         batch, seq, width = logits.shape
-        stats = logits.new_zeros((4, batch, seq), dtype=torch.float32)
-        local_max, sum_exp, picked, weighted = stats  # weighted: sum_i e^(x_i - m)(x_i - m)
+        row_stats, _ = _kernels(compiled)
+        rows_of = logits.reshape(batch * seq, width)  # a view: the model's logits are contiguous
+        stats = logits.new_zeros((4, batch * seq), dtype=torch.float32)
         local = targets - vocab_start
         owned = (local >= 0) & (local < width)
-        index = local.clamp(0, width - 1)
-        for b in range(batch):
-            for rows in _chunks(seq, width):
-                x = logits[b, rows].float() * scale
-                row_max = x.max(dim=-1).values
-                shifted = x.sub_(row_max.unsqueeze(-1))
-                local_max[b, rows] = row_max
-                picked[b, rows] = shifted.gather(-1, index[b, rows].unsqueeze(-1)).squeeze(-1)
-                exp = shifted.exp()
-                sum_exp[b, rows] = exp.sum(dim=-1)
-                if need_entropy:
-                    weighted[b, rows] = (exp * shifted).sum(dim=-1)
+        index = local.clamp(0, width - 1).reshape(-1)
+        for rows in _chunks(batch * seq, width, compiled=compiled):
+            chunk = row_stats(rows_of[rows], index[rows], scale, need_entropy)
+            for out, value in zip(stats, chunk, strict=True):
+                out[rows] = value
+        stats = stats.view(4, batch, seq)
+        local_max, picked, sum_exp, weighted = stats  # weighted: sum_i e^(x_i - m)(x_i - m)
         row_max = local_max.clone()
         distributed = group is not None and dist.get_world_size(group) > 1
         if distributed:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         # Move each rank's sums from its own maximum to the global one: e^(x - m) =
-        # e^(x - m_local) * e^(m_local - m).
+        # e^(x - m_local) * e^(m_local - m). (The sums are over stats' [1:] rows.)
         offset = local_max - row_max
         rescale = offset.exp()
         weighted.mul_(rescale).add_(offset * sum_exp * rescale)
@@ -84,28 +143,39 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         logprobs = picked - log_sum_exp
         entropy = log_sum_exp - weighted / sum_exp if need_entropy else torch.zeros_like(logprobs)
         ctx.save_for_backward(logits, index, owned, row_max + log_sum_exp, entropy)
-        ctx.scale, ctx.need_entropy = scale, need_entropy
+        ctx.scale, ctx.need_entropy, ctx.compiled = scale, need_entropy, compiled
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, index, owned, log_norm, entropy = ctx.saved_tensors
         batch, seq, width = logits.shape
-        use_entropy = ctx.need_entropy and grad_entropy is not None
+        _, row_grads = _kernels(ctx.compiled)
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(log_norm)
-        target_grad = grad_logprobs.masked_fill(~owned, 0.0)
-        grad = torch.empty_like(logits)
-        for b in range(batch):
-            for rows in _chunks(seq, width):
-                logp = logits[b, rows].float().mul_(ctx.scale).sub_(log_norm[b, rows, None])
-                p = logp.exp()
-                g = p * -grad_logprobs[b, rows, None]
-                if use_entropy:
-                    g -= p * (logp + entropy[b, rows, None]) * grad_entropy[b, rows, None]
-                g.scatter_add_(-1, index[b, rows, None], target_grad[b, rows, None])
-                grad[b, rows] = g.mul_(ctx.scale)
-        return grad, None, None, None, None, None
+        if not ctx.need_entropy:
+            grad_entropy = None
+        target_grad = grad_logprobs.masked_fill(~owned, 0.0).reshape(-1)
+        grad_logprobs, log_norm = grad_logprobs.reshape(-1), log_norm.reshape(-1)
+        entropy = entropy.reshape(-1)
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1)
+        rows_of = logits.reshape(batch * seq, width)
+        chunks = _chunks(batch * seq, width, compiled=ctx.compiled)
+        if len(chunks) == 1:
+            grad = row_grads(
+                rows_of, index, log_norm, grad_logprobs, target_grad, entropy, grad_entropy,
+                ctx.scale,
+            )  # fmt: skip
+            return grad.view(batch, seq, width), None, None, None, None, None, None
+        grad = torch.empty_like(rows_of)
+        for rows in chunks:
+            grad[rows] = row_grads(
+                rows_of[rows], index[rows], log_norm[rows], grad_logprobs[rows],
+                target_grad[rows], entropy[rows],
+                None if grad_entropy is None else grad_entropy[rows], ctx.scale,
+            )  # fmt: skip
+        return grad.view(batch, seq, width), None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_and_entropy(
@@ -116,15 +186,18 @@ def vocab_parallel_logprobs_and_entropy(
     temperature: float = 1.0,
     group: dist.ProcessGroup | None = None,
     need_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and (optionally) entropy per row, from this rank's vocabulary slice.
 
     logits: [B, T, V_local] (any float dtype; computed in fp32, a chunk of rows at a time)
     for vocabulary ids `[vocab_start, vocab_start + V_local)`; targets: [B, T] global ids.
-    Returns [B, T] tensors, differentiable with respect to `logits`."""
+    Returns [B, T] tensors, differentiable with respect to `logits`. `compiled` runs the
+    per-row work through torch.compile (all rows at once: nothing [rows, V_local] is kept
+    in fp32); the values agree with the plain path to float32 rounding."""
     scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
     logprobs, entropy = _LogprobsAndEntropy.apply(
-        logits, targets, vocab_start, scale, group, need_entropy
+        logits, targets, vocab_start, scale, group, need_entropy, compiled
     )
     return logprobs, entropy if need_entropy else None
 
@@ -138,6 +211,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     group: dist.ProcessGroup | None = None,
     need_entropy: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log-probabilities (and entropy) aligned with `input_ids` from [B, T, V_local] logits.
 
@@ -152,6 +226,7 @@ def token_logprobs_and_entropy(
         temperature=temperature,
         group=group,
         need_entropy=need_entropy,
+        compiled=compiled,
     )
     mask = attention_mask[:, 1:].to(logprobs.dtype)
     zero = logprobs.new_zeros(input_ids.shape[0], 1)

@@ -78,10 +78,12 @@ def build_transformer_config(
     ep_size: int = 1,
     options: Any = None,
     hf_config: Any = None,
+    compiled: bool = False,
 ) -> Any:
     """Megatron TransformerConfig for `shape` (dropout 0, no CUDA-extension fusions).
 
-    MoE fields come from `moe.moe_config_kwargs` (`options`: the MegatronConfig);
+    `compiled` turns on Megatron's SwiGLU fusion, which it compiles with torch.compile (no
+    extension needed): one kernel each way, and only the fc1 output kept for backward. MoE fields come from `moe.moe_config_kwargs` (`options`: the MegatronConfig);
     an MLA model gets an `MLATransformerConfig` (its RoPE read from `hf_config`)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -134,7 +136,7 @@ def build_transformer_config(
         # The default (allgather) refuses variable lengths; MoE models choose their own.
         **{"moe_token_dispatcher_type": "alltoall"}
         | moe_config_kwargs(shape, options, ep_size=ep_size, tp_size=tp_size),
-        bias_activation_fusion=False,
+        bias_activation_fusion=compiled,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -224,6 +226,7 @@ def build_gpt_model(
     options: Any = None,
     allow_transformer_engine: bool = True,
     value_head: bool = False,
+    compiled: bool = False,
 ) -> Any:
     """One pipeline stage of the GPTModel for `hf_config`, uninitialised, on `device`.
 
@@ -232,7 +235,8 @@ def build_gpt_model(
     `allow_transformer_engine = False` keeps the local spec (LoRA's adapters hook its
     linears, which TE's spec fuses with the norms before them). `value_head = True` builds
     a critic's value model: the last stage ends in a `ValueHead`, embeddings untied (the
-    shape to convert its weights with is `learner_shape(...)` with `value_head=True`)."""
+    shape to convert its weights with is `learner_shape(...)` with `value_head=True`).
+    `compiled`: torch.compile'd fusions (`build_transformer_config`; `speed.use_compile`)."""
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
@@ -274,6 +278,7 @@ def build_gpt_model(
         ep_size=ep_size,
         options=options,
         hf_config=hf_config,
+        compiled=compiled,
     )
     model = GPTModel(
         config=config,

@@ -109,19 +109,23 @@ def _worker_single(out: Path, dirs_json: str) -> None:
             for variant, kwargs in {
                 "local_attention": {"attention": "local"},
                 "recompute": {"gradient_checkpointing": True},
+                "compiled": {"compile": "on"},
             }.items()
         }
     torch.save(results, out)
 
 
-def _first_steps(path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False):
-    """Two training steps with Megatron's unfused attention or full activation recompute."""
+def _first_steps(
+    path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False, compile="off"
+):
+    """Two training steps with Megatron's unfused attention, full activation recompute or the
+    torch.compile'd kernels (CUDA's default: log-softmax and SwiGLU)."""
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
 
     config = LearnerConfig(
         backend="megatron", lr=1e-3, grad_clip=1.0, gradient_checkpointing=gradient_checkpointing,
-        megatron=MegatronConfig(attention=attention),
+        megatron=MegatronConfig(attention=attention, compile=compile),
     )  # fmt: skip
     backend = MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
     return [
@@ -320,8 +324,8 @@ def test_reference_model_stays_frozen_while_the_policy_trains(runs):
         assert (trained - initial).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("variant", ["local_attention", "recompute"])
-def test_unfused_attention_and_activation_recompute_train_like_the_default(runs, variant):
+@pytest.mark.parametrize("variant", ["local_attention", "recompute", "compiled"])
+def test_unfused_attention_recompute_and_compiled_kernels_train_like_the_default(runs, variant):
     result = runs("single")
     expected = [step["nll"] for step in result["steps"][:2]]
     assert [step["nll"] for step in result["variants"][variant]] == pytest.approx(

@@ -82,3 +82,59 @@ def test_a_target_outside_this_ranks_slice_contributes_no_logit():
     lp, _ = megatron_logprobs.token_logprobs_and_entropy(logits, input_ids, mask, vocab_start=10)
     log_4 = torch.log(torch.tensor(4.0)).item()
     assert torch.allclose(lp, torch.tensor([[0.0, -log_4, -log_4]]))
+
+
+def test_an_entropy_that_feeds_no_gradient_leaves_the_logprob_gradient_unchanged():
+    """The entropy as a metric only (no entropy bonus): its gradient is not materialised,
+    and the logits' gradient is the log-probabilities' alone."""
+    vocab = 40
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 5, vocab, generator=generator)
+    input_ids = torch.randint(0, vocab, (2, 5), generator=generator)
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    grads = []
+    for need_entropy in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        lp, _ = megatron_logprobs.token_logprobs_and_entropy(
+            leaf, input_ids, mask, vocab_start=0, need_entropy=need_entropy
+        )
+        lp.sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_compiled_logprobs_entropy_and_gradients_equal_the_plain_path():
+    """torch.compile'd row kernels (CUDA's default) against the plain ones, float32 on CPU.
+
+    Both evaluate the same formulas; only rounding differs (sums in another order, fused
+    multiply-adds, another exp). Each path's sum S of V positive terms is within
+    gamma_V ~ V u of the exact one (u = 2^-24), so log S and log p(y) differ by at most
+    2 (V + 2) u plus the rounding of x - m, 2 u |x - m|; the entropy's weighted sum is one
+    of same-signed terms too. A gradient element p_i (a + b (log p_i + H)) then differs by
+    p_i times that, scaled by the upstream weights a, b."""
+    vocab, temperature = 1000, 0.7
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 9, vocab, generator=generator) * 3
+    input_ids = torch.randint(0, vocab, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.int64)
+    mask[0, 6:] = 0
+    weights = torch.randn(2, 2, 9, generator=generator)
+    results = []
+    for compiled in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        lp, ent = megatron_logprobs.token_logprobs_and_entropy(
+            leaf, input_ids, mask, vocab_start=0, temperature=temperature,
+            need_entropy=True, compiled=compiled,
+        )  # fmt: skip
+        ((lp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
+        results.append((lp.detach(), ent.detach(), leaf.grad))
+    u = 2.0**-24
+    spread = (logits / temperature).amax(-1) - (logits / temperature).amin(-1)
+    value_tol = 2 * (vocab + 2) * u + 2 * u * float(spread.max())
+    upstream = float(weights.abs().max()) * (2 + float(spread.max()) + float(results[0][1].max()))
+    for plain, fused in zip(results[0], results[1], strict=True):
+        assert plain.shape == fused.shape and plain.dtype == fused.dtype
+    (lp0, ent0, grad0), (lp1, ent1, grad1) = results
+    assert (lp0 - lp1).abs().max() <= value_tol
+    assert (ent0 - ent1).abs().max() <= value_tol * 3
+    assert (grad0 - grad1).abs().max() <= value_tol * upstream / temperature

@@ -1,0 +1,98 @@
+"""What makes a Megatron learner step faster without Transformer Engine or Apex.
+
+Without either, megatron-core 0.16.1 falls back to plain torch in three places that
+cost time at every step; each replacement here computes the same values:
+
+- `learner.megatron.compile` (`use_compile`): torch.compile'd kernels for the
+  elementwise work (the vocabulary log-softmax in `logprobs.py`, the SwiGLU through
+  Megatron's `bias_activation_fusion`, which Megatron compiles with torch.compile).
+- `use_fused_adam`: Megatron builds `torch.optim.AdamW` with torch's default, the
+  foreach implementation (about ten passes over every fp32 state tensor); the fused
+  one makes one.
+- `install_foreach_grad_norm`: Megatron's fallback gradient norm computes one norm
+  per tensor and reads each back to the host (one device synchronisation per
+  parameter tensor, 290 of them at Qwen2-0.5B), and its fallback scaling (gradient
+  clipping, main-to-model copies) runs two kernels per tensor. The replacements use
+  torch's foreach kernels: one launch over all tensors, one synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def compile_works(device_type: str) -> bool:
+    """Whether a small torch.compile'd function runs on `device_type` (a C compiler and,
+    on CUDA, Triton are needed); a failure is logged once."""
+    try:
+        fn = torch.compile(lambda x: torch.nn.functional.silu(x) * x, dynamic=False)
+        fn(torch.ones(8, device=device_type))
+    except Exception as exc:  # any compiler failure: fall back to the plain kernels
+        log.warning("torch.compile does not work on %s (%s): plain kernels", device_type, exc)
+        return False
+    return True
+
+
+def use_compile(setting: str, device: torch.device) -> bool:
+    """`learner.megatron.compile` for this learner: `auto` is on with CUDA (when a probe
+    compilation works there) and off on CPU; `on` and `off` are taken as they are."""
+    if setting == "auto":
+        return device.type == "cuda" and compile_works(device.type)
+    return setting == "on"
+
+
+def use_fused_adam(optimizer) -> int:
+    """Switch every torch Adam/AdamW inside a Megatron optimizer (chained or not) to torch's
+    fused implementation, before its first step; returns how many were switched. Its step
+    counters then live on the parameters' device (torch creates them so at the first step,
+    and moves them so when a checkpoint loads)."""
+    switched = 0
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        if any(inner.state.values()):
+            raise RuntimeError("use_fused_adam after the optimizer's first step")
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+        switched += 1
+    return switched
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's `multi_tensor_l2norm` contract: ([1] fp32 norm of all tensors, None)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Megatron's `multi_tensor_scale` contract: dst = src * scale for each pair."""
+    sources, targets = tensor_lists
+    if all(s is t for s, t in zip(sources, targets, strict=True)):
+        torch._foreach_mul_(targets, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(targets, sources)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+
+
+def install_foreach_grad_norm() -> bool:
+    """Replace megatron-core's per-tensor fallbacks (used when neither Transformer Engine nor
+    Apex is installed) by foreach ones; returns whether it did (idempotent, and a no-op when
+    Megatron found a fused implementation)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for module in (clip_grads, megatron_optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
+    return clip_grads.l2_norm_impl is _foreach_l2_norm

@@ -1,0 +1,92 @@
+"""The Megatron learner's speed-ups (`streamrl.backends.megatron.speed`) compute what the paths
+they replace compute: fused Adam steps as foreach Adam, the foreach gradient norm and scaling
+as megatron-core's per-tensor fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from streamrl.backends.megatron import speed
+from streamrl.backends.megatron.cpu_shims import cpu_redirect
+
+U = 2.0**-24
+"""float32 unit roundoff."""
+
+
+class _MegatronLike:
+    """What `use_fused_adam` reads of a Megatron optimizer: the torch optimizer inside."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+
+def _tensors(seed: int, shapes=((7, 5), (300,), (1,), (4, 4, 4))) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def test_fused_adam_steps_as_megatrons_foreach_adam():
+    """Three AdamW steps on the same gradients: the fused kernel evaluates the same update
+    (in another operation order), so parameters agree to a few float32 roundings of the
+    parameter and of the step (lr * m / (sqrt(v) + eps) <= lr * ~1) per step."""
+    lr, steps = 1e-2, 3
+    params = [[t.clone().requires_grad_(True) for t in _tensors(0)] for _ in range(2)]
+    foreach = torch.optim.AdamW(params[0], lr=lr, weight_decay=0.1, foreach=True)
+    fused = _MegatronLike(torch.optim.AdamW(params[1], lr=lr, weight_decay=0.1, foreach=True))
+    assert speed.use_fused_adam(fused) == 1
+    assert fused.optimizer.param_groups[0]["fused"] is True
+    for step in range(steps):
+        for group in params:
+            for param, grad in zip(group, _tensors(step + 10), strict=True):
+                param.grad = grad.clone()
+        foreach.step()
+        fused.optimizer.step()
+    bound = steps * 8 * U * (max(float(p.abs().max()) for p in params[0]) + lr)
+    for a, b in zip(*params, strict=True):
+        assert (a - b).abs().max() <= bound
+    with pytest.raises(RuntimeError, match="first step"):
+        speed.use_fused_adam(fused)
+
+
+def test_foreach_grad_norm_equals_megatrons_per_tensor_fallback():
+    """The norm of all tensors: a sum of N squares in float32 either way, so within N u."""
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    tensors = _tensors(1)
+    with cpu_redirect():
+        expected, _ = local_multi_tensor_l2_norm(0, None, [tensors], False)
+    ours, _ = speed._foreach_l2_norm(0, None, [tensors], False)
+    assert ours.shape == expected.shape == (1,) and ours.dtype == torch.float32
+    num_elements = sum(t.numel() for t in tensors)
+    assert abs(float(ours) - float(expected)) <= num_elements * U * float(expected)
+
+    for same in (True, False):
+        sources = _tensors(2)
+        targets_ours = sources if same else [torch.zeros_like(t) for t in sources]
+        targets_megatron = (
+            [t.clone() for t in sources] if same else [torch.zeros_like(t) for t in sources]
+        )
+        sources_megatron = targets_megatron if same else sources
+        local_multi_tensor_scale(0, None, [sources_megatron, targets_megatron], 0.37)
+        speed._foreach_scale(0, None, [sources, targets_ours], 0.37)
+        for a, b in zip(targets_ours, targets_megatron, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_foreach_fallbacks_replace_megatrons_only_where_it_fell_back():
+    from megatron.core.optimizer import clip_grads
+
+    assert speed.install_foreach_grad_norm()
+    assert clip_grads.l2_norm_impl is speed._foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is speed._foreach_scale
+    assert speed.install_foreach_grad_norm()  # idempotent
+
+
+def test_compile_is_on_with_cuda_and_off_on_cpu_unless_asked():
+    cpu = torch.device("cpu")
+    assert not speed.use_compile("auto", cpu)
+    assert speed.use_compile("on", cpu)
+    assert not speed.use_compile("off", torch.device("cuda", 0))
