@@ -126,6 +126,13 @@ def _weight_sync(commands) -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed publishes per count")
     parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engines on a GPU decode with CUDA graphs and compiled kernels, as in a run "
+        "(--no-cuda-graphs: eager, a faster start; the eager step holds the GIL longer)",
+    )
+    parser.add_argument(
         "--load-requests",
         type=int,
         default=0,

@@ -27,7 +27,9 @@ the others are timed:
 With `--load-requests K`, K requests per engine keep generating during the
 publishes, so the pause also waits for a step boundary. `--peak` adds the
 link's two-rank broadcast peak (`streamrl bench collective`) to the result.
-Engines run without CUDA graphs or compilation (they do not change the copy).
+Engines on a GPU decode with CUDA graphs and compiled kernels, as in a run
+(`--no-cuda-graphs`: eager, which starts faster but holds the GIL through each step, so
+the engine's HTTP thread, which stages and loads the update, waits longer for it).
 NCCL refuses two ranks on one GPU, so with NCCL n <= number of GPUs - 1.
 """
 
@@ -103,6 +105,7 @@ def weight_sync_command(args: argparse.Namespace) -> int:
         "bucket_mb": args.bucket_mb,
         "flattened": not args.per_tensor,
         "pause_mode": args.pause_mode,
+        "cuda_graphs": args.cuda_graphs,
         "repeats": args.repeats,
         "load_requests": args.load_requests,
         "learner_device": str(learner_device),
@@ -329,9 +332,7 @@ def _start_engines(args, setup, model_dir: Path, count: int, work_dir: Path):
             "256",
             "--num-threads",
             "1",
-            "--no-cuda-graphs",
-            "--compile",
-            "off",
+            *(() if setup["cuda_graphs"] else ("--no-cuda-graphs", "--compile", "off")),
         )
         env = {}
         if setup["engine_gpus"]:
