@@ -174,6 +174,7 @@ class EngineServer:
             "uptime_s": self.core.uptime_s,
             "generated_tokens": self.core.scheduler.stats["generated_tokens"],
             "decode_steps": self.core.scheduler.stats["decode_steps"],
+            "prefills": self.core.scheduler.stats["prefills"],
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
