@@ -109,6 +109,19 @@ def test_a_burst_that_fills_every_free_slot_is_admitted_without_waiting_for_a_qu
     assert sched.runner.prefill_sizes == [1, 7]
 
 
+def test_a_burst_whose_tokens_fill_half_the_prefill_budget_is_admitted_as_one_chunk():
+    sched = scheduler()
+    sched.runner.max_prefill_tokens = 40  # prompts are 2 tokens: 10 sequences fill half
+    sched.add(arrivals(1))
+    sched.step()
+    sched.add(arrivals(6))
+    sched.step()
+    assert sched.runner.prefill_sizes == [1]
+    sched.add(arrivals(4))  # 10 waiting, 20 tokens
+    sched.step()
+    assert sched.runner.prefill_sizes == [1, 10]
+
+
 def test_arrivals_that_never_pause_are_held_back_at_most_admit_hold_steps():
     sched = scheduler(admit_hold_steps=3)
     sched.add(arrivals(1))

@@ -14,8 +14,10 @@ HTTP one by one, across several steps; admitting each step's share would run
 one small prefill per step (each a pipeline drain and an eager forward) and
 spread the burst's finishes over as many steps. So while others decode and
 sequences keep arriving, the waiting ones are held back: they join at the
-first step that saw no new arrival, or once they fill every free slot, or after
-`admit_hold_steps` held steps. With nothing decoding they join at once.
+first step that saw no new arrival, once they fill every free slot, once their
+tokens fill half the prefill budget (a prefill that large amortises its eager
+launch, and the device computes it while the rest of the burst comes in), or
+after `admit_hold_steps` held steps. With nothing decoding they join at once.
 A token carries the weight version current when its step was launched;
 weights change only between steps (`drain` first), so a version is exact.
 """
@@ -172,6 +174,7 @@ class Scheduler:
             or not self.running
             or len(self.waiting) >= self.runner.num_free_slots()
             or self.num_held_steps >= self.admit_hold_steps
+            or 2 * sum(seq.num_tokens for seq in self.waiting) >= self.runner.max_prefill_tokens
         )
         if is_due:
             self.num_held_steps = 0
