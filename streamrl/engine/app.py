@@ -36,9 +36,9 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 def freeze_loaded_objects() -> None:
     """Move every object alive now (torch's, transformers', the model's: the process's
     lifetime) out of the garbage collector's reach. Otherwise each full collection walks them
-    all while holding the GIL, stalling the engine thread between steps: 75-115 ms for the
-    224k objects of a tiny CPU engine, seen once every round or two of 256 requests, whose
-    per-request objects are what trigger it."""
+    all while holding the GIL, stalling the engine thread between steps: 75-155 ms for the
+    224k objects of a tiny CPU engine (195 ms for the 507k after one `torch.compile`), seen
+    once every round or two of 256 requests, whose per-request objects trigger it."""
     gc.collect()
     gc.freeze()
 

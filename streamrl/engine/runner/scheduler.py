@@ -18,6 +18,7 @@ first step that saw no new arrival, once they fill every free slot, once their
 tokens fill half the prefill budget (a prefill that large amortises its eager
 launch, and the device computes it while the rest of the burst comes in), or
 after `admit_hold_steps` held steps. With nothing decoding they join at once.
+
 A token carries the weight version current when its step was launched;
 weights change only between steps (`drain` first), so a version is exact.
 """
