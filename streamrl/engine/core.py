@@ -64,9 +64,12 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     return_routed_experts: bool = False
-    on_token: Callable[[int, float, str], None] | None = None
-    """Called on the caller's event loop with (token, logprob, version) as each output
-    token is produced (streaming); None: only the final `Output`."""
+    on_tokens: Callable[[list[int], list[float], list[str]], None] | None = None
+    """Streaming: called on the caller's event loop with the output tokens (ids, logprobs,
+    versions) produced since its previous call, after each output token that SGLang's
+    interval rule marks (token k when k % stream_interval == 1; every token at 1). Tokens
+    after the last mark come only in the final `Output`. None: only the final `Output`."""
+    stream_interval: int = 1
 
 
 @dataclass
@@ -124,6 +127,7 @@ class EngineCore:
             max_seq_len=max_seq_len,
             weight_version=options.weight_version,
             seed=options.seed,
+            admit_hold_steps=options.admit_hold_steps,
         )
         self.model_info: dict[str, Any] = {
             "model_path": options.model,
@@ -296,14 +300,8 @@ class EngineCore:
         if params.stop:
             checker = StopStringChecker(params.stop, self._decode)
         on_token = None
-        if request.on_token is not None:
-            deliver = request.on_token
-
-            def on_token(token: int, logprob: float, version: str) -> None:
-                # RuntimeError: the caller's loop is closed, so nobody is listening any more.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(deliver, token, logprob, version)
-
+        if request.on_tokens is not None:
+            on_token = _StreamTap(request.on_tokens, request.stream_interval, loop)
         return Sequence(
             rid=request.rid,
             prompt_ids=list(request.input_ids),
@@ -368,6 +366,33 @@ class _Arrival:
     """New sequences for the waiting queue (a command that needs no step boundary)."""
 
     seqs: list[Sequence]
+
+
+class _StreamTap:
+    """A streamed request's tokens on the engine thread, handed to the caller's loop only at
+    the tokens the interval rule marks (`Request.on_tokens`): one cross-thread wake-up of the
+    HTTP thread per event it sends, not one per token."""
+
+    def __init__(self, deliver: Callable, interval: int, loop: asyncio.AbstractEventLoop):
+        self.deliver = deliver
+        self.interval = interval
+        self.loop = loop
+        self.num_tokens = 0
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[str] = []
+
+    def __call__(self, token: int, logprob: float, version: str) -> None:
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        self.num_tokens += 1
+        if self.interval == 1 or self.num_tokens % self.interval == 1:
+            batch = self.ids, self.logprobs, self.versions
+            self.ids, self.logprobs, self.versions = [], [], []
+            # RuntimeError: the caller's loop is closed, so nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.deliver, *batch)
 
 
 def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | None = None) -> None:

@@ -96,7 +96,7 @@ class GenerateEndpoints:
         results = [self._render(call, output, latency_s) for output in outputs]
         return json_response(results[0] if call.is_single else results)
 
-    def _requests(self, call: GenerateCall, on_token=None) -> list[Request]:
+    def _requests(self, call: GenerateCall, on_tokens=None) -> list[Request]:
         """The core requests of a parsed call (ValueError is a 400: checked before running)."""
         requests = [
             Request(
@@ -104,7 +104,8 @@ class GenerateEndpoints:
                 input_ids=prompt,
                 params=params,
                 return_routed_experts=call.return_routed_experts,
-                on_token=on_token,
+                on_tokens=on_tokens,
+                stream_interval=call.stream_interval,
             )
             for rid, prompt, params in zip(call.rids, call.prompts, call.params, strict=True)
         ]
@@ -158,15 +159,14 @@ class GenerateEndpoints:
         versions: list[str] = []
         marks: list[int] = []  # token counts to send an event at, oldest first
         arrived = asyncio.Event()
-        interval = call.stream_interval
 
-        def on_token(token: int, logprob: float, version: str) -> None:
-            tokens.append(token)
-            logprobs.append(logprob)
-            versions.append(version)
-            if interval == 1 or len(tokens) % interval == 1:
-                marks.append(len(tokens))
-                arrived.set()
+        def on_tokens(ids: list[int], lps: list[float], vers: list[str]) -> None:
+            # The core calls this at each token the interval rule marks.
+            tokens.extend(ids)
+            logprobs.extend(lps)
+            versions.extend(vers)
+            marks.append(len(tokens))
+            arrived.set()
 
         async def send(output: Output) -> None:
             elapsed = time.perf_counter() - start
@@ -182,7 +182,7 @@ class GenerateEndpoints:
                 prompt_tokens=len(call.prompts[0]),
             )
 
-        requests = self._requests(call, on_token)
+        requests = self._requests(call, on_tokens)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

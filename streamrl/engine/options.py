@@ -55,6 +55,14 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     lora_adapter: Annotated[
         str, Meta(description="peft adapter directory merged into the weights at start")
     ] = ""
+    admit_hold_steps: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="decode steps that requests still arriving in a burst may wait, while "
+            "others decode, to be prefilled together (0: each step admits what has come)",
+        ),
+    ] = 16
     switch_interval_ms: Annotated[
         float,
         Meta(

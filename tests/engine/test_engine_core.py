@@ -171,6 +171,28 @@ async def test_concurrent_generate_calls_interleave_in_continuous_batching(tiny_
         assert all(len(o.output_ids) <= 5 + batch_index for o in outputs)
 
 
+async def test_a_streamed_request_gets_its_tokens_in_batches_at_the_marked_tokens_only(
+    tiny_model_dir,
+):
+    """SGLang's interval rule at 4 over 10 tokens marks tokens 1, 5 and 9: three hand-overs to
+    the caller's loop (not ten), holding tokens 1, 2-5 and 6-9; the 10th is only in the Output."""
+    batches = []
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, seed=5)
+    request = Request(
+        "s",
+        prompts(1)[0],
+        params,
+        on_tokens=lambda ids, lps, vers: batches.append((ids, lps, vers)),
+        stream_interval=4,
+    )
+    with running_engine(tiny_model_dir) as engine:
+        (output,) = await engine.generate([request])  # hand-overs run before it resolves
+    assert [len(ids) for ids, _, _ in batches] == [1, 4, 4]
+    assert [t for ids, _, _ in batches for t in ids] == output.output_ids[:9]
+    assert [lp for _, lps, _ in batches for lp in lps] == output.logprobs[:9]
+    assert all(vers == ["default"] * len(vers) for _, _, vers in batches)
+
+
 # -- stopping --------------------------------------------------------------------
 
 

@@ -356,3 +356,23 @@ def test_stop_signals_that_keep_coming_through_the_shutdown_leave_exit_code_0(
             process.signal(signal.SIGTERM)
             process.signal(signal.SIGINT)
     assert process.popen.returncode == 0
+
+
+async def test_once_loaded_the_server_keeps_its_objects_out_of_the_collectors_reach(
+    tiny_model_dir,
+):
+    """A full collection would otherwise walk every torch/transformers object while holding
+    the GIL the engine thread needs between steps."""
+    import gc
+
+    from streamrl.engine.app import EngineServer
+    from streamrl.engine.options import EngineOptions
+
+    server = EngineServer(EngineOptions(model=tiny_model_dir, max_batch_size=2))
+    try:
+        await server.load()
+        assert server.is_ready and gc.get_freeze_count() > 0
+        assert not any(obj is server.core for obj in gc.get_objects())
+    finally:
+        await server.close()
+        gc.unfreeze()  # the rest of the session collects as before

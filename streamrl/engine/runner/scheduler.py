@@ -8,6 +8,17 @@ Lives on the engine thread; everything here is single-threaded. One `step`:
    lists are prefilled once) and append their first tokens;
 3. launch one decode step over all running sequences, then process the
    previous step's results while this one runs on the device (overlap).
+
+Admission takes a burst whole. Requests sent together reach the engine over
+HTTP one by one, across several steps; admitting each step's share would run
+one small prefill per step (each a pipeline drain and an eager forward) and
+spread the burst's finishes over as many steps. So while others decode and
+sequences keep arriving, the waiting ones are held back: they join at the
+first step that saw no new arrival, once they fill every free slot, once their
+tokens fill half the prefill budget (a prefill that large amortises its eager
+launch, and the device computes it while the rest of the burst comes in), or
+after `admit_hold_steps` held steps. With nothing decoding they join at once.
+
 A token carries the weight version current when its step was launched;
 weights change only between steps (`drain` first), so a version is exact.
 """
@@ -28,9 +39,20 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 class Scheduler:
     def __init__(
-        self, runner: Runner, *, eos_token_ids, max_seq_len: int, weight_version: str, seed: int
+        self,
+        runner: Runner,
+        *,
+        eos_token_ids,
+        max_seq_len: int,
+        weight_version: str,
+        seed: int,
+        admit_hold_steps: int = 0,
     ):
         self.runner = runner
+        self.admit_hold_steps = admit_hold_steps
+        """Most steps in a row that arrivals are held back while more keep coming (0: none)."""
+        self.num_arrived = 0  # sequences queued since the last step
+        self.num_held_steps = 0  # steps in a row that admission was held back
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.weight_version = weight_version
@@ -41,6 +63,8 @@ class Scheduler:
         self.is_paused = False
         self.seed_source = random.Random(seed)
         self.stats = {
+            "prefills": 0,
+            "held_steps": 0,
             "prefill_tokens": 0,
             "shared_prefill_tokens": 0,
             "decode_steps": 0,
@@ -67,6 +91,7 @@ class Scheduler:
                 self._finish(seq, {"type": "length", "length": 0})
             else:
                 self.waiting.append(seq)
+                self.num_arrived += 1
 
     def abort(self, rid: str | None, message: str) -> None:
         """Finish matching waiting and running sequences with their partial output."""
@@ -121,11 +146,12 @@ class Scheduler:
             self.to_release = []
 
     def step(self) -> None:
-        if self.pending is not None and (self.to_release or self.can_admit()):
+        is_due = self._is_admission_due()
+        if self.pending is not None and (self.to_release or is_due):
             self.drain()
         if self.pending is None:
             self.drain()
-            if self.can_admit():
+            if is_due or (self.can_admit() and not self.running):  # the drain ended them all
                 self._admit()
                 self._release_finished()  # those done after their first token
         if self.is_paused or not self.running:
@@ -137,6 +163,26 @@ class Scheduler:
         previous, self.pending = self.pending, launched
         if previous is not None:
             self._process(previous)
+
+    def _is_admission_due(self) -> bool:
+        """Whether waiting sequences join this step: the burst rule of the module docstring.
+        Called once per step (it counts the held steps)."""
+        is_bursting, self.num_arrived = self.num_arrived > 0, 0
+        if not self.can_admit():
+            return False
+        is_due = (
+            not is_bursting
+            or not self.running
+            or len(self.waiting) >= self.runner.num_free_slots()
+            or self.num_held_steps >= self.admit_hold_steps
+            or 2 * sum(seq.num_tokens for seq in self.waiting) >= self.runner.max_prefill_tokens
+        )
+        if is_due:
+            self.num_held_steps = 0
+        else:
+            self.num_held_steps += 1
+            self.stats["held_steps"] += 1
+        return is_due
 
     def _admit(self) -> None:
         free = self.runner.num_free_slots()
@@ -160,6 +206,7 @@ class Scheduler:
             self.running.append(seq)
         cached_before = sum(seq.cached_tokens for seq in seqs)
         tokens, logprobs = self.runner.prefill(ordered)
+        self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += used
         self.stats["shared_prefill_tokens"] += (
             sum(seq.cached_tokens for seq in seqs) - cached_before
