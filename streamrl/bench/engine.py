@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import shlex
 import sys
 import time
@@ -54,7 +55,7 @@ from streamrl.bench.engine_results import (
     summary_lines,
 )
 from streamrl.bench.gpu_monitor import GpuMonitor
-from streamrl.bench.load import measure_http, measure_in_process, prompts_for
+from streamrl.bench.load import http_session, measure_http, measure_in_process, prompts_for
 from streamrl.bench.results import write_result
 
 ENGINES = ("embedded", "sglang", "in-process")
@@ -203,7 +204,7 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
         before = await _load(url)
         t0 = time.monotonic()
         measured = await measure_http(
-            url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes
+            url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes, session=session
         )
         measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
         after = await _load(url)
@@ -216,7 +217,9 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
             )
         return measured
 
-    rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
+    # One client session for the warm-up and every round, as a rollout worker keeps its own.
+    async with http_session() as session:
+        rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
     return {"counts": rows}
 
 
@@ -262,6 +265,8 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
 
     options = embedded_options(model, counts, args)
     core = await asyncio.to_thread(EngineCore, options)
+    gc.collect()
+    gc.freeze()  # as `streamrl engine serve` does once loaded: no full collection walks the model
     core.start()
     row: dict[str, Any] = {
         "start_s": round(time.monotonic() - started, 1),
@@ -282,6 +287,7 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
     finally:
         core.shutdown()
         del core, one_round  # the engine's device memory goes back before the next engine
+        gc.unfreeze()
         _free_device_memory()
     return row
 
@@ -303,8 +309,6 @@ def _round_prompts(count: int, repeat: int, args: argparse.Namespace) -> list[li
 def _free_device_memory() -> None:
     """Give the in-process engine's cached device memory back (a server started after it
     sizes its KV cache from what is free)."""
-    import gc
-
     import torch
 
     gc.collect()

@@ -62,24 +62,40 @@ def probe_indices(count: int, num_probes: int) -> set[int]:
     return {round(i * (count - 1) / (num_probes - 1)) for i in range(num_probes)}
 
 
-async def measure_http(
-    url: str, prompts: list[list[int]], *, max_new_tokens: int, num_probes: int
-) -> dict[str, Any]:
+def http_session():
+    """A client session with no connection limit, kept open across rounds (as the rollout
+    worker keeps its client): connections opened once, not once per round."""
     import aiohttp
 
-    probes = probe_indices(len(prompts), num_probes)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        started = time.perf_counter()
-        calls = [
-            _stream_one(session, url, prompt, max_new_tokens, started)
-            if index in probes
-            else _one(session, url, prompt, max_new_tokens, started)
-            for index, prompt in enumerate(prompts)
-        ]
-        answers = await asyncio.gather(*calls)
-        wall_s = time.perf_counter() - started
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
+async def measure_http(
+    url: str,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    num_probes: int,
+    session=None,
+) -> dict[str, Any]:
+    """One round: every prompt sent at once to `url`'s /generate, through `session` (a fresh
+    `http_session` when None)."""
+    if session is None:
+        async with http_session() as fresh:
+            return await measure_http(
+                url, prompts, max_new_tokens=max_new_tokens, num_probes=num_probes, session=fresh
+            )
+    probes = probe_indices(len(prompts), num_probes)
+    started = time.perf_counter()
+    calls = [
+        _stream_one(session, url, prompt, max_new_tokens, started)
+        if index in probes
+        else _one(session, url, prompt, max_new_tokens, started)
+        for index, prompt in enumerate(prompts)
+    ]
+    answers = await asyncio.gather(*calls)
+    wall_s = time.perf_counter() - started
     return figures(answers, wall_s, max_new_tokens)
 
 
