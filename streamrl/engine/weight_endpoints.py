@@ -81,14 +81,6 @@ class WeightEndpoints:
         """Inside update_weights_from_distributed's receive (reported by /get_load)."""
         self._stage: str | None = None
         self._staged: list[tuple[list, list]] = []  # per staged call: (plan, its tensors)
-        self._mapped: list[torch.Tensor] = []
-        """The last update's flattened buckets from another process's GPU memory, kept mapped:
-        the sender reuses its staging buffers, so the next update finds their handles open
-        (torch keeps an open mapping per handle while a tensor holds it) instead of paying
-        cudaIpcOpenMemHandle again for each bucket. A mapping found open skips torch's wait on
-        the sender's event: the publisher's staging synchronises its device before any
-        handover, and the digest check would refuse bytes read too early."""
-        self._mapping: list[torch.Tensor] = []  # those of the update in progress
 
     @property
     def core(self) -> EngineCore:
@@ -206,7 +198,6 @@ class WeightEndpoints:
             try:
                 tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
                 if load_format == FLATTENED_BUCKET:
-                    self._keep_mapped(tensors)
                     tensors = _unflatten(tensors, body)
             except Exception as exc:
                 logger.exception("update_weights_from_tensor: bad payload")
@@ -217,15 +208,6 @@ class WeightEndpoints:
                 return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
             finally:
                 del tensors  # release the sender's memory once copied (or staged)
-
-    def _keep_mapped(self, received: list) -> None:
-        """Hold a flattened bucket's CUDA mapping for the next update (`_mapped`)."""
-        if len(received) == 1 and received[0][1].is_cuda:
-            self._mapping = [*self._mapping[-_MAX_MAPPED:], received[0][1]]
-
-    def _mapped_update_done(self) -> None:
-        """The update in progress loaded: its buckets' mappings replace the last update's."""
-        self._mapped, self._mapping = self._mapping, []
 
     async def _keep_staged(self, stage: str, tensors: list, body: dict) -> web.Response:
         """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`."""
@@ -258,8 +240,7 @@ class WeightEndpoints:
                 logger.exception("load_staged_weights failed")
                 return _weight_result(False, f"loading weights failed: {exc}")
             finally:
-                del staged, plan  # the sender's memory, but for the mappings kept (`_mapped`)
-            self._mapped_update_done()
+                del staged, plan  # release the sender's memory
             self._after_load(body)
             what = f"stage {stage}"
             logger.info(
@@ -285,8 +266,6 @@ class WeightEndpoints:
             logger.exception("update_weights failed")
             return _weight_result(False, f"loading weights failed: {exc}")
         self._after_load(body)
-        if body.get("weight_version") is not None:  # the update's last call
-            self._mapped_update_done()
         logger.info("weights updated (%s); weight_version=%s", what, version)
         return _weight_result(True, f"updated {what}; weight_version={version}")
 
@@ -322,10 +301,6 @@ class WeightEndpoints:
                 return _weight_result(False, f"no weight-update group {group_name!r}")
             await asyncio.to_thread(destroy_weight_update_group, entry[0])
         return _weight_result(True, f"destroyed weight-update group {group_name!r}")
-
-
-_MAX_MAPPED = 64
-"""Flattened buckets an update in progress keeps mapped, at most (a bound, not a budget)."""
 
 
 def _unflatten(received: list, body: dict) -> list[tuple[str, torch.Tensor]]:
