@@ -91,6 +91,7 @@ pytest-xdist their modules are handed out first, so that the last ones to run ar
 both workers finish at about the same time."""
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (what `make test` uses) runs each module, with its module fixtures (a
     running engine, rank runs, a trained model), on one worker, and every module that names
