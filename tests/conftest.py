@@ -14,6 +14,9 @@ run's child processes from the repository root."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from streamrl.process import free_port as _free_port
@@ -75,13 +78,73 @@ def _tiny_engine_put_back(request):
     engine.put_back()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), each module is one
-    group, so its tests share one worker and its module fixtures (a running engine, a
-    trained model) are built once. Modules marked `xdist_group("ray")` share one group
-    instead: they start Ray instances and count Ray's daemons machine-wide, so two of them
-    must not run at once. Without xdist the marks change nothing."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+FIRST_ROOMS = (
+    "tests/runs/",
+    "tests/launch/",
+    "tests/backends/megatron/",
+    "tests/bench/",
+    "tests/agents/",
+    "tests/fleet/",
+)
+"""Rooms whose modules start runs, learner ranks, Ray instances or engines of their own: under
+pytest-xdist their modules are handed out first, so that the last ones to run are short and
+both workers finish at about the same time."""
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (what `make test` uses) runs each module, with its module fixtures (a
+    running engine, rank runs, a trained model), on one worker, and every module that names
+    `pytest.mark.xdist_group("ray")` on the same worker as the others that do: they start Ray
+    instances and count Ray's daemons machine-wide, so two of them must not run at once.
+
+    pytest-xdist's own loadgroup reads the group from a suffix it writes into each test's
+    node id, which pytest 9.2 no longer lets it change (pytest-xdist issue 1386): every test
+    was scheduled alone, each worker built the module fixtures of the modules it touched, and
+    Ray modules ran side by side. This scheduler takes the group from the module's source
+    instead, on the controller, which sees node ids only."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups = ModuleGroups(config.rootpath)
+
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return groups.unit_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            """Hand out the units of FIRST_ROOMS and named groups first, then the rest; in
+            each, the units with more tests first."""
+            unit = min(
+                self.workqueue,
+                key=lambda unit: (not groups.is_first(unit), -len(self.workqueue[unit])),
+            )
+            self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleGroupScheduling(config, log)
+
+
+class ModuleGroups:
+    """A test's unit of scheduling: the xdist group its module names anywhere in its source
+    (`pytest.mark.xdist_group("NAME")`), else its module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.named: set[str] = set()
+        self._units: dict[str, str] = {}
+
+    def unit_of(self, nodeid: str) -> str:
+        module = nodeid.split("::", 1)[0]
+        if module not in self._units:
+            source = (self.root / module).read_text()
+            names = set(re.findall(r"xdist_group\(\s*[\"']([^\"']+)[\"']", source))
+            if len(names) > 1:
+                raise pytest.UsageError(f"{module} names several xdist groups: {sorted(names)}")
+            self.named |= names
+            self._units[module] = names.pop() if names else module
+        return self._units[module]
+
+    def is_first(self, unit: str) -> bool:
+        return unit in self.named or unit.startswith(FIRST_ROOMS)

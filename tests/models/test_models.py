@@ -110,7 +110,7 @@ def test_the_smollm2_gguf_is_found_without_importing_its_package():
 
 @pytest.mark.slow
 def test_smollm2_loads_from_its_gguf_and_answers(tmp_path, monkeypatch):
-    """The first load dequantises (~25 s on 2 cores); the cached copy loads in well under 1 s."""
+    """The first load dequantises (~7 s on 2 cores); the cached copy loads in well under 1 s."""
     monkeypatch.setenv("STREAMRL_CACHE_DIR", str(tmp_path))
     start = time.perf_counter()
     model, tokenizer = models.load_model("smollm2")

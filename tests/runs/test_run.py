@@ -17,10 +17,25 @@ from streamrl.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_every_group(
+EVAL = """
+[eval]
+interval = 2
+[[eval.datasets]]
+name = "arith"
+path = "builtin:arithmetic?n=6"
+reward_fn = "tests.e2e_rewards:vowel_fraction"
+[eval.datasets.sampling]
+max_new_tokens = 8
+temperature = 0.0
+"""
+
+
+def test_a_short_async_run_bounds_staleness_accounts_for_every_group_and_evaluates_while_training(
     tmp_path,
 ):
-    config = write_config(tmp_path, steps=4, eta=1)
+    """One run serves both: the training checks, and an eval data set whose eval records
+    interleave with the steps (CI has 2 cores)."""
+    config = write_config(tmp_path, steps=4, eta=1, extra=EVAL)
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = step_records(tmp_path / "out")
@@ -45,6 +60,16 @@ def test_a_short_async_run_advances_versions_bounds_staleness_and_accounts_for_e
     assert summary["groups_trained"] == 8
     assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
     assert (tmp_path / "out" / "checkpoints" / "step_000004" / "config.json").exists()
+
+    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    evals = [r for r in records if r.get("kind") == "eval"]
+    assert {r["version"] for r in evals} >= {0, 2}
+    assert all(r["eval/arith/num_samples"] == 6 for r in evals)
+    assert all(0.0 <= r["eval/arith/reward_mean"] <= 1.0 for r in evals)
+    # Training went on: step records interleave with eval records.
+    kinds = [r.get("kind", "step") for r in records]
+    first_eval, last_step = kinds.index("eval"), len(kinds) - 1 - kinds[::-1].index("step")
+    assert first_eval < last_step
 
 
 def test_weights_pushed_every_second_version_bound_staleness_and_the_last_version_lands(
@@ -118,32 +143,6 @@ def test_a_killed_run_resumes_from_its_checkpoint_without_repeating_trained_prom
     # No orphans: the killed run's engine and rollout died with it.
     processes = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
-
-
-def test_an_eval_data_set_produces_eval_metrics_while_training_goes_on(tmp_path):
-    extra = """
-[eval]
-interval = 2
-[[eval.datasets]]
-name = "arith"
-path = "builtin:arithmetic?n=6"
-reward_fn = "tests.e2e_rewards:vowel_fraction"
-[eval.datasets.sampling]
-max_new_tokens = 8
-temperature = 0.0
-"""
-    config = write_config(tmp_path, steps=4, eta=1, extra=extra)
-    result = streamrl_run(config)
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    evals = [r for r in records if r.get("kind") == "eval"]
-    assert {r["version"] for r in evals} >= {0, 2}
-    assert all(r["eval/arith/num_samples"] == 6 for r in evals)
-    assert all(0.0 <= r["eval/arith/reward_mean"] <= 1.0 for r in evals)
-    # Training went on: step records interleave with eval records.
-    kinds = [r.get("kind", "step") for r in records]
-    first_eval, last_step = kinds.index("eval"), len(kinds) - 1 - kinds[::-1].index("step")
-    assert first_eval < last_step
 
 
 def test_streamrl_run_trains_a_policy_and_gae_critic_with_the_megatron_backend_at_tp_2(tmp_path):
