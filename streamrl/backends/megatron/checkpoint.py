@@ -86,9 +86,9 @@ def stage_policy(backend: MegatronBackend, path: Path, *, staging: str) -> Calla
         optimizer=backend.optimizer, context=backend.megatron_context, staging=staging,
     )  # fmt: skip
     num_updates = backend.num_updates
-    critic_parts = ()
+    critic_parts = []
     if backend.critic is not None:
-        critic_parts = stage_critic(backend.critic, path / CRITIC_DIR, staging=staging)
+        critic_parts.append(stage_critic(backend.critic, path / CRITIC_DIR, staging=staging))
 
     def finish() -> None:
         if layout.rank == 0:
@@ -110,7 +110,7 @@ def stage_policy(backend: MegatronBackend, path: Path, *, staging: str) -> Calla
             (path / OPTIMIZER_DIR / "layout.json").write_text(json.dumps(layout_record(backend)))
             _write_schedule(path, num_updates)
 
-    return _written_on_every_rank((write_files, finish), critic_parts)
+    return _written_on_every_rank((write_files, finish), *critic_parts)
 
 
 @torch.no_grad()
