@@ -10,6 +10,12 @@ steps (`schedule.json`, so a resume continues the learning-rate schedule). A ran
 optimizer file holds each chained Megatron optimizer's `state_dict()` and, with the
 distributed optimizer, its shard of parameter state (`get_parameter_state_dp_reshardable`).
 
+A checkpoint taken while training goes on (`stage_policy`) is copied on every rank first
+(the gathers and the optimizer's state, in the training thread), then each rank writes its
+own files in a thread; the threads agree that every rank's files are there on a gloo group
+of their own (`_written_on_every_rank`), and rank 0 writes the shared files last.
+`save_policy` is the same, at once.
+
 Two workarounds for megatron-core 0.16.1 with torch's AdamW (no Apex / TE):
 `_mark_unpadded` and `_unshare_step_counters` (see their docstrings).
 """
