@@ -4,8 +4,10 @@ the optimizer, `state.json` (step, version, data position), the run's asynchrono
 tokens; `streamrl.queues.intake.IntakeState`) and the learner process's random states
 (`rng.msgpack`).
 
-A checkpoint directory is written under a temporary name and renamed when
-complete, so `latest()` never returns a half-written one.
+A checkpoint directory is written under a temporary name (`.partial_step_NNNNNN`) and
+renamed when complete, so `latest()` never returns a half-written one; a run writes them
+in the background (`streamrl.actors.checkpoints`), and the next one removes any partial
+directory a stopped process left behind.
 """
 
 from __future__ import annotations
@@ -60,12 +62,34 @@ def save(
 ) -> Path:
     """Write a checkpoint with `write_model(directory)` and `files` (name -> bytes, e.g. the
     async state), and keep the newest `keep`."""
+    partial = begin(run_dir, state.step)
+    write_model(partial)
+    return complete(run_dir, state, partial, keep=keep, files=files)
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """The empty temporary directory of the checkpoint of `step` (partial directories left by
+    a stopped process are removed: a run has at most one checkpoint in flight)."""
+    root = checkpoint_dir(run_dir)
+    for stale in root.glob(".partial_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = root / f".partial_step_{step:06d}"
+    partial.mkdir(parents=True)
+    return partial
+
+
+def complete(
+    run_dir: Path,
+    state: TrainState,
+    partial: Path,
+    *,
+    keep: int,
+    files: dict[str, bytes] | None = None,
+) -> Path:
+    """Add `files` and `state.json` to the model in `partial`, rename it into place, keep the
+    newest `keep`; returns the checkpoint's directory."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{state.step:06d}"
-    partial = root / f".partial_step_{state.step:06d}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write_model(partial)
     for name, data in (files or {}).items():
         (partial / name).write_bytes(data)
     (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")

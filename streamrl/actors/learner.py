@@ -7,6 +7,8 @@
                                                                 # (every weights.update_interval
                                                                 # versions, and the last one)
                      record metrics; checkpoint every train.save_interval steps
+                                                                # (copied; written behind:
+                                                                # streamrl.actors.checkpoints)
 
 The loop sees the step source (`streamrl.queues.source.StepSource`: a step's batch, its
 counters, the stall report, a checkpoint's cut), the publisher, the backend and the
@@ -28,6 +30,7 @@ the writer to the other modes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +41,7 @@ import anyio
 
 from streamrl import checkpoint, logs
 from streamrl.actors.auto_staleness import AutoStaleness, Observation
+from streamrl.actors.checkpoints import BackgroundCheckpoints
 from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
 from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
@@ -98,6 +102,10 @@ class LearnerLoop:
         self.stall = StallWatch(stall_s) if stall_s else None
         """Times the wait for each batch (None: `train.stall_warning_s = 0`, no report)."""
         self._trained_tokens = 0
+        self.checkpoints = BackgroundCheckpoints(
+            run_dir, keep=cfg.train.keep_checkpoints, metrics=metrics
+        )
+        """The checkpoint write in flight (`streamrl.actors.checkpoints`)."""
         self.set_staleness = set_staleness
         self.staleness = (
             AutoStaleness.for_run(cfg, start=state.staleness_bound) if set_staleness else None
@@ -179,9 +187,11 @@ class LearnerLoop:
                 )
             self.metrics.print_step(record, self.cfg.train.steps)
             self.record_eval_reports()
+            self.checkpoints.collect()
             interval = self.cfg.train.save_interval
             if interval and self.state.step % interval == 0 and self.backend is not None:
-                await self.save()
+                await self.start_checkpoint()
+        await self.checkpoints.wait()
         if self.publisher is not None:
             if self.published_version != self.version:  # the engines end on the last version
                 await self._publish()
@@ -246,53 +256,66 @@ class LearnerLoop:
         return train_step(self.backend, groups, self.cfg, pad_id=self.pad_id)
 
     async def save(self) -> Path:
-        """A checkpoint of the model, the optimizer and the run's asynchronous state: the
-        intake at a cut with the rollout (buffered groups, every prompt's fate, the groups
-        in flight with their tokens) and this process's random states."""
+        """A checkpoint now, written before it returns (a run's last): see `start_checkpoint`."""
+        path = await self.start_checkpoint()
+        await self.checkpoints.wait()
+        return path
+
+    async def start_checkpoint(self) -> Path:
+        """Start a checkpoint of the model, the optimizer and the run's asynchronous state:
+        the intake at a cut with the rollout (buffered groups, every prompt's fate, the groups
+        in flight with their tokens) and this process's random states. The learner waits for
+        the previous write, the cut and the copy of its state; the write runs in the
+        background (`streamrl.actors.checkpoints`). Returns the directory it will have."""
+        started = time.perf_counter()
+        wait_previous_s = await self.checkpoints.wait()
         cut = await self.source.cut(self.state.step, timeout_s=CUT_TIMEOUT_S)
         position = position_after(self.source.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
+        state = dataclasses.replace(self.state, skip=list(self.state.skip))
         files = {
             checkpoint.ASYNC_STATE_FILE: make_encoder().encode(cut),
             checkpoint.RNG_FILE: checkpoint.rng_state(),
         }
-        started = time.perf_counter()
-        path = await anyio.to_thread.run_sync(
-            lambda: checkpoint.save(
-                self.run_dir,
-                self.state,
-                self.backend.save,
-                keep=self.cfg.train.keep_checkpoints,
-                files=files,
-            )
-        )
-        self.metrics.write(
-            {
-                "kind": "checkpoint",
-                "step": self.state.step,
-                "version": self.version,
-                "time": self.metrics.elapsed_s,
-                "checkpoint/snapshot_s": cut.cut_s,  # the cut's time, under its first name
-                "checkpoint/rollout_pause_s": cut.rollout_pause_s,
-                "checkpoint/write_s": time.perf_counter() - started,
-                "checkpoint/bytes": checkpoint.size_bytes(path),
-                "checkpoint/async_state_bytes": len(files[checkpoint.ASYNC_STATE_FILE]),
-                "checkpoint/complete": cut.is_complete,
-                "checkpoint/buffered_groups": len(cut.buffered),
-                "checkpoint/in_flight_groups": len(cut.in_flight),
-                "checkpoint/in_flight_samples": sum(len(g.samples) for g in cut.in_flight),
-                "checkpoint/in_flight_tokens": sum(
-                    len(s.output_ids) for g in cut.in_flight for s in g.samples
-                ),
-            },
-            step=self.state.step,
-        )
+        partial = checkpoint.begin(self.run_dir, state.step)
+        staging_started = time.perf_counter()
+        write_model = await anyio.to_thread.run_sync(self._stage_checkpoint, partial)
+        staging_s = time.perf_counter() - staging_started
+        record = {
+            "kind": "checkpoint",
+            "step": state.step,
+            "version": state.version,
+            "time": self.metrics.elapsed_s,
+            "checkpoint/snapshot_s": cut.cut_s,  # the cut's time, under its first name
+            "checkpoint/rollout_pause_s": cut.rollout_pause_s,
+            "checkpoint/wait_previous_s": wait_previous_s,
+            "checkpoint/staging_s": staging_s,
+            "checkpoint/stall_s": time.perf_counter() - started,
+            "checkpoint/async_state_bytes": len(files[checkpoint.ASYNC_STATE_FILE]),
+            "checkpoint/complete": cut.is_complete,
+            "checkpoint/buffered_groups": len(cut.buffered),
+            "checkpoint/in_flight_groups": len(cut.in_flight),
+            "checkpoint/in_flight_samples": sum(len(g.samples) for g in cut.in_flight),
+            "checkpoint/in_flight_tokens": sum(
+                len(s.output_ids) for g in cut.in_flight for s in g.samples
+            ),
+        }
+        self.checkpoints.start(state, partial, write_model, files, record)
         log.info(
-            "checkpoint %s (version %d): %d groups buffered, %d in flight (cut %.2f s)",
-            path,
-            self.version,
+            "checkpoint of step %d started: %d groups buffered, %d in flight (cut %.2f s, "
+            "copy %.2f s)",
+            state.step,
             len(cut.buffered),
             len(cut.in_flight),
             cut.cut_s,
+            staging_s,
         )
-        return path
+        return checkpoint.checkpoint_dir(self.run_dir) / f"step_{state.step:06d}"
+
+    def _stage_checkpoint(self, partial: Path) -> Callable[[], None]:
+        """The backend's copy of its state, in a worker thread (bound to the learner's GPU)."""
+        if self.backend.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.backend.device)
+        return self.backend.stage_checkpoint(partial, staging=self.cfg.train.checkpoint_staging)

@@ -121,6 +121,15 @@ class LearnerBackend(Protocol):
         """Model (Hugging Face safetensors + config) and optimizer state under `path`."""
         ...
 
+    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+        """Copy what `save` writes under `path` (to pinned host memory, or on the device:
+        `streamrl.backends.staging`) and return the function that writes the copy, which
+        may run in another thread while training goes on (`save` is both at once).
+
+        On ranks > 0 the write runs in a thread of theirs; rank 0's returns once every
+        rank's files are written."""
+        ...
+
     def load(self, path: Path) -> None:
         """Restore what `save` wrote."""
         ...

@@ -134,15 +134,35 @@ class TorchCritic:
 
     def save(self, path: Path) -> None:
         """Weights (safetensors), optimizer and schedule state under `path` (a directory)."""
-        from safetensors.torch import save_file
+        self.stage_checkpoint(path)()
 
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        save_file(state, path / WEIGHTS_FILE)
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-            path / OPTIMIZER_FILE,
+    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+        """Copy what `save` writes and return the function that writes the copy (as
+        `TorchBackend.stage_checkpoint`)."""
+        from streamrl.backends import staging as staging_
+
+        staged = staging_.stage(
+            {
+                "weights": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            },
+            to=staging,
         )
+
+        def write() -> None:
+            from safetensors.torch import save_file
+
+            state = staged.host()
+            path.mkdir(parents=True, exist_ok=True)
+            weights = {k: v.contiguous() for k, v in state["weights"].items()}
+            save_file(weights, path / WEIGHTS_FILE)
+            torch.save(
+                {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
+                path / OPTIMIZER_FILE,
+            )
+
+        return write
 
     def load(self, path: Path) -> None:
         """Restore what `save` wrote."""

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -39,6 +40,7 @@ class Op(enum.StrEnum):
     TRAIN = "train"
     WEIGHTS = "weights"
     SAVE = "save"
+    STAGE_CHECKPOINT = "stage_checkpoint"
     LOAD = "load"
     STOP = "stop"
     SNAPSHOT = "snapshot"
@@ -55,7 +57,8 @@ class Command(msgspec.Struct, frozen=True):
     version: int = 0
     bucket_bytes: int = 0
     staging: str = "cpu"
-    """Device type of the stage publishers' snapshot copies: `cpu` or `cuda` (their own GPU)."""
+    """Device type of the stage publishers' snapshot copies: `cpu` or `cuda` (their own GPU);
+    for STAGE_CHECKPOINT, `train.checkpoint_staging`."""
 
 
 def _device() -> torch.device:
@@ -175,6 +178,12 @@ class Leader:
         announce(Command(Op.SAVE, path=str(path)))
         self.backend.save(path)
 
+    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+        """Every rank copies its part of the checkpoint; each writes it in a thread of its
+        own (rank 0: the function returned, which returns once every rank's is written)."""
+        announce(Command(Op.STAGE_CHECKPOINT, path=str(path), staging=staging))
+        return self.backend.stage_checkpoint(path, staging=staging)
+
     def load(self, path: Path) -> None:
         announce(Command(Op.LOAD, path=str(path)))
         self.backend.load(path)
@@ -231,9 +240,19 @@ def _stage_server(backend: LearnerBackend, host: str):
 
 
 def _follow(backend: LearnerBackend, loss_fn: LossFn, value_loss_fn, stage) -> None:
+    writer = _CheckpointWriter()
+    try:
+        _follow_commands(backend, loss_fn, value_loss_fn, stage, writer)
+    finally:
+        writer.wait()
+
+
+def _follow_commands(backend, loss_fn, value_loss_fn, stage, writer: _CheckpointWriter) -> None:
     while True:
         command = receive()
         log.debug("follower: %s", command)
+        if command.op in (Op.STOP, Op.SAVE, Op.LOAD, Op.STAGE_CHECKPOINT):
+            writer.wait()  # rank 0 has waited for its own write: this one is ending
         if command.op is Op.STOP:
             return
         if command.op is Op.LOGPROBS:
@@ -257,9 +276,38 @@ def _follow(backend: LearnerBackend, loss_fn: LossFn, value_loss_fn, stage) -> N
             send_bytes(msgspec.msgpack.encode(plan), dst=0)
         elif command.op is Op.SAVE:
             backend.save(Path(command.path))
+        elif command.op is Op.STAGE_CHECKPOINT:
+            writer.start(backend.stage_checkpoint(Path(command.path), staging=command.staging))
         elif command.op is Op.LOAD:
             backend.load(Path(command.path))
         elif command.op is Op.VALUES:
             backend.critic.compute_values([])
         elif command.op is Op.TRAIN_CRITIC:
             backend.critic.train_mini_batch([], value_loss_fn)
+
+
+class _CheckpointWriter:
+    """A follower's checkpoint write in flight (at most one): its thread, and its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, write: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                write()
+            except BaseException as exc:  # raised again in this rank's main thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="checkpoint-write", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -222,21 +222,55 @@ class TorchBackend:
         """`path` becomes a Hugging Face model directory (fp32 master weights; with LoRA,
         peft's adapter directory instead) plus `optimizer.pt` (optimizer and LR schedule)
         and, with a critic, `critic/`."""
-        from transformers.utils import logging as hf_logging
+        self.stage_checkpoint(path)()
 
-        hf_logging.disable_progress_bar()
-        path.mkdir(parents=True, exist_ok=True)
+    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+        """Copy what `save` writes (`streamrl.backends.staging`) and return the function
+        that writes the copy under `path`, which may run in another thread while training
+        goes on."""
+        from streamrl.backends import staging as staging_
+
         if self.lora is not None:
-            peft_adapters.save_adapter(self.model, path, self.adapter_spec)
+            from peft import get_peft_model_state_dict
+
+            weights = get_peft_model_state_dict(self.model)
         else:
-            self.model.save_pretrained(path, safe_serialization=True)
-        self.tokenizer.save_pretrained(path)
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-            path / "optimizer.pt",
+            weights = self.model.state_dict()
+        staged = staging_.stage(
+            {
+                "weights": weights,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            },
+            to=staging,
         )
+        write_critic = None
         if self.critic is not None:
-            self.critic.save(path / CRITIC_DIR)
+            write_critic = self.critic.stage_checkpoint(path / CRITIC_DIR, staging=staging)
+
+        def write() -> None:
+            from transformers.utils import logging as hf_logging
+
+            from streamrl.weights import adapters
+
+            hf_logging.disable_progress_bar()
+            state = staged.host()
+            path.mkdir(parents=True, exist_ok=True)
+            if self.lora is not None:
+                adapters.write_peft_adapter(path, state["weights"], self.adapter_spec)
+            else:
+                self.model.save_pretrained(
+                    path, state_dict=state["weights"], safe_serialization=True
+                )
+            self.tokenizer.save_pretrained(path)
+            torch.save(
+                {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
+                path / "optimizer.pt",
+            )
+            if write_critic is not None:
+                write_critic()
+
+        return write
 
     def load(self, path: Path) -> None:
         if self.lora is not None:

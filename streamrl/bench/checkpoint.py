@@ -8,8 +8,12 @@ Each checkpoint record of run 2 (`kind = "checkpoint"` in metrics.jsonl) gives:
     snapshot_s       the learner's request to the rollout's answer (the cut)
     rollout_pause_s  how long generation was held for it: every engine request aborted,
                      every call parked, the tokens read (then they go on from them)
-    write_s          the model, optimizer and async state written (training waits for it;
-                     generation does not, the buffer fills meanwhile)
+    staging_s        the learner's copy of its weights and optimizer state
+                     (`train.checkpoint_staging`)
+    wait_previous_s  how long the learner waited for the previous checkpoint's write
+    stall_s          all the learner stopped for: the wait, the cut and the copy
+    write_s          the copy, async state and rng written in the background (training
+                     and generation go on meanwhile)
     bytes            the checkpoint's size; async_state_bytes its async part alone
 
 and the two runs' effective training throughput (`streamrl.bench.runs` for the
@@ -33,6 +37,9 @@ from streamrl.bench.staleness import run_overrides
 RECORD_KEYS = (
     "snapshot_s",
     "rollout_pause_s",
+    "staging_s",
+    "wait_previous_s",
+    "stall_s",
     "write_s",
     "bytes",
     "async_state_bytes",
@@ -109,7 +116,8 @@ def checkpoint_records(run_dir: Path) -> list[dict[str, Any]]:
 def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and max of each timing, the sizes, and how many cuts were complete."""
     out: dict[str, Any] = {"count": len(records), "complete": sum(r["complete"] for r in records)}
-    for key in ("snapshot_s", "rollout_pause_s", "write_s", "bytes", "in_flight_samples"):
+    keys = ("snapshot_s", "rollout_pause_s", "staging_s", "wait_previous_s", "stall_s", "write_s")
+    for key in (*keys, "bytes", "in_flight_samples"):
         values = [r[key] for r in records if r[key] is not None]
         if values:
             out[key] = {"median": statistics.median(values), "max": max(values)}
@@ -118,11 +126,13 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _print(result: dict[str, Any]) -> None:
     summary = result["summary"]
-    ms = lambda key: 1000 * summary[key]["median"]  # noqa: E731
+    ms = lambda key: 1000 * summary.get(key, {"median": 0.0})["median"]  # noqa: E731
     print(
         f"{summary['count']} checkpoints ({summary['complete']} complete cuts): "
         f"snapshot {ms('snapshot_s'):.1f} ms, generation held {ms('rollout_pause_s'):.1f} ms, "
-        f"write {ms('write_s'):.0f} ms, {summary['bytes']['median'] / 2**20:.1f} MiB (medians); "
+        f"learner stalled {ms('stall_s'):.1f} ms (copy {ms('staging_s'):.1f} ms), "
+        f"background write {ms('write_s'):.0f} ms, "
+        f"{summary['bytes']['median'] / 2**20:.1f} MiB (medians); "
         f"throughput overhead {100 * (result['throughput_overhead'] or 0):.1f}%",
         file=sys.stderr,
     )
@@ -134,7 +144,7 @@ def _plot(result: dict[str, Any], axes) -> None:
     records = result["checkpoints"]
     steps = [r["step"] for r in records]
     width = 0.27
-    for offset, key in ((-width, "snapshot_s"), (0.0, "rollout_pause_s"), (width, "write_s")):
+    for offset, key in ((-width, "snapshot_s"), (0.0, "stall_s"), (width, "write_s")):
         left.bar(
             [i + offset for i in range(len(steps))],
             [1000 * (r[key] or 0.0) for r in records],

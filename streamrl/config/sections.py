@@ -580,7 +580,16 @@ class TrainConfig(_Section):
     """Training steps, each consuming rollout.batch_size groups (slime --num-rollout)."""
     output_dir: str = "runs/default"
     save_interval: NonNegInt = 0
-    """Checkpoint every N steps (slime --save-interval); 0 saves only at the end."""
+    """Checkpoint every N steps (slime --save-interval); 0 saves only at the end. The learner
+    stops only to copy its state (see `checkpoint_staging`); the copy is written in the
+    background while training goes on, one checkpoint at a time (docs/recovery.md)."""
+    checkpoint_staging: Literal["host", "device"] = "host"
+    """Where a checkpoint's copy of the learner's weights and optimizer state waits to be
+    written: `host` in pinned host memory (the learner waits for the device-to-host copy;
+    host memory holds one more copy of each rank's state), `device` on the learner's own
+    GPU (the learner waits only for a device copy; that GPU holds one more copy of its
+    rank's weights and optimizer state until the background write has moved it to the
+    host). The same on a CPU learner."""
     keep_checkpoints: PositiveInt = 2
     seed: int = 0
     stall_warning_s: NonNegFloat = 60.0

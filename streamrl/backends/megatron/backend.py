@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +399,11 @@ class MegatronBackend:
         """HF safetensors (one file per PP stage + index) and per-rank optimizer state under
         `path` (`checkpoint.save_policy`); they only load back into the same layout."""
         checkpoint.save_policy(self, path)
+
+    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+        """Copy this rank's part of what `save` writes and return the function that writes
+        it in the background (`checkpoint.stage_policy`)."""
+        return checkpoint.stage_policy(self, path, staging=staging)
 
     def load(self, path: Path) -> None:
         """Restore what `save` wrote (`checkpoint.load_policy`)."""

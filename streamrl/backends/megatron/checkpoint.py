@@ -10,6 +10,12 @@ steps (`schedule.json`, so a resume continues the learning-rate schedule). A ran
 optimizer file holds each chained Megatron optimizer's `state_dict()` and, with the
 distributed optimizer, its shard of parameter state (`get_parameter_state_dp_reshardable`).
 
+A checkpoint taken while training goes on (`stage_policy`) is copied on every rank first
+(the gathers and the optimizer's state, in the training thread), then each rank writes its
+own files in a thread; the threads agree that every rank's files are there on a gloo group
+of their own (`_written_on_every_rank`), and rank 0 writes the shared files last.
+`save_policy` is the same, at once.
+
 Two workarounds for megatron-core 0.16.1 with torch's AdamW (no Apex / TE):
 `_mark_unpadded` and `_unshare_step_counters` (see their docstrings).
 """
@@ -18,14 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from streamrl.backends import staging as staging_
 from streamrl.backends.base import CRITIC_DIR
 from streamrl.backends.megatron import convert
 from streamrl.models import TOKENIZER_FILES
@@ -44,50 +52,71 @@ COPIED_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 OPTIMIZER_DIR = "optimizer"
 
+Parts = tuple[Callable[[], None], Callable[[], None]]
+"""A checkpoint part's writes: this rank's own files, then rank 0's shared files."""
+
+log = logging.getLogger(__name__)
+
 
 # ------------------------------------------------------------ the policy
 
 
 def save_policy(backend: MegatronBackend, path: Path) -> None:
     """Weights (or adapters), copied model files and every rank's optimizer state under `path`,
-    then the critic's under `path / critic`. Every rank calls it."""
+    then the critic's under `path / critic`. Every rank calls it; all have returned once
+    every file is written."""
+    stage_policy(backend, path, staging="host")()
+    dist.barrier()
+
+
+def stage_policy(backend: MegatronBackend, path: Path, *, staging: str) -> Callable[[], None]:
+    """Copy this rank's part of what `save_policy` writes (`streamrl.backends.staging`) and
+    return the function that writes it, which may run in another thread while training
+    goes on. Every rank calls both, in the same order; rank 0's function returns once
+    every rank's files are written and the checkpoint is whole."""
     path, layout = Path(path), backend.layout
     shard_names = [convert.hf_shard_name(stage, layout.pp_size) for stage in range(layout.pp_size)]
     if backend.lora is not None:
         shard_names = [f"adapter-stage{stage:05d}.safetensors" for stage in range(layout.pp_size)]
 
-    def stage_tensors() -> dict[str, torch.Tensor]:
+    def stage_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         if backend.lora is None:
-            return {name: tensor.to("cpu") for name, tensor in backend.hf_weights()}
-        return {
-            adapters.PEFT_PREFIX + module + suffix: tensor.to("cpu")
-            for module, lora_a, lora_b in backend.full_adapters()
-            for suffix, tensor in ((adapters.LORA_A, lora_a), (adapters.LORA_B, lora_b))
-        }
+            yield from backend.hf_weights()
+            return
+        for module, lora_a, lora_b in backend.full_adapters():
+            yield adapters.PEFT_PREFIX + module + adapters.LORA_A, lora_a
+            yield adapters.PEFT_PREFIX + module + adapters.LORA_B, lora_b
 
-    _write_stages(
-        path, layout, stage_tensors, is_publisher=backend.is_publisher,
-        shard_names=shard_names, optimizer=backend.optimizer, context=backend.megatron_context,
+    write_files = _stage_files(
+        path, layout, stage_tensors, is_publisher=backend.is_publisher, shard_names=shard_names,
+        optimizer=backend.optimizer, context=backend.megatron_context, staging=staging,
     )  # fmt: skip
-    if layout.rank == 0:
-        if backend.lora is not None:  # one peft adapter directory from the stages' parts
-            parts = [path / name for name in shard_names]
-            merged = {k: v for part in parts for k, v in convert.read_hf_state_file(part).items()}
-            adapters.write_peft_adapter(path, merged, backend.adapter_spec)
-            for part in parts:
-                part.unlink()
-        elif layout.pp_size > 1:
-            convert.write_hf_index(path, shard_names)
-        for name in COPIED_FILES:
-            if backend.lora is not None and name in ("config.json", "generation_config.json"):
-                continue  # an adapter directory, not a model
-            if (backend.model_dir / name).exists():
-                shutil.copy(backend.model_dir / name, path / name)
-        (path / OPTIMIZER_DIR / "layout.json").write_text(json.dumps(layout_record(backend)))
-        _write_schedule(path, backend.num_updates)
-    dist.barrier()
+    num_updates = backend.num_updates
+    critic_parts = []
     if backend.critic is not None:
-        save_critic(backend.critic, path / CRITIC_DIR)
+        critic_parts.append(stage_critic(backend.critic, path / CRITIC_DIR, staging=staging))
+
+    def finish() -> None:
+        if layout.rank == 0:
+            if backend.lora is not None:  # one peft adapter directory from the stages' parts
+                parts = [path / name for name in shard_names]
+                merged = {
+                    k: v for part in parts for k, v in convert.read_hf_state_file(part).items()
+                }
+                adapters.write_peft_adapter(path, merged, backend.adapter_spec)
+                for part in parts:
+                    part.unlink()
+            elif layout.pp_size > 1:
+                convert.write_hf_index(path, shard_names)
+            for name in COPIED_FILES:
+                if backend.lora is not None and name in ("config.json", "generation_config.json"):
+                    continue  # an adapter directory, not a model
+                if (backend.model_dir / name).exists():
+                    shutil.copy(backend.model_dir / name, path / name)
+            (path / OPTIMIZER_DIR / "layout.json").write_text(json.dumps(layout_record(backend)))
+            _write_schedule(path, num_updates)
+
+    return _written_on_every_rank((write_files, finish), *critic_parts)
 
 
 @torch.no_grad()
@@ -153,18 +182,30 @@ def _load_adapters(backend: MegatronBackend, path: Path) -> None:
 
 def save_critic(critic: MegatronCritic, path: Path) -> None:
     """The critic's weights (its value head included), config and per-rank optimizer state."""
+    _written_on_every_rank(stage_critic(critic, path, staging="host"))()
+    dist.barrier()
+
+
+def stage_critic(critic: MegatronCritic, path: Path, *, staging: str) -> Parts:
+    """Copy this rank's part of what `save_critic` writes; returns its two writes (every
+    rank's own files; then, on rank 0, the shared ones)."""
     path, layout = Path(path), critic.layout
     names = [convert.hf_shard_name(stage, layout.pp_size) for stage in range(layout.pp_size)]
-    _write_stages(
+    write_files = _stage_files(
         path, layout, critic.stage_tensors, is_publisher=layout.is_stage_publisher,
         shard_names=names, optimizer=critic.optimizer, context=critic.policy.megatron_context,
+        staging=staging,
     )  # fmt: skip
-    if layout.rank == 0:
-        if layout.pp_size > 1:
-            convert.write_hf_index(path, names)
-        shutil.copy(critic.model_dir / "config.json", path / "config.json")
-        _write_schedule(path, critic.num_updates)
-    dist.barrier()
+    num_updates = critic.num_updates
+
+    def finish() -> None:
+        if layout.rank == 0:
+            if layout.pp_size > 1:
+                convert.write_hf_index(path, names)
+            shutil.copy(critic.model_dir / "config.json", path / "config.json")
+            _write_schedule(path, num_updates)
+
+    return write_files, finish
 
 
 @torch.no_grad()
@@ -189,28 +230,77 @@ def load_critic(critic: MegatronCritic, path: Path) -> None:
 # ------------------------------------------------------------ the parts both write
 
 
-def _write_stages(
+def _stage_files(
     path: Path,
     layout: Layout,
-    stage_tensors: Callable[[], dict[str, torch.Tensor]],
+    stage_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
     *,
     is_publisher: bool,
     shard_names: Sequence[str],
     optimizer: Any,
     context: Callable[[], contextlib.AbstractContextManager],
-) -> None:
-    """Each stage's publisher writes its stage's file; every rank writes its optimizer file.
-    Every rank calls it; all have returned once every file is written."""
+    staging: str,
+) -> Callable[[], None]:
+    """Copy this rank's files: each stage's publisher its stage's weights (every rank takes
+    part in the gathers), every rank its optimizer state. Every rank calls it; the function
+    returned writes them (no collectives)."""
     if layout.rank == 0:
         (path / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    tensors = stage_tensors()  # every rank takes part in the gathers; publishers keep them
-    if is_publisher:
-        convert.write_hf_shard(tensors, path / shard_names[layout.pp_rank])
-    del tensors
+    stager = staging_.Stager(staging)
+    # each tensor copied as it comes (a stream may reuse its buffers); only publishers keep them
+    weights = {name: stager.copy(tensor) for name, tensor in stage_tensors() if is_publisher}
     with context():
-        save_optimizer(optimizer, path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt")
-    dist.barrier()
+        optimizer_state = stager.copy(optimizer_state_dict(optimizer))
+    staged = stager.done({"weights": weights, "optimizer": optimizer_state})
+    del weights, optimizer_state
+
+    def write() -> None:
+        state = staged.host()
+        if is_publisher:
+            weights = {k: v.contiguous() for k, v in state["weights"].items()}
+            convert.write_hf_shard(weights, path / shard_names[layout.pp_rank])
+        torch.save(state["optimizer"], path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt")
+
+    return write
+
+
+def _written_on_every_rank(*parts: Parts) -> Callable[[], None]:
+    """The function that writes `parts` on this rank: each one's own files, then, once every
+    rank has written its files (their agreement on a gloo group of their own, so that it
+    may run beside training's collectives), each one's shared files on rank 0. A rank that
+    fails to write makes every rank's function raise."""
+    group = _checkpoint_group()
+
+    def write() -> None:
+        error = None
+        try:
+            for write_files, _ in parts:
+                write_files()
+        except Exception as exc:  # every rank must reach the agreement below
+            log.exception("writing this rank's checkpoint files failed")
+            error = exc
+        is_written = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.all_reduce(is_written, op=dist.ReduceOp.MIN, group=group)
+        if error is not None:
+            raise error
+        if not is_written.item():
+            raise RuntimeError("another learner rank failed to write its checkpoint files")
+        for _, finish in parts:
+            finish()
+
+    return write
+
+
+_GROUPS: list[Any] = []
+
+
+def _checkpoint_group() -> Any:
+    """The gloo group the checkpoint writers agree on (made on first use: every rank stages
+    its checkpoints in the same order)."""
+    if not _GROUPS:
+        _GROUPS.append(dist.new_group(backend="gloo"))
+    return _GROUPS[0]
 
 
 def _load_rank_optimizer(optimizer: Any, path: Path, layout: Layout, *, device) -> None:
@@ -235,11 +325,18 @@ def _optimizers(optimizer: Any) -> list[Any]:
 
 def save_optimizer(optimizer: Any, path: Path) -> None:
     """Write this rank's optimizer state to `path`."""
+    torch.save(optimizer_state_dict(optimizer), path)
+
+
+def optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
+    """What `save_optimizer` writes: each chained optimizer's `state_dict()` and, with the
+    distributed optimizer, its shard of parameter state (tensors of the live state among
+    them: copy before training goes on)."""
     parts = _optimizers(optimizer)
     state: dict[str, Any] = {"optimizers": [opt.state_dict() for opt in parts]}
     if any(hasattr(opt, "get_parameter_state_dp_reshardable") for opt in parts):
         state["parameter_states"] = [opt.get_parameter_state_dp_reshardable() for opt in parts]
-    torch.save(state, path)
+    return state
 
 
 @torch.no_grad()

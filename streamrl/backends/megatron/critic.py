@@ -122,10 +122,10 @@ class MegatronCritic:
 
     # ------------------------------------------------------------ checkpoints
 
-    def stage_tensors(self) -> dict[str, torch.Tensor]:
-        """This PP stage's full tensors under HF names, on the host (its publisher's to write)."""
-        weights = export.stage_hf_weights(self.model, self.shape, self.layout)
-        return {name: tensor.to("cpu") for name, tensor in weights}
+    def stage_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's full tensors under HF names (its publisher's to write), on the
+        learner's device: a checkpoint's staging copies each as it comes."""
+        return export.stage_hf_weights(self.model, self.shape, self.layout)
 
     def save(self, path: Path) -> None:
         """The critic's weights, config and per-rank optimizer state under `path`."""

@@ -115,6 +115,28 @@ def _worker_single(out: Path, dirs_json: str) -> None:
     torch.save(results, out)
 
 
+def _background_checkpoint(backend, micro_batches, directory: Path):
+    """Every rank copies its state, then writes it in a thread while training goes on (the
+    two ranks' all-reduces beside the writers' agreement); loading the checkpoint and
+    training again repeats the steps taken after the copy."""
+    import threading
+
+    import torch.distributed as dist
+
+    path = directory / "dp2-background-checkpoint"
+    if dist.get_rank() == 0:
+        path.mkdir()
+    dist.barrier()
+    write = backend.stage_checkpoint(path, staging="host")
+    writer = threading.Thread(target=write)
+    writer.start()
+    after_copy = _train(backend, micro_batches)
+    writer.join()
+    dist.barrier()
+    backend.load(path)
+    return after_copy, _train(backend, micro_batches)
+
+
 def _first_steps(
     path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False, compile="off"
 ):
@@ -159,6 +181,8 @@ def _worker_two_ranks(out: Path, dirs_json: str) -> None:
         if label == "pp2":
             run["trained_logprobs"] = backend.compute_logprobs(micro_batches, temperature=1.0)
             backend.save(out.parent / "pp2-checkpoint")
+        if label == "dp2":
+            run["background"] = _background_checkpoint(backend, micro_batches, out.parent)
         results[label] = run
     torch.save(results, out if rank == 0 else out.parent / f"rank{rank}.pt")
 
@@ -339,6 +363,11 @@ def test_loading_a_checkpoint_resumes_training_exactly(runs):
 
 
 # ---------------------------------------------------------------- two ranks
+
+
+def test_a_checkpoint_written_by_two_ranks_while_they_train_resumes_exactly(runs):
+    after_copy, after_load = runs("two")["dp2"]["background"]
+    assert after_copy == after_load
 
 
 def test_tp2_training_matches_tp1_and_logprobs_agree(runs):
