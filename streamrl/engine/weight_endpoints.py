@@ -79,6 +79,7 @@ class WeightEndpoints:
         self._joining: set[str] = set()
         self.is_receiving = False
         """Inside update_weights_from_distributed's receive (reported by /get_load)."""
+        self._side_stream = None  # created on first use, on the engine's GPU
         self._stage: str | None = None
         self._staged: list[tuple[list, list]] = []  # per staged call: (plan, its tensors)
 
@@ -196,7 +197,7 @@ class WeightEndpoints:
             if body.get("abort_all_requests"):
                 self._abort_all()
             try:
-                tensors = await asyncio.to_thread(deserialize_named_tensors, entries[0])
+                tensors = await asyncio.to_thread(self._on_side_stream, _mapped, entries[0])
                 if load_format == FLATTENED_BUCKET:
                     tensors = _unflatten(tensors, body)
             except Exception as exc:
@@ -269,13 +270,27 @@ class WeightEndpoints:
         logger.info("weights updated (%s); weight_version=%s", what, version)
         return _weight_result(True, f"updated {what}; weight_version={version}")
 
+    def _on_side_stream(self, function: Callable, *args):
+        """`function(*args)` on a CUDA stream of the weight endpoints' own (in a worker thread):
+        mapping the sender's buffers and digesting them neither queue behind nor wait for the
+        decode steps the engine thread has queued on its stream."""
+        device = self.core.device
+        if device.type != "cuda":
+            return function(*args)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._side_stream):
+            return function(*args)
+
     async def _digest_refusal(self, tensors: list, body: dict, what: str) -> web.Response | None:
         """The 400 answer when the body's `weights_digest` (streamrl's publisher) does not
         match the received bytes; None when it matches or none was sent."""
         expected = body.get("weights_digest")
         if not expected:
             return None
-        received = await asyncio.to_thread(digest, [tensor for _, tensor in tensors])
+        received = await asyncio.to_thread(
+            self._on_side_stream, digest, [tensor for _, tensor in tensors]
+        )
         if received == expected:
             return None
         logger.error("weights digest mismatch (%s): %s != %s", what, received, expected)
@@ -301,6 +316,16 @@ class WeightEndpoints:
                 return _weight_result(False, f"no weight-update group {group_name!r}")
             await asyncio.to_thread(destroy_weight_update_group, entry[0])
         return _weight_result(True, f"destroyed weight-update group {group_name!r}")
+
+
+def _mapped(entry: str) -> list:
+    """One `serialized_named_tensors` entry, mapped, with the sender's writes complete: torch
+    orders the mapping after the sender's event on the current stream, which is waited
+    for here, so another stream (the engine's copy) may read the tensors."""
+    tensors = deserialize_named_tensors(entry)
+    if any(tensor.is_cuda for _, tensor in tensors):
+        torch.cuda.current_stream().synchronize()
+    return tensors
 
 
 def _unflatten(received: list, body: dict) -> list[tuple[str, torch.Tensor]]:
