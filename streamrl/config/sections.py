@@ -222,13 +222,15 @@ class AutoStalenessConfig(_Section):
     """The bound goes up by one while, within the budget, the learner waits for data more
     than this share of its step time (mean over `window_steps`)."""
     min_gain: NonNegFloat = 0.1
-    """A raise is kept only if the steps per second after it (the window's steps but its
-    slowest) beat those before by this share; otherwise it is undone and that bound is not tried
-    again for a while. Below the steps' own noise, raises that gained nothing are kept and
-    the bound drifts up (at 15% noise per step, 0.05 did)."""
+    """A raise is kept if the steps per second after it (2 x `window_steps` steps but the
+    slowest) beat those of every step measured under the bound before it by this share, or if
+    the learner's waits fell to half or less with steps/s not lower; otherwise it is undone and
+    that bound is not tried again for a while. Below the steps' own noise, raises that gained
+    nothing are kept and the bound drifts up (at 15% noise per step, 0.05 did)."""
     window_steps: PositiveInt = 4
-    """Steps each decision looks at. After a change the controller first lets bound + 1 steps
-    pass (the groups admitted under the new bound reach the learner), then measures anew."""
+    """Steps each decision looks at (twice as many judge a raise). After a change the
+    controller first lets bound + 1 steps pass (the groups admitted under the new bound reach
+    the learner), then measures anew."""
 
 
 class BufferConfig(_Section):

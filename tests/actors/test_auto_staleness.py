@@ -107,17 +107,57 @@ class SlowEveryTenth(Pipeline):
 
 def test_one_slow_step_in_the_window_does_not_undo_a_raise_that_paid():
     # Each raise up to bound 3 makes steps 1.5 to 2 times faster; a slow step falls into the
-    # window that judges the raise to 2 (step 10 here), and in that window's mean it would
-    # hide the gain. The raises to 2 and 3 are kept; the slow step at 20 makes the learner
-    # wait, so 4 is tried, and undone because it did not pay.
+    # eight steps that judge the raise to 2 (step 10 here), and in their mean it would hide
+    # the gain. The raises to 2 and 3 are kept; a later slow step makes the learner wait, so
+    # 4 is tried, and undone because it did not pay: neither steps/s nor the waits (once
+    # the slow step is left out) were better than at 3.
     controller = AutoStaleness(settings(raise_idle_share=0.05))
     decisions = drive(controller, SlowEveryTenth(gen_s=4.0, train_s=1.0, saturates_at=4), 60)
     bounds = [d.bound for d in decisions]
     reached_3 = bounds.index(3)
-    assert reached_3 < 15 and min(bounds[reached_3:]) == 3
+    assert reached_3 <= 16 and min(bounds[reached_3:]) == 3
     undone = [d for d in decisions if d.reason == Reason.RAISE_DID_NOT_PAY]
     assert [d.bound for d in undone] == [3]
     assert bounds[-1] == 3
+
+
+class SharedGpu(Pipeline):
+    """Engine and learner on one GPU: from bound 2 on, generation running further ahead
+    slows each training step by `contention` of it, taking back part of the wait it saved."""
+
+    def __init__(self, *, contention: float, **kwargs):
+        super().__init__(**kwargs)
+        self.contention = contention
+
+    def step(self, bound: int) -> Observation:
+        observation = super().step(bound)
+        if bound < 2:
+            return observation
+        slower_s = self.train_s * self.contention
+        idle_s = max(0.0, observation.idle_s - slower_s)
+        step_s = observation.step_s - observation.idle_s + slower_s + idle_s
+        return Observation(idle_s=idle_s, step_s=step_s, mismatch_kl=observation.mismatch_kl,
+                           importance_ess=observation.importance_ess)  # fmt: skip
+
+
+def test_a_raise_that_stops_the_waits_on_a_shared_gpu_is_kept_though_steps_gain_little():
+    # At bound 1 the learner waits 13% of its steps; at 2 it stops waiting but trains 8%
+    # slower beside the busier engine: steps/s rise about 6%, under min_gain (10%) and
+    # within the steps' 15% noise. The cut in the waits, measured against every step at
+    # bound 1, keeps the raise (the H200 run that undid such a raise: docs/benchmarks.md).
+    num_kept = 0
+    share_at_2 = []
+    for seed in range(8):
+        controller = AutoStaleness(settings(raise_idle_share=0.1))
+        pipeline = SharedGpu(contention=0.08, gen_s=2.3, train_s=1.0, saturates_at=100,
+                             noise=0.15, seed=seed)  # fmt: skip
+        decisions = drive(controller, pipeline, 120)
+        bounds = [d.bound for d in decisions]
+        assert max(bounds) == 2, seed  # at 2 the learner no longer waits: no raise to 3
+        num_kept += all(d.reason != Reason.RAISE_DID_NOT_PAY for d in decisions)
+        share_at_2.append(sum(b == 2 for b in bounds[15:]) / len(bounds[15:]))
+    assert num_kept >= 5
+    assert sum(share_at_2) / len(share_at_2) > 0.85
 
 
 def test_the_bound_backs_off_when_the_mismatch_kl_leaves_the_budget_and_stays_below_it():
