@@ -12,7 +12,8 @@
 #                                           it once, then per seed (0, 1, 2, side by side),
 #                                           in this order until 540 s have passed: eta 0 and
 #                                           4 (decoupled PPO), 4 (no correction), auto, 2, 2
-#                                           (none), 1, 1 (none); ~80 s a run
+#                                           (none), 1, 1 (none); ~80 s a run (PAIRS and
+#                                           SWEEP_NAME replace that list and the part's name)
 #   bench/gpu/staleness_h200.sh b OUT       the pairs in $PAIRS (what part a had no time for;
 #                                           SWEEP_NAME names the part, SEEDS its seeds)
 #
@@ -85,8 +86,9 @@ a)
   python3 -c "from streamrl.models import smollm2_model_dir; print(smollm2_model_dir())" || exit 1
   python3 -c "import torch, transformers, sys; print(sys.version, torch.__version__, transformers.__version__)" \
     | tee "$OUT/versions.txt"
-  sweep a 0,4:decoupled_ppo 4:none auto:decoupled_ppo 2:decoupled_ppo 2:none 1:decoupled_ppo \
-    1:none
+  # shellcheck disable=SC2086
+  sweep "${SWEEP_NAME:-a}" ${PAIRS:-0,4:decoupled_ppo 4:none auto:decoupled_ppo 2:decoupled_ppo \
+    2:none 1:decoupled_ppo 1:none}
   ;;
 b)  # what part a had no time for (set in PAIRS), e.g. PAIRS="1:decoupled_ppo 1:none"
   # shellcheck disable=SC2086

@@ -55,6 +55,12 @@ def _staleness(commands) -> None:
         help="comma-separated train.seed values, a run of each setting per seed (default: "
         "the config's seed, once)",
     )
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="a variant's name, for runs that differ by --set: it joins the correction's "
+        "(decoupled_ppo+TAG), so `bench merge` keeps it apart from the plain setting",
+    )
     parser.set_defaults(entry="streamrl.bench.staleness:staleness_command")
 
 

@@ -130,7 +130,8 @@ def _staleness(args: argparse.Namespace, gpus: GpuMonitor) -> int:
 
 
 def _one_run(args, work_dir: Path, gpus: GpuMonitor, *, eta: Eta, correction: str, seed):
-    name = run_name(eta, correction, seed)
+    label = f"{correction}+{args.tag}" if args.tag else correction
+    name = run_name(eta, label, seed)
     bound = f"buffer.max_staleness='{AUTO}'" if eta == AUTO else f"buffer.max_staleness={eta}"
     overrides = run_overrides(
         work_dir,
@@ -153,7 +154,7 @@ def _one_run(args, work_dir: Path, gpus: GpuMonitor, *, eta: Eta, correction: st
     )
     result.update(
         eta=eta,
-        correction=correction,
+        correction=label,
         seed=seed,
         final_reward=final_reward(result["reward_curve"]),
         mean_reward=final_reward(result["reward_curve"], fraction=1.0),
@@ -172,6 +173,7 @@ def _write(args, work_dir: Path, etas, corrections, runs) -> None:
             "etas": etas,
             "corrections": corrections,
             "seeds": parse_int_list(args.seeds),
+            "tag": args.tag,
             "steps": args.steps,
             "overrides": args.overrides,
             "resolved": _resolved(work_dir / f"{runs[0]['name']}.toml"),

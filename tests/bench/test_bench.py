@@ -409,12 +409,15 @@ def test_staleness_runs_each_eta_in_its_own_directory_and_reports_throughput(tmp
     bound 0, so the bound goes up at its first decision (step 2, after the fill) and every
     trained group keeps the bound in force when it was admitted."""
     result = _bench("staleness", "bench/configs/cpu_tiny.toml", "--eta", "0,auto", "--steps", "5",
-                    *SMOKE_SETS, *AUTO_SETS, "--work-dir", str(tmp_path / "work"),
+                    *SMOKE_SETS, *AUTO_SETS, "--tag", "v", "--work-dir", str(tmp_path / "work"),
                     "--json", str(tmp_path / "s.json"), timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads((tmp_path / "s.json").read_text())["result"]
     runs_ = out["runs"]
     assert [r["eta"] for r in runs_] == [0, "auto"]
+    # The tag names the variant apart from the plain setting.
+    assert [r["name"] for r in runs_] == ["eta0-decoupled_ppo+v", "etaauto-decoupled_ppo+v"]
+    assert {r["correction"] for r in runs_} == {"decoupled_ppo+v"}
     for run in runs_:
         assert (tmp_path / "work" / run["name"] / "summary.json").exists()
         assert run["effective_tokens_per_s"] > 0 and run["accounting_ok"]
