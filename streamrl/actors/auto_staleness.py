@@ -16,7 +16,8 @@ trades the two, one step of eta at a time:
     that one slow step, an evaluation or a checkpoint, does not undo a raise):
       over the budget (KL above max_mismatch_kl, or ESS below min_importance_ess)
                  -> bound - 1, and the bound that broke the budget is not tried again
-                    for a while (the ceiling; twice as long each time it fails again)
+                    for a while (the ceiling; twice as long each time it fails again),
+                    unless the KL measured later leaves room for it (`_has_kl_room`)
       a raise that did not pay -> bound - 1, and that bound becomes the ceiling
       learner idle share above raise_idle_share, below the limit and the ceiling
                  -> bound + 1
@@ -137,6 +138,8 @@ class AutoStaleness:
         """The rates under the bound before the last raise, until the raise is judged."""
         self._ceiling: int | None = None
         self._ceiling_steps = 0
+        self._is_ceiling_kl_only = False
+        """Whether the ceiling was set by the mismatch KL alone (`_has_kl_room` may lift it)."""
         self._failures: dict[int, int] = {}
         """How often each bound was lowered from or undone."""
 
@@ -180,25 +183,43 @@ class AutoStaleness:
             "importance_ess": ess,
             "steps_per_s": rates.steps_per_s,
         }
-        over_budget = (kl is not None and kl > settings.max_mismatch_kl) or (
+        is_kl_over = kl is not None and kl > settings.max_mismatch_kl
+        is_ess_under = (
             settings.min_importance_ess > 0
             and ess is not None
             and ess < settings.min_importance_ess
         )
         before_raise, self._before_raise = self._before_raise, None
-        if over_budget:
+        if is_kl_over or is_ess_under:
             if self.bound <= self.floor:
                 return Decision(self.bound, 0, Reason.OVER_BUDGET_AT_FLOOR, **means)
-            return self._change(-1, Reason.OVER_BUDGET, means, ceiling=self.bound)
+            decision = self._change(-1, Reason.OVER_BUDGET, means, ceiling=self.bound)
+            self._is_ceiling_kl_only = not is_ess_under
+            return decision
         if before_raise is not None and not rates.paid_against(before_raise, settings):
             return self._change(-1, Reason.RAISE_DID_NOT_PAY, means, ceiling=self.bound)
         if idle_share > settings.raise_idle_share:
             is_capped = self._ceiling is not None and self.bound + 1 >= self._ceiling
+            if is_capped and self._has_kl_room(kl):
+                log.info("the mismatch KL (%.4f at bound %d) leaves room for %d now: "
+                         "its ceiling is lifted", kl, self.bound, self.bound + 1)  # fmt: skip
+                self._ceiling, is_capped = None, False
             if self.bound >= self.limit or is_capped:
                 return Decision(self.bound, 0, Reason.AT_LIMIT, **means)
             self._before_raise = _Rates.of(list(self._at_bound))
             return self._change(+1, Reason.LEARNER_WAITS, means)
         return Decision(self.bound, 0, Reason.BALANCED, **means)
+
+    def _has_kl_room(self, kl: float | None) -> bool:
+        """Whether a ceiling set because the mismatch KL broke its budget may be lifted early:
+        the KL measured now, scaled to one version more as if it grew with the square of the
+        staleness (a policy drifting the same way each version; a random walk grows only
+        linearly), is within half the budget. The policy moves fastest early in a run, so a
+        budget broken then says little about later."""
+        if not self._is_ceiling_kl_only or kl is None:
+            return False
+        scale = ((self.bound + 1) / max(self.bound, 1)) ** 2
+        return kl * scale <= self.settings.max_mismatch_kl / 2
 
     def _change(self, change: int, reason: Reason, means: dict, *, ceiling: int | None = None):
         old = self.bound
@@ -212,6 +233,7 @@ class AutoStaleness:
             period = self.bound + 1 + self.settings.window_steps
             self._ceiling = ceiling
             self._ceiling_steps = CEILING_WINDOWS * period * 2 ** (failures - 1)
+            self._is_ceiling_kl_only = False
         decision = Decision(self.bound, change, reason, **means)
         log.info("staleness bound %d -> %d: %s", old, self.bound, describe(decision, self))
         return decision

@@ -174,6 +174,35 @@ def test_the_bound_backs_off_when_the_mismatch_kl_leaves_the_budget_and_stays_be
     assert all(d.mismatch_kl <= 0.015 for d in decisions if d.reason == Reason.LEARNER_WAITS)
 
 
+class EarlyFastPolicy(Pipeline):
+    """The policy moves ten times faster per version over the run's first 20 steps than
+    after them (the mismatch KL per version of staleness: 0.03, then 0.003)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(kl_base=0.0, **kwargs)
+        self.num_steps = 0
+
+    def step(self, bound: int) -> Observation:
+        self.num_steps += 1
+        self.kl_per_version = 0.03 if self.num_steps <= 20 else 0.003
+        return super().step(bound)
+
+
+def test_a_bound_lowered_for_the_early_runs_kl_is_tried_again_once_the_kl_leaves_room():
+    # Bound 2 breaks the KL budget (0.06 > 0.05) while the policy moves fast and is lowered;
+    # once the KL at bound 1 (0.003) scaled to bound 2 is within half the budget, the
+    # ceiling is lifted instead of waiting its 24 steps out, and bound 2 then holds.
+    for noise, seed in [(0.0, 0), (0.15, 1), (0.15, 2)]:
+        controller = AutoStaleness(settings(raise_idle_share=0.1, max_mismatch_kl=0.05))
+        pipeline = EarlyFastPolicy(gen_s=3.0, train_s=1.0, saturates_at=3, noise=noise, seed=seed)
+        decisions = drive(controller, pipeline, 80)
+        lowered = [i for i, d in enumerate(decisions) if d.reason == Reason.OVER_BUDGET]
+        assert len(lowered) == 1 and decisions[lowered[0]].bound == 1, seed
+        raised_again = next(i for i, d in enumerate(decisions) if i > lowered[0] and d.change)
+        assert decisions[raised_again].bound == 2 and raised_again <= lowered[0] + 12, seed
+        assert min(d.bound for d in decisions[raised_again:]) == 2, seed
+
+
 def test_a_budget_broken_at_the_current_bound_lowers_it_to_the_floor_and_says_so_there():
     controller = AutoStaleness(settings(start=3, max_mismatch_kl=0.01), floor=1)
     pipeline = Pipeline(gen_s=40.0, saturates_at=100, kl_base=0.05)  # over budget at any bound
