@@ -258,6 +258,11 @@ def _colocate_problems(cfg: RunConfig) -> list[str]:
             "cluster.colocate = true needs cluster.launcher = 'local': Ray gives the engines "
             "GPUs of their own"
         )
+    if cfg.learner.lora.is_enabled:
+        problems.append(
+            "cluster.colocate = true with learner.lora: an update sends only the adapters, and "
+            "the base weights an engine released are gone; set cluster.colocate = false"
+        )
     engines, learner = cfg.engine_gpu_ids, cfg.learner_gpu_ids
     if engines and not engines & learner:
         problems.append(
