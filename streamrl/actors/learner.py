@@ -20,6 +20,12 @@ which it may start only with admission credits; credits come back as the buffer 
 `on_published` is the intake's). While the wait lasts past `train.stall_warning_s`, the
 terminal says why (`streamrl.actors.stall`).
 
+Colocated mode (`cluster.colocate`, sync only) wraps the step in a memory handoff
+(`streamrl.actors.colocate`): the engines release their memory before the step, the
+learner offloads after it, and every version is pushed to the resumed engines and waited
+for before they generate again; a checkpoint is copied right after the step, while the
+learner still holds its state.
+
 The debug modes of `train.mode` change the loop's parts, not its shape: `rollout_only`
 has no backend and no publisher (each step's groups are written by the `RolloutWriter`,
 and `advance` tells admission a step passed so generation goes on at the same pace, while
