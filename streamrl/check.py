@@ -43,12 +43,23 @@ def check_command(args) -> int:
     return 0
 
 
+COLOCATED_SCHEDULE = (
+    "colocated (cluster.colocate): a synchronous schedule; each step the engines release "
+    "their memory, the learner reloads, trains and offloads (learner.offload = {offload!r}), "
+    "the engines resume and take the new weights, then generate (docs/memory.md)"
+)
+
+
 def memory_plan_lines(cfg: RunConfig) -> list[str]:
-    """`streamrl.planner`'s breakdown of each GPU's peak, or the line saying why there is none."""
+    """`streamrl.planner`'s breakdown of each GPU's peak, or the line saying why there is none;
+    first, in colocated mode, the schedule that implies."""
     from streamrl.planner.report import plan_lines
 
+    lines = []
+    if cfg.cluster.colocate:
+        lines.append(COLOCATED_SCHEDULE.format(offload=cfg.learner.offload))
     plan, reason = _memory_plan(cfg)
-    return plan_lines(plan) if plan is not None else [f"memory plan: none ({reason})"]
+    return lines + (plan_lines(plan) if plan is not None else [f"memory plan: none ({reason})"])
 
 
 def _memory_plan(cfg: RunConfig):

@@ -105,8 +105,14 @@ class SharedEngine:
             lambda: (load := self._load())["num_reqs"] == 0 and not load["is_receiving_weights"],
             what="the shared engine idle",
         )
+        released = self._load()["memory_released"]
+        if released:  # a memory handoff left half done: resumed weights need loading
+            self._post("/resume_memory_occupation", {"tags": released})
         info = self._model_info()
-        if (info["model_path"], info["weight_version"]) != (self.model_dir, self.weight_version):
+        if released or (info["model_path"], info["weight_version"]) != (
+            self.model_dir,
+            self.weight_version,
+        ):
             body = {"model_path": self.model_dir, "weight_version": self.weight_version}
             assert self._post("/update_weights_from_disk", body).json()["success"] is True
         load, info = self._load(), self._model_info()

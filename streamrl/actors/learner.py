@@ -20,6 +20,12 @@ which it may start only with admission credits; credits come back as the buffer 
 `on_published` is the intake's). While the wait lasts past `train.stall_warning_s`, the
 terminal says why (`streamrl.actors.stall`).
 
+Colocated mode (`cluster.colocate`, sync only) wraps the step in a memory handoff
+(`streamrl.actors.colocate`): the engines release their memory before the step, the
+learner offloads after it, and every version is pushed to the resumed engines and waited
+for before they generate again; a checkpoint is copied right after the step, while the
+learner still holds its state.
+
 The debug modes of `train.mode` change the loop's parts, not its shape: `rollout_only`
 has no backend and no publisher (each step's groups are written by the `RolloutWriter`,
 and `advance` tells admission a step passed so generation goes on at the same pace, while
@@ -42,6 +48,7 @@ import anyio
 from streamrl import checkpoint, logs
 from streamrl.actors.auto_staleness import AutoStaleness, Observation
 from streamrl.actors.checkpoints import BackgroundCheckpoints
+from streamrl.actors.colocate import MemoryHandoff
 from streamrl.actors.stall import StallWatch, describe_stall, stall_record, wait_watched
 from streamrl.actors.step_metrics import StepTimes, publish_metrics, step_record
 from streamrl.backends.base import LearnerBackend
@@ -111,6 +118,12 @@ class LearnerLoop:
             AutoStaleness.for_run(cfg, start=state.staleness_bound) if set_staleness else None
         )
         """The auto bound's controller (None: the bound is fixed)."""
+        self.handoff = None
+        """Colocated mode's memory handoff around each step (`streamrl.actors.colocate`)."""
+        if cfg.cluster.colocate and backend is not None and publisher is not None:
+            self.handoff = MemoryHandoff(backend, publisher.members, offload=cfg.learner.offload)
+        self.last_checkpoint_step: int | None = None
+        """The step of the newest checkpoint started (None: none yet)."""
 
     def record_eval_reports(self) -> None:
         """Write the evaluation results that arrived since the last call to the metrics."""
@@ -136,6 +149,8 @@ class LearnerLoop:
 
     async def run(self) -> checkpoint.TrainState:
         batch_size = self.cfg.rollout.batch_size
+        if self.handoff is not None:
+            await self.handoff.start()
         while self.state.step < self.cfg.train.steps:
             wait_started = time.perf_counter()
             groups = await self._take(batch_size)
@@ -150,15 +165,21 @@ class LearnerLoop:
                 if self.advance is not None:
                     await self.advance(self.state.step + 1)  # a step's credits
             else:
+                if self.handoff is not None:
+                    await self.handoff.to_learner()
                 train_metrics = await anyio.to_thread.run_sync(self._train, groups)
                 self.version += 1
             train_s = time.perf_counter() - step_started
-            publish = None
-            if self.publisher is not None and self._is_push_due():
-                publish = await self._publish()
             self.state.step += 1
             self.state.version = self.version
             self.state.samples_trained += sum(len(g.samples) for g in groups)
+            publish = None
+            if self.handoff is not None:
+                if self._is_checkpoint_due():  # copied while the learner holds its state
+                    await self.start_checkpoint()
+                publish = await self._publish_colocated()
+            elif self.publisher is not None and self._is_push_due():
+                publish = await self._publish()
             self._trained_tokens += int(train_metrics["train/trained_tokens"])
             times = StepTimes(
                 step=self.state.step,
@@ -173,6 +194,8 @@ class LearnerLoop:
             stats = self.source.stats()
             record = step_record(groups, times, stats, train_metrics)
             record.update(publish_metrics(publish, self.publisher))
+            if self.handoff is not None:
+                record.update(self.handoff.metrics)
             record["step_time_s"] = time.perf_counter() - wait_started
             record.update(await self._tune_staleness(idle_s, record))
             self.metrics.write(record, step=self.state.step)
@@ -188,8 +211,7 @@ class LearnerLoop:
             self.metrics.print_step(record, self.cfg.train.steps)
             self.record_eval_reports()
             self.checkpoints.collect()
-            interval = self.cfg.train.save_interval
-            if interval and self.state.step % interval == 0 and self.backend is not None:
+            if self.handoff is None and self._is_checkpoint_due():
                 await self.start_checkpoint()
         await self.checkpoints.wait()
         if self.publisher is not None:
@@ -215,6 +237,27 @@ class LearnerLoop:
             await self.set_staleness(decision.bound)
         self.state.staleness_bound = decision.bound
         return decision.metrics()
+
+    def _is_checkpoint_due(self) -> bool:
+        """Every `train.save_interval` steps; in colocated mode also the last step (after it
+        the learner's state is on the host, where `save` cannot copy it from)."""
+        if self.backend is None:
+            return False
+        interval = self.cfg.train.save_interval
+        is_last = self.handoff is not None and self.state.step == self.cfg.train.steps
+        return bool(interval and self.state.step % interval == 0) or is_last
+
+    async def _publish_colocated(self) -> PublishRecord:
+        """Colocated mode: every version goes to the engines once they have their memory
+        back, and the step waits until they hold it (`MemoryHandoff.to_engines`)."""
+        records = []
+
+        async def publish() -> None:
+            records.append(await self._publish())
+            await self.publisher.wait_idle()
+
+        await self.handoff.to_engines(publish)
+        return records[0]
 
     def _is_push_due(self) -> bool:
         """Whether this version goes to the engines now: every `weights.update_interval`
@@ -301,6 +344,7 @@ class LearnerLoop:
             ),
         }
         self.checkpoints.start(state, partial, write_model, files, record)
+        self.last_checkpoint_step = state.step
         log.info(
             "checkpoint of step %d started: %d groups buffered, %d in flight (cut %.2f s, "
             "copy %.2f s)",

@@ -133,3 +133,13 @@ class LearnerBackend(Protocol):
     def load(self, path: Path) -> None:
         """Restore what `save` wrote."""
         ...
+
+    def offload_to_host(self, part: str) -> float:
+        """Colocated mode (`learner.offload`): move `part` (`optimizer`: the optimizer's state,
+        gradients dropped; `parameters`: the model's weights) to host memory, freeing the
+        device (`streamrl.backends.offload`). Calls add up. Returns the seconds taken."""
+        ...
+
+    def reload_from_host(self) -> float:
+        """Bring back everything `offload_to_host` moved out. Returns the seconds taken."""
+        ...

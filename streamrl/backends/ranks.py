@@ -46,6 +46,8 @@ class Op(enum.StrEnum):
     SNAPSHOT = "snapshot"
     VALUES = "values"
     TRAIN_CRITIC = "train_critic"
+    OFFLOAD = "offload"
+    RELOAD = "reload"
 
 
 class Command(msgspec.Struct, frozen=True):
@@ -59,6 +61,8 @@ class Command(msgspec.Struct, frozen=True):
     staging: str = "cpu"
     """Device type of the stage publishers' snapshot copies: `cpu` or `cuda` (their own GPU);
     for STAGE_CHECKPOINT, `train.checkpoint_staging`."""
+    part: str = ""
+    """OFFLOAD: what goes to host memory (`optimizer` or `parameters`)."""
 
 
 def _device() -> torch.device:
@@ -188,6 +192,14 @@ class Leader:
         announce(Command(Op.LOAD, path=str(path)))
         self.backend.load(path)
 
+    def offload_to_host(self, part: str) -> float:
+        announce(Command(Op.OFFLOAD, part=part))
+        return self.backend.offload_to_host(part)
+
+    def reload_from_host(self) -> float:
+        announce(Command(Op.RELOAD))
+        return self.backend.reload_from_host()
+
     def close(self) -> None:
         announce(Command(Op.STOP))
 
@@ -284,6 +296,10 @@ def _follow_commands(backend, loss_fn, value_loss_fn, stage, writer: _Checkpoint
             backend.critic.compute_values([])
         elif command.op is Op.TRAIN_CRITIC:
             backend.critic.train_mini_batch([], value_loss_fn)
+        elif command.op is Op.OFFLOAD:
+            backend.offload_to_host(command.part)
+        elif command.op is Op.RELOAD:
+            backend.reload_from_host()
 
 
 class _CheckpointWriter:

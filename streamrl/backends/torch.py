@@ -30,6 +30,7 @@ import torch
 from streamrl import algorithms
 from streamrl.backends import peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
+from streamrl.backends.offload import HostOffload, optimizer_tensors
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, multiplier or (lambda step: 1.0)
         )
+        self.host_offload = HostOffload(device)
+        """What `offload_to_host` moved out (`learner.offload` with `cluster.colocate`)."""
         self.critic = None
         if critic_path is not None:
             from streamrl.backends.critic import TorchCritic
@@ -197,6 +200,25 @@ class TorchBackend:
         self.scheduler.step()
         sums["grad_norm"] = float(grad_norm)
         return sums
+
+    def offload_to_host(self, part: str) -> float:
+        """Free the device for colocated engines (`learner.offload`): `optimizer` moves AdamW's
+        state to host memory and drops the gradients (the next step starts from none);
+        `parameters` moves the model's parameters and the frozen reference's. Calls add up
+        until `reload_from_host`. Seconds taken."""
+        if part == "optimizer":
+            self.optimizer.zero_grad(set_to_none=True)
+            return self.host_offload.offload(optimizer_tensors(self.optimizer), [])
+        models = [self.model] if self.reference is None else [self.model, self.reference]
+        parameters = [p for m in models for p in m.parameters()]
+        for parameter in parameters:
+            if not parameter.untyped_storage().resizable():  # memory-mapped from the checkpoint
+                parameter.data = parameter.data.clone()
+        return self.host_offload.offload(parameters, [])
+
+    def reload_from_host(self) -> float:
+        """Bring back what `offload_to_host` moved out. Seconds taken."""
+        return self.host_offload.reload()
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors under its names (a tied head appears once, as the

@@ -231,6 +231,46 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"eval.datasets names must be unique, got {names}")
     problems += _recipe_problems(cfg)
     problems += _lora_problems(cfg)
+    problems += _colocate_problems(cfg)
+    return problems
+
+
+def _colocate_problems(cfg: RunConfig) -> list[str]:
+    """`cluster.colocate` and `learner.offload` against the schedule and the placement."""
+    colocate, offload = cfg.cluster.colocate, cfg.learner.offload
+    if not colocate:
+        if offload != "none":
+            return [
+                f"learner.offload = {offload!r} needs cluster.colocate = true: the learner's "
+                f"state goes to host memory only while colocated engines generate"
+            ]
+        return []
+    problems = []
+    if cfg.train.mode != "sync":
+        problems.append(
+            f"cluster.colocate = true needs train.mode = 'sync' (got {cfg.train.mode!r}): "
+            f"colocated engines hand their GPU memory to the learner for each step, so "
+            f"generation and training cannot overlap; set train.mode = 'sync', or "
+            f"cluster.colocate = false to keep both resident"
+        )
+    if cfg.cluster.launcher == "ray":
+        problems.append(
+            "cluster.colocate = true needs cluster.launcher = 'local': Ray gives the engines "
+            "GPUs of their own"
+        )
+    if cfg.learner.lora.is_enabled:
+        problems.append(
+            "cluster.colocate = true with learner.lora: an update sends only the adapters, and "
+            "the base weights an engine released are gone; set cluster.colocate = false"
+        )
+    engines, learner = cfg.engine_gpu_ids, cfg.learner_gpu_ids
+    if engines and not engines & learner:
+        problems.append(
+            f"cluster.colocate = true but the engines' GPUs {sorted(engines)} "
+            f"(cluster.engine_gpus) share none with the learner's {sorted(learner)} "
+            f"(cluster.learner_gpus): there is no memory to hand over; set "
+            f"cluster.colocate = false, or put them on the same GPUs"
+        )
     return problems
 
 

@@ -486,6 +486,12 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """With `cluster.colocate`, what the learner moves to pinned host memory while the
+    engines generate: `optimizer` its optimizer state (Adam's moments; Megatron's fp32 main
+    weights too), `all` also its parameters and gradients (they come back before the next
+    step; the weight push reads them first). `none` keeps everything resident. Each move's
+    seconds are step metrics (`colocate/offload_s`, `colocate/reload_s`)."""
     megatron: MegatronConfig = MegatronConfig()
     critic: CriticConfig = CriticConfig()
     lora: LoraConfig = LoraConfig()
@@ -558,6 +564,14 @@ class ClusterConfig(_Section):
     learner_gpus: list[int] = []
     """CUDA devices for learner ranks; empty means 0..learner.num_gpus-1. With `ray`, only the
     first is read (rank 0's, on the node of `streamrl run`): Ray gives the other ranks theirs."""
+    colocate: bool = False
+    """Engines and learner share GPUs and hand the memory over each step (slime --colocate):
+    generate; the engines release their weights, KV cache and CUDA graphs
+    (`/release_memory_occupation`); the learner reloads what `learner.offload` moved out,
+    trains, and offloads it again; the engines take their memory back
+    (`/resume_memory_occupation`), receive the new weights and generate. A synchronous
+    schedule by nature: needs `train.mode = "sync"`. SGLang engines get
+    `--enable-memory-saver`. false: both stay resident (each GPU's peak is their sum)."""
     gpu_memory_gb: NonNegFloat = 0.0
     """Memory of one GPU in GB (10^9 bytes) that `streamrl check` holds each GPU's planned
     peak to (`streamrl.planner`, docs/memory.md); 0 means what the CUDA device reports (an

@@ -2,6 +2,7 @@
 
     aiohttp app ─ /generate, pause, continue, abort ─► generate_endpoints.GenerateEndpoints
                 ─ weight routes ───────────────────► weight_endpoints.WeightEndpoints
+                ─ release, resume memory ──────────► memory_endpoints.MemoryEndpoints
                 ─ health, info, load, flush ───────► this module
 
 The request and response bodies are `streamrl.engine.protocol`'s; docs/engine.md
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from streamrl.engine.core import EngineCore, Request, SamplingParams
 from streamrl.engine.generate_endpoints import GenerateEndpoints
+from streamrl.engine.memory_endpoints import MemoryEndpoints
 from streamrl.engine.options import EngineOptions
 from streamrl.engine.protocol import (
     BadRequest,
@@ -59,6 +61,7 @@ class EngineServer:
             abort_all=lambda: self.generation.abort(None),
             on_loaded_from_disk=self._loaded_from_disk,
         )
+        self.memory = MemoryEndpoints(lambda: self.core)
         self.app = self._build_app()
 
     # ---- lifecycle -------------------------------------------------------
@@ -98,6 +101,8 @@ class EngineServer:
         for path, handler in post:
             app.router.add_post(path, handler)
         # SGLang answers both verbs on these.
+        for path, handler in self.memory.routes():
+            app.router.add_route("*", path, handler)
         app.router.add_get("/flush_cache", self.flush_cache)
         app.router.add_post("/health_generate", self.health_generate)
         return app
@@ -128,7 +133,7 @@ class EngineServer:
         batch would make the probe wait for a free slot, not for a hung engine)."""
         if not self.is_ready or self.is_closing:
             return web.Response(status=503)
-        if self.core.is_paused:
+        if self.core.is_paused or self.core.memory_refusal:  # paused or handed over: healthy
             return web.Response(status=200)
         if self.core.num_running > 0:
             return web.Response(status=200 if await self._makes_progress() else 503)
@@ -180,6 +185,9 @@ class EngineServer:
             "num_finished_reqs": self.generation.num_finished_reqs,
             "is_receiving_weights": self.weights.is_receiving,
             "is_paused": self.core.is_paused,
+            # streamrl additions: the memory handoff (memory_endpoints.py).
+            "memory_released": sorted(self.core.occupation.released),
+            "resident_bytes": self.core.occupation.resident_bytes(),
             "weight_version": self.core.weight_version,
             # streamrl additions (not in SGLang): the engine's busy clock for benchmarks.
             "busy_s": self.core.busy_s,

@@ -30,6 +30,7 @@ import torch
 
 from streamrl import models
 from streamrl.engine.options import EngineOptions
+from streamrl.engine.runner.occupation import Occupation
 from streamrl.engine.runner.scheduler import PAUSE_MODES, Scheduler
 from streamrl.engine.runner.select import build_runner
 from streamrl.engine.runner.sequence import Sequence, StopStringChecker
@@ -147,6 +148,10 @@ class EngineCore:
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
+        self.occupation = Occupation(self.runner)
+        """Which memory regions are released (`release_memory`, `resume_memory`)."""
+        self.weights_are_stale = False
+        """Resumed weights hold zeros until the next update loads some (then False)."""
         self.is_paused = False
         self.busy_s = 0.0
         """Seconds the engine thread spent in scheduler steps (it steps only while requests
@@ -170,6 +175,20 @@ class EngineCore:
     @property
     def stats(self) -> dict:
         return dict(self.scheduler.stats)
+
+    @property
+    def memory_refusal(self) -> str:
+        """Why generation is refused now ("" when it is not): released memory, or weights
+        resumed but not yet updated."""
+        if self.occupation.released:
+            released = ", ".join(sorted(self.occupation.released))
+            return (
+                f"the engine's memory is released ({released}): call "
+                f"/resume_memory_occupation and load weights first"
+            )
+        if self.weights_are_stale:
+            return "the engine's weights were released and not updated since the resume"
+        return ""
 
     @property
     def uptime_s(self) -> float:
@@ -247,9 +266,11 @@ class EngineCore:
     async def generate(self, requests: list[Request]) -> list[Output]:
         """Run ``requests`` together (identical prompts share one prefill); await all outputs.
 
-        Raises ValueError (before anything runs) as `check` does. Cancelling the awaiting
-        task aborts the requests."""
+        Raises ValueError (before anything runs) as `check` does, and `MemoryReleased` while
+        `memory_refusal` says why not. Cancelling the awaiting task aborts the requests."""
         self.check(requests)
+        if self.memory_refusal:
+            raise MemoryReleased(self.memory_refusal)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
         seqs = [
@@ -346,12 +367,44 @@ class EngineCore:
         how long generation stood still for the update."""
 
         def load() -> float:
+            if "weights" in self.occupation.released:
+                raise MemoryReleased("the engine's weights are released: resume them first")
             started = time.perf_counter()
             self.runner.load_weights(plan)
             self.scheduler.weight_version = version
+            self.weights_are_stale = False
             return time.perf_counter() - started
 
         return await self._call(load)
+
+    async def release_memory(self, tags: tuple[str, ...]) -> int:
+        """Free the memory regions `tags` (`runner.occupation`) at a step boundary; returns
+        the bytes freed. `MemoryBusy` while a sequence runs or waits (pause with mode `abort`
+        first), as SGLang refuses a release with requests in flight."""
+
+        def release() -> int:
+            scheduler = self.scheduler
+            if scheduler.running or scheduler.waiting:
+                raise MemoryBusy(
+                    f"{len(scheduler.running)} requests running and {len(scheduler.waiting)} "
+                    f"waiting: release memory only when idle (pause_generation with mode "
+                    f"'abort' first)"
+                )
+            return self.occupation.release(tags)
+
+        return await self._call(release)
+
+    async def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Re-allocate the released regions `tags` at a step boundary; resumed weights are
+        zeros, and generation is refused until an update loads weights. ValueError for a
+        region that is not released."""
+
+        def resume() -> None:
+            self.occupation.resume(tags)
+            if "weights" in tags:
+                self.weights_are_stale = True
+
+        await self._call(resume)
 
     def flush_cache(self) -> bool:
         """True when idle (there is no prefix cache to drop); False while requests run."""
@@ -359,6 +412,14 @@ class EngineCore:
 
 
 _NO_COMMAND = object()
+
+
+class MemoryReleased(RuntimeError):
+    """Generation or a weight load while the memory it needs is released."""
+
+
+class MemoryBusy(RuntimeError):
+    """A memory release while sequences run or wait."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
 
 While paused, new `/generate` calls wait at the gate until `/continue_generation`; an
 abort ends the wait with an empty abort result. Every call the server holds, at the gate
-or in the core, is a flight until it is answered.
+or in the core, is a flight until it is answered. While the engine's memory is released
+(`streamrl.engine.memory_endpoints`) a call that reaches the core is refused with 400.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from streamrl.engine.core import EngineCore, Output, Request
+from streamrl.engine.core import EngineCore, MemoryReleased, Output, Request
 from streamrl.engine.protocol import (
     SSE_DONE,
     BadRequest,
@@ -83,6 +84,8 @@ class GenerateEndpoints:
         start = time.perf_counter()
         if self.is_closing:
             return error_response("the engine is shutting down", 503)
+        if self._gate.is_set() and self._core().memory_refusal:  # (a paused call waits)
+            raise BadRequest(self._core().memory_refusal)
         call = parse_generate(
             await read_json(request),
             tokenizer=self._core().tokenizer,
@@ -125,6 +128,8 @@ class GenerateEndpoints:
             for request_ in to_run:
                 flights[request_.rid].is_in_core = True
             ran = await self._core().generate(to_run) if to_run else []
+        except MemoryReleased as exc:  # the gate opened on released memory
+            raise BadRequest(str(exc)) from None
         finally:
             for rid in call.rids:
                 self._flights.pop(rid, None)

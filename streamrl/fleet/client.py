@@ -239,6 +239,25 @@ class EngineClient:
     async def continue_generation(self) -> dict:
         return await self._json("POST", "/continue_generation", {})
 
+    # ---- memory handoff (colocated training) ------------------------------
+    async def release_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, timeout_s: float = 600.0
+    ) -> dict | None:
+        """SGLang's `/release_memory_occupation`: free `tags` (`weights`, `kv_cache`,
+        `cuda_graph`; None: all). Only while no request runs (pause with mode `abort` first).
+        Released weights are lost: push weights after the resume. SGLang needs
+        `--enable-memory-saver`; it answers an empty body, the embedded engine
+        `released_bytes`."""
+        body = {"tags": None if tags is None else list(tags)}
+        return await self._json("POST", "/release_memory_occupation", body, timeout_s=timeout_s)
+
+    async def resume_memory_occupation(
+        self, tags: Sequence[str] | None = None, *, timeout_s: float = 600.0
+    ) -> dict | None:
+        """SGLang's `/resume_memory_occupation`: take `tags` back (None: all)."""
+        body = {"tags": None if tags is None else list(tags)}
+        return await self._json("POST", "/resume_memory_occupation", body, timeout_s=timeout_s)
+
     # ---- weights ---------------------------------------------------------
     async def init_weights_update_group(
         self,

@@ -179,6 +179,16 @@ class EngineSet:
     async def flush_cache(self) -> list[bool]:
         return await self.each(lambda engine: engine.flush_cache(), what="flush_cache")
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Every engine frees `tags` (None: all; `EngineClient.release_memory_occupation`)."""
+        await self.each(
+            lambda engine: engine.release_memory_occupation(tags), what="release_memory"
+        )
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Every engine takes `tags` back (None: all)."""
+        await self.each(lambda engine: engine.resume_memory_occupation(tags), what="resume_memory")
+
     async def init_weights_update_group(
         self,
         *,

@@ -8,6 +8,7 @@ run; then nothing is launched and nothing here needs SGLang installed.
                python -m sglang.launch_server --model-path M --host H --port P
                    --tp-size T --mem-fraction-static F --weight-version V
                    --random-seed S [--tokenizer-path K] [--dtype D]
+                   [--enable-return-routed-experts] [--enable-memory-saver (cluster.colocate)]
                    [--enable-lora --max-lora-rank R --lora-target-modules M... [--lora-paths
                     streamrl-vV=DIR]]  ENGINE.EXTRA_ARGS...
 
@@ -208,6 +209,8 @@ def sglang_argv_factory(
             args += ["--dtype", engine.dtype]
         if cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay:
             args.append("--enable-return-routed-experts")
+        if cfg.cluster.colocate:  # /release_memory_occupation needs it (torch_memory_saver)
+            args.append("--enable-memory-saver")
         lora = cfg.learner.lora
         if lora.is_enabled:
             args += sglang_lora_args(

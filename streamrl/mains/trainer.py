@@ -386,6 +386,7 @@ class Trainer:
                 tg.start_soon(watch_ranks, self.ranks, self.run_dir)
             await loop.run()
             is_saved = cfg.train.save_interval and loop.state.step % cfg.train.save_interval == 0
+            is_saved = is_saved or loop.last_checkpoint_step == loop.state.step  # (colocated)
             if loop.backend is not None and not is_saved:
                 await loop.save()
             watch.cancel()

@@ -13,8 +13,11 @@ from typing import Any
 
 from streamrl.backends.megatron.shapes import ModelShape
 from streamrl.planner.plan import (
+    ENGINE_PHASE,
     GB,
     KEYS_FOR_TERM,
+    RELEASED,
+    SERVING,
     GpuPlan,
     MemoryPlan,
     Usage,
@@ -60,7 +63,7 @@ def plan_memory(
     gpus: dict[str, GpuPlan] = {}
 
     def place(name: str, usage: Usage) -> None:
-        gpus.setdefault(name, GpuPlan(name, [])).usages.append(usage)
+        gpus.setdefault(name, GpuPlan(name, [], cfg.cluster.colocate)).usages.append(usage)
 
     is_ray = cfg.cluster.launcher == "ray"
     if cfg.learner.device == "cpu":
@@ -143,9 +146,20 @@ def _identity(gpu: GpuPlan) -> tuple:
 
 def _too_big(gpu: GpuPlan, where: str, plan: MemoryPlan, cfg: Any) -> str:
     """The refusal of one GPU: the first key to change, the peak, the largest terms."""
+    phases = gpu.handoff_phases
+    engine_turn = bool(phases) and max(phases, key=phases.get) == ENGINE_PHASE
+
+    def phase_of(usage: Usage) -> str:
+        """The phase of `usage` that the GPU's peak holds."""
+        if not phases:
+            return usage.peak_phase
+        if usage.role == "learner":
+            return SERVING if engine_turn else usage.peak_phase
+        return "serve" if engine_turn else RELEASED
+
     terms = sorted(
         ((bytes_, name, usage.role) for usage in gpu.usages for name, bytes_ in usage.terms.items()
-         if name in usage.phases[usage.peak_phase]),
+         if name in usage.phases[phase_of(usage)]),
         reverse=True,
     )  # fmt: skip
     keys: list[str] = []
@@ -153,12 +167,20 @@ def _too_big(gpu: GpuPlan, where: str, plan: MemoryPlan, cfg: Any) -> str:
         for key in KEYS_FOR_TERM.get(name, ()):
             if key not in keys and _applies(key, cfg):
                 keys.append(key)
-    if len({u.role for u in gpu.usages}) > 1:
+    if engine_turn and cfg.learner.offload == "none":
+        keys.insert(0, "learner.offload")
+    elif len({u.role for u in gpu.usages}) > 1 and not phases:
         keys.insert(1, "cluster.engine_gpus")  # engines on GPUs of their own
+        if not cfg.cluster.colocate and cfg.train.mode == "sync":
+            keys.insert(2, "cluster.colocate")
     largest = ", ".join(f"{role} {name} {bytes_ / GB:.1f} GB" for bytes_, name, role in terms[:4])
     processes = " + ".join(
         f"{u.role} {u.peak_bytes / GB:.1f} GB ({u.peak_phase})" for u in gpu.usages
     )
+    if phases:
+        processes = "colocated, the larger of " + ", ".join(
+            f"{name} {bytes_ / GB:.1f} GB" for name, bytes_ in phases.items()
+        )
     first = keys[0] if keys else "learner.micro_batch_tokens"
     return (
         f"{first}: {where} would need {gpu.peak_bytes / GB:.1f} GB at its peak ({processes}) "
@@ -183,6 +205,6 @@ def _applies(key: str, cfg: Any) -> bool:
         return megatron
     if key == "learner.backend":
         return not megatron
-    if key == "learner.lora.rank":
-        return not learner.lora.rank
+    if key == "learner.lora.rank":  # (colocated engines lose the base LoRA updates need)
+        return not learner.lora.rank and not cfg.cluster.colocate
     return True

@@ -3,8 +3,12 @@
 Every process on a GPU is a `Usage`: named terms in bytes (`learner.py`, `engine.py`) and
 the phases that hold them at once; its peak is its largest phase. A GPU's peak is the sum
 of its processes' peaks (an embedded or SGLang engine holds its memory the whole run, so
-sharing the learner's GPU adds it to the learner's peak). `MemoryPlan.to_dict()` is the
-breakdown a bench records next to measured peaks.
+sharing the learner's GPU adds it to the learner's peak), except in colocated mode
+(`cluster.colocate`), where learner and engines take turns: the GPU's peak is the larger
+of its two handoff phases, `learner phase` (the learner's peak beside the engines'
+released remainder) and `engine phase` (the engines serving beside what the learner keeps
+while they do: `learner.offload`, and its weights for the push). `MemoryPlan.to_dict()`
+is the breakdown a bench records next to measured peaks.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ KEYS_FOR_TERM = {
     "static_pool": ("engine.mem_fraction_static",),
 }
 
+LEARNER_PHASE = "learner phase"
+ENGINE_PHASE = "engine phase"
+SERVING = "while engines serve"
+"""The learner's phase in colocated mode: what it keeps while the engines hold the GPU."""
+RELEASED = "released"
+"""An engine's phase in colocated mode: what stays after `/release_memory_occupation`."""
+
 
 @dataclass
 class Usage:
@@ -80,9 +91,30 @@ class GpuPlan:
 
     name: str
     usages: list[Usage]
+    is_colocated: bool = False
+    """`cluster.colocate`: its learner and engines take turns (see the module docstring)."""
+
+    @property
+    def handoff_phases(self) -> dict[str, int]:
+        """Colocated learner and engines on this GPU: the bytes of each handoff phase, the
+        learner's and the engines'; empty when they do not take turns here."""
+        roles = {usage.role for usage in self.usages}
+        if not self.is_colocated or roles != {"learner", "engine"}:
+            return {}
+        learner = [u for u in self.usages if u.role == "learner"]
+        engines = [u for u in self.usages if u.role == "engine"]
+        return {
+            LEARNER_PHASE: sum(u.peak_bytes for u in learner)
+            + sum(u.phase_bytes(RELEASED) for u in engines),
+            ENGINE_PHASE: sum(u.phase_bytes(SERVING) for u in learner)
+            + sum(u.phase_bytes("serve") for u in engines),
+        }
 
     @property
     def peak_bytes(self) -> int:
+        phases = self.handoff_phases
+        if phases:
+            return max(phases.values())
         return sum(usage.peak_bytes for usage in self.usages)
 
 
@@ -103,6 +135,7 @@ class MemoryPlan:
             "gpu_bytes": self.gpu_bytes, "gpu_bytes_source": self.gpu_bytes_source,
             "gpus": [
                 {"gpu": gpu.name, "peak_bytes": gpu.peak_bytes,
+                 "handoff_phases": gpu.handoff_phases,
                  "usages": [usage.to_dict() for usage in gpu.usages]}
                 for gpu in self.gpus
             ],
@@ -164,6 +197,13 @@ def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usa
         "optimizer step": (*state, "optimizer_step_temporaries"),
         "weight push": (*state, "weight_push_bucket"),
     }
+    if cfg.cluster.colocate:  # the weights are on the device for the push after a resume
+        kept = {
+            "none": state,
+            "optimizer": ("weights", "reference_weights", "critic_state", "cuda_context"),
+            "all": ("weights", "reference_weights", "critic_state", "cuda_context"),
+        }[cfg.learner.offload]
+        phases[SERVING] = (*kept, "weight_push_bucket")
     layout = setup.layout
     parallel = (
         f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
@@ -195,7 +235,7 @@ def embedded_engine_usage(shape: ModelShape, cfg: Any) -> Usage:
         "decode_logits": engine_terms.decode_logits(shape, max_batch_size=engine.max_batch_size),
         "cuda_context": CUDA_CONTEXT_BYTES,
     }  # fmt: skip
-    phases = {"serve": tuple(terms)}
+    phases = {"serve": tuple(terms), **_released(cfg)}
     runner = "compact" if compact else "transformers"
     description = (
         f"embedded engine ({runner} runner, batch {engine.max_batch_size} x "
@@ -228,4 +268,10 @@ def sglang_engine_usage(shape: ModelShape, cfg: Any, gpu_bytes: float | None) ->
     description = (
         f"sglang engine (TP {engine.tp_size}, mem_fraction_static {engine.mem_fraction_static})"
     )
-    return Usage("engine", description, terms, {"serve": tuple(terms)}, notes)
+    return Usage("engine", description, terms, {"serve": tuple(terms), **_released(cfg)}, notes)
+
+
+def _released(cfg: Any) -> dict[str, tuple[str, ...]]:
+    """The `released` phase of a colocated engine: its CUDA context only (SGLang 0.5.17 on
+    the H200 held 1.9 GB in all after a release of every tag: docs/memory.md)."""
+    return {RELEASED: ("cuda_context",)} if cfg.cluster.colocate else {}

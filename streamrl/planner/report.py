@@ -19,6 +19,12 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         where = names_of(names)
         share = f" of {plan.gpu_bytes / GB:.1f} GB" if plan.gpu_bytes else ""
         lines.append(f"{where}: {gpu.peak_bytes / GB:.1f} GB at the peak{share}")
+        if gpu.handoff_phases:
+            phases = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in gpu.handoff_phases.items())
+            lines.append(
+                f"  colocated (cluster.colocate, a synchronous schedule): learner and engines "
+                f"take turns, the peak is the larger phase: {phases}"
+            )
         for usage in gpu.usages:
             lines.append(
                 f"  {usage.description}: {usage.peak_bytes / GB:.1f} GB in {usage.peak_phase}"

@@ -97,6 +97,7 @@ def test_a_command_line_after_double_dash_takes_model_args_from_a_script(tmp_pat
     }
     assert (cfg.engine.num_engines, cfg.engine.tp_size) == (4, 2)
     assert cfg.cluster.engine_gpus == list(range(8))  # --colocate: the learner's GPUs
+    assert not cfg.cluster.colocate  # train_async.py: slime refuses --colocate there
     assert cfg.learner.megatron.tensor_parallel_size == 2
     assert cfg.engine.extra_args == ["--enable-dp-attention"]
     text = out.read_text()
@@ -165,3 +166,12 @@ def test_the_command_runs_as_streamrl_from_slime_and_prints_the_config(monkeypat
     )
     assert 'mode = "async"  # train_async.py' in result.stdout
     assert "mapped:" in result.stderr and "slime flags with no streamrl key (15)" in result.stderr
+
+
+def test_colocate_with_train_py_becomes_colocated_sync_with_the_learner_offloaded():
+    words = ["--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate"]
+    conversion = convert(read_command([], ["python", "train.py", *words]))
+    assert conversion.get("cluster.colocate") is True
+    assert conversion.get("train.mode") == "sync"
+    assert conversion.get("learner.offload") == "all"
+    assert conversion.get("cluster.engine_gpus") == [0]

@@ -28,6 +28,20 @@ def test_the_quickstart_config_passes_every_check():
     assert "[model]" in result.stdout
 
 
+def test_a_colocated_config_is_printed_under_its_synchronous_schedule():
+    result = streamrl_check(
+        ROOT / "configs" / "quickstart.toml",
+        "--set", "cluster.colocate=true", "--set", "train.mode='sync'",
+        "--set", "learner.offload='optimizer'",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("# colocated (cluster.colocate): a synchronous schedule")
+    assert "learner.offload = 'optimizer'" in result.stdout.splitlines()[0]
+    refused = streamrl_check(ROOT / "configs" / "quickstart.toml", "--set", "cluster.colocate=true")
+    assert refused.returncode == 2
+    assert "cluster.colocate = true needs train.mode = 'sync'" in refused.stderr
+
+
 def test_every_broken_piece_is_reported_by_its_dotted_key_with_exit_code_2(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"question": "2 + 2?", "label": "4"}\n')

@@ -185,6 +185,57 @@ def test_recipe_keys_that_cannot_work_together_are_refused_naming_them(sections,
         config_from_dict({"data": {"path": "builtin:arithmetic"}, **sections})
 
 
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"cluster": {"colocate": True}}, r"cluster\.colocate = true needs train\.mode = 'sync'"),
+        (
+            {"cluster": {"colocate": True}, "train": {"mode": "rollout_only"}},
+            r"needs train\.mode = 'sync' \(got 'rollout_only'\)",
+        ),
+        (
+            {"learner": {"offload": "optimizer"}},
+            r"learner\.offload = 'optimizer' needs cluster\.colocate",
+        ),
+        (
+            {"cluster": {"colocate": True, "engine_gpus": [1]}, "train": {"mode": "sync"}},
+            r"engines' GPUs \[1\] \(cluster\.engine_gpus\) share none with the learner's \[0\]",
+        ),
+        (
+            {"cluster": {"colocate": True, "launcher": "ray"}, "train": {"mode": "sync"}},
+            r"cluster\.colocate = true needs cluster\.launcher = 'local'",
+        ),
+        (
+            {
+                "cluster": {"colocate": True},
+                "train": {"mode": "sync"},
+                "learner": {"lora": {"rank": 8}},
+            },
+            r"cluster\.colocate = true with learner\.lora",
+        ),
+    ],
+)
+def test_colocated_mode_is_refused_outside_a_synchronous_schedule_on_shared_gpus(sections, message):
+    from streamrl.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"data": {"path": "builtin:arithmetic"}, **sections})
+
+
+def test_colocated_sync_with_offload_is_accepted():
+    from streamrl.config import config_from_dict
+
+    cfg = config_from_dict(
+        {
+            "data": {"path": "builtin:arithmetic"},
+            "cluster": {"colocate": True},
+            "train": {"mode": "sync"},
+            "learner": {"offload": "all"},
+        }
+    )
+    assert cfg.cluster.colocate and cfg.learner.offload == "all"
+
+
 def test_the_lr_schedule_decays_to_the_end_of_training_when_its_length_is_zero():
     from streamrl.config import config_from_dict
 

@@ -128,6 +128,22 @@ def test_a_separate_tokenizer_is_passed_as_tokenizer_path():
     assert argv[-2:] == ["--tokenizer-path", "/models/tok"]
 
 
+def test_colocated_engines_start_with_the_memory_saver():
+    cfg = config_from_dict(
+        {
+            "model": {"path": MODEL},
+            "data": {"path": "p.jsonl"},
+            "engine": {"backend": "sglang"},
+            "cluster": {"colocate": True},
+            "train": {"mode": "sync"},
+        }
+    )
+    argv, _ = sglang_argv_factory(cfg, MODEL, 0)(0, "127.0.0.1", 30001)
+    assert argv[-1] == "--enable-memory-saver"
+    plain, _ = sglang_argv_factory(sglang_config(), MODEL, 0)(0, "127.0.0.1", 30001)
+    assert "--enable-memory-saver" not in plain
+
+
 def test_too_few_or_repeated_gpus_are_a_config_error_naming_the_keys():
     with pytest.raises(ConfigError, match=r"need 6 GPUs.*cluster.engine_gpus = \[0, 1, 2, 3\]"):
         sglang_argv_factory(

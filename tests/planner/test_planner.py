@@ -93,6 +93,66 @@ def test_a_config_that_fits_has_no_problems_and_sums_each_gpus_processes():
     assert json.loads(json.dumps(plan.to_dict()))["gpus"][0]["peak_bytes"] == gpu.peak_bytes
 
 
+def test_a_colocated_gpu_peaks_at_the_larger_handoff_phase_not_the_sum():
+    resident = _config(
+        model={"path": "random:qwen3-4b"},
+        learner={"backend": "megatron", "gradient_checkpointing": True},
+        engine={"max_batch_size": 32},
+        train={"mode": "sync"},
+    )
+    colocated = _config(
+        model={"path": "random:qwen3-4b"},
+        learner={"backend": "megatron", "gradient_checkpointing": True, "offload": "optimizer"},
+        engine={"max_batch_size": 32},
+        train={"mode": "sync"},
+        cluster={"colocate": True},
+    )
+    (shared,) = plan_memory(resident, gpu_bytes=141e9, source="an H200").gpus
+    (turns,) = plan_memory(colocated, gpu_bytes=141e9, source="an H200").gpus
+    learner, engine = turns.usages
+    assert turns.handoff_phases == {
+        "learner phase": learner.peak_bytes + engine.terms["cuda_context"],
+        "engine phase": engine.peak_bytes
+        + sum(learner.terms[t] for t in ("weights", "weight_push_bucket", "cuda_context")),
+    }
+    assert turns.peak_bytes == max(turns.handoff_phases.values()) < shared.peak_bytes
+    assert (
+        shared.handoff_phases == {} and shared.peak_bytes == learner.peak_bytes + engine.peak_bytes
+    )
+
+
+def test_an_8b_model_colocated_on_one_h200_is_refused_by_its_learner_phase(tmp_path):
+    config = _write(
+        tmp_path / "run.toml",
+        """
+[model]
+path = "random:llama3-8b"
+[data]
+path = "builtin:arithmetic"
+apply_chat_template = false
+[learner]
+backend = "megatron"
+gradient_checkpointing = true
+offload = "all"
+[cluster]
+colocate = true
+gpu_memory_gb = 141
+[train]
+mode = "sync"
+""",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "streamrl", "check", str(config)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: {config}: learner.num_gpus: GPU 0 would need")
+    assert "(colocated, the larger of learner phase" in error
+    assert "learner.lora.rank" not in error  # refused with colocated engines
+    assert "# GPU 0: " in result.stderr and "a synchronous schedule" in result.stderr
+
+
 def _count_bytes(tensors) -> int:
     """Bytes of the distinct storages among `tensors` (views and tied weights once)."""
     storages = {}

@@ -1,11 +1,14 @@
-"""Async at staleness 0 trains what sync trains, bit for bit.
+"""Async at staleness 0, and colocated sync, train what sync trains, bit for bit.
 
 `train.mode = "async"` with `buffer.max_staleness = 0` and `train.mode = "sync"` must train
 the same groups in the same order with the same losses and end with the same weights:
 nothing in the asynchronous machinery (the stream, credits, the buffer's order, the
 background weight push) may change what is trained. Both runs use seeded samples
 (`rollout.deterministic`), one engine and one group in flight at a time, so that the only
-thing that could differ is the machinery itself.
+thing that could differ is the machinery itself. Colocated mode (`cluster.colocate`, the
+engine's memory released and resumed around every step, the learner's state offloaded and
+reloaded) must change nothing either: released weights come back from the push, offloaded
+state from host memory, byte for byte.
 """
 
 from __future__ import annotations
@@ -64,8 +67,35 @@ def run(tmp_path: Path, name: str, *settings: str) -> tuple[list[dict], dict]:
     return training_of(directory / "out")
 
 
-def test_async_at_staleness_0_trains_exactly_what_sync_trains(tmp_path):
-    sync = run(tmp_path, "sync", "train.mode='sync'", "buffer.max_staleness=1")
+COLOCATE_METRICS = (
+    "colocate/release_s",
+    "colocate/reload_s",
+    "colocate/offload_s",
+    "colocate/resume_s",
+    "colocate/publish_s",
+)
+
+
+@pytest.fixture(scope="module")
+def sync(tmp_path_factory) -> tuple[list[dict], dict]:
+    """The synchronous run both tests compare against."""
+    return run(
+        tmp_path_factory.mktemp("sync"), "sync", "train.mode='sync'", "buffer.max_staleness=1"
+    )
+
+
+def test_colocated_sync_with_everything_offloaded_trains_exactly_what_sync_trains(tmp_path, sync):
+    colocated = run(
+        tmp_path, "colocated", "train.mode='sync'", "cluster.colocate=true", "learner.offload='all'"
+    )
+    assert differences(sync, colocated) == []
+    records = step_records(tmp_path / "colocated" / "out")
+    for record in records:
+        assert all(record[key] >= 0 for key in COLOCATE_METRICS), record
+        assert record["colocate/offloaded_gb"] > 0  # parameters and AdamW's moments were out
+
+
+def test_async_at_staleness_0_trains_exactly_what_sync_trains(tmp_path, sync):
     asynchronous = run(tmp_path, "async", "train.mode='async'", "buffer.max_staleness=0")
     assert differences(sync, asynchronous) == []
     # A comparison that cannot fail proves nothing: one batch trained out of its order is

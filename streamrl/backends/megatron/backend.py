@@ -57,6 +57,7 @@ from streamrl.backends.megatron.model import (
     learner_shape,
 )
 from streamrl.backends.megatron.schedule import Schedule
+from streamrl.backends.offload import HostOffload, optimizer_tensors
 from streamrl.weights import adapters
 
 
@@ -143,6 +144,8 @@ class MegatronBackend:
             if need_reference and self.lora is None:  # with LoRA: the base, adapters off
                 self.reference = self._build_reference(hf_state, reference_path, seed=seed)
         del hf_state
+        self.host_offload = HostOffload(self.device)
+        """What `offload_to_host` moved out (`learner.offload` with `cluster.colocate`)."""
         self.critic = None
         if critic_path is not None:
             from streamrl.backends.megatron.critic import MegatronCritic
@@ -269,6 +272,39 @@ class MegatronBackend:
         if self.device.type == "cuda":
             speed.use_fused_adam(optimizer)
         return ddp, optimizer
+
+    # ------------------------------------------------------------ colocated mode
+
+    def offload_to_host(self, part: str) -> float:
+        """Free this rank's device for colocated engines (`learner.offload`): `optimizer`
+        moves Adam's moments and the fp32 main weights (or the distributed optimizer's
+        shards of them) to host memory and drops DDP's gradient buffers (zeroed before every
+        step); `parameters` moves the model's weights (DDP's parameter buffers where it keeps
+        them) and the frozen reference's. Calls add up until `reload_from_host`. Seconds."""
+        inner = [
+            o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        ]
+        model_params = list(self.model.parameters())
+        if part == "parameters":
+            if self.reference is not None:
+                model_params += list(self.reference.parameters())
+            return self.host_offload.offload(model_params, [])
+        model_storages = {p.untyped_storage()._cdata for p in model_params}
+        main_params = [
+            p
+            for optimizer in inner
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.untyped_storage()._cdata not in model_storages
+        ]
+        kept = [t for optimizer in inner for t in optimizer_tensors(optimizer)] + main_params
+        grads = [getattr(p, "main_grad", None) for p in model_params]
+        grads += [p.grad for p in model_params + main_params]
+        return self.host_offload.offload(kept, grads)
+
+    def reload_from_host(self) -> float:
+        """Bring back what `offload_to_host` moved out (gradient buffers zeroed). Seconds."""
+        return self.host_offload.reload()
 
     # ------------------------------------------------------------ forward
 

@@ -116,13 +116,28 @@ def _resources(out: Conversion, given: dict[str, list[str]]) -> None:
     if is_colocated:
         gpus = list(range(num_gpus))
         out.set("cluster.engine_gpus", gpus, "--colocate")
-        out.notes.append(
-            "--colocate: the engines share the learner's GPUs; streamrl keeps both resident "
-            "(slime offloads the engine while training), so memory must hold both"
-        )
+        _colocate(out)
     else:
         gpus = list(range(nodes * per_node, nodes * per_node + num_gpus))
         out.set("cluster.engine_gpus", gpus, "slime puts the rollout GPUs after the actor's")
+
+
+def _colocate(out: Conversion) -> None:
+    """slime's colocated mode: synchronous (train.py; train_async.py refuses --colocate),
+    the engines' memory released while the learner trains and the learner offloaded while
+    they generate (--colocate turns --offload-train and --offload-rollout on)."""
+    mode = out.get("train.mode", None)
+    if mode not in (None, "sync"):
+        out.notes.append(
+            f"--colocate with train.mode = {mode!r} (slime refuses it with train_async.py): "
+            f"the engines share the learner's GPUs and both stay resident, so memory must "
+            f"hold both; cluster.colocate needs train.mode = 'sync'"
+        )
+        return
+    if mode is None:
+        out.set("train.mode", "sync", "--colocate (slime's colocated loop is train.py's)")
+    out.set("cluster.colocate", True, "--colocate")
+    out.set("learner.offload", "all", "--colocate (slime's --offload-train: weights too)")
 
 
 def _algorithm(out: Conversion, given: dict[str, list[str]]) -> None:
