@@ -215,8 +215,11 @@ def sglang_engine_usage(shape: ModelShape, cfg: Any, gpu_bytes: float | None) ->
             shape, gpu_bytes=gpu_bytes, mem_fraction_static=engine.mem_fraction_static,
             weight_bytes=weights,
         )  # fmt: skip
-        terms["kv_pool"] = pool
         per_token = engine_terms.kv_bytes_per_token(shape, tp_size=engine.tp_size, compute_bytes=2)
+        max_total_tokens = _flag_int(engine.extra_args, "--max-total-tokens")
+        if max_total_tokens and pool > 0:  # SGLang takes the smaller of the two
+            pool = min(pool, int(max_total_tokens * per_token))
+        terms["kv_pool"] = pool
         if pool > 0:
             num_tokens = int(pool / per_token)
             notes.append(
@@ -229,3 +232,18 @@ def sglang_engine_usage(shape: ModelShape, cfg: Any, gpu_bytes: float | None) ->
         f"sglang engine (TP {engine.tp_size}, mem_fraction_static {engine.mem_fraction_static})"
     )
     return Usage("engine", description, terms, {"serve": tuple(terms)}, notes)
+
+
+def _flag_int(args: list[str], flag: str) -> int | None:
+    """The integer value of `flag` in an argv tail (`--flag N` or `--flag=N`), or None."""
+    for index, arg in enumerate(args):
+        name, sep, value = arg.partition("=")
+        if name != flag:
+            continue
+        if not sep and index + 1 < len(args):
+            value = args[index + 1]
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
