@@ -195,6 +195,26 @@ class EngineSupervisor:
                 result[engine.url] = None
         return result
 
+    def pids(self) -> dict[str, int]:
+        """`engine <i>` -> the pid of its process now, for engines started here (the local
+        launcher; a Ray actor's child is on another node's pid namespace)."""
+        if self.spawner.name != "local":
+            return {}
+        return {f"engine {e.index}": e.process.pid for e in self.engines if e.process is not None}
+
+    async def memory_reports(self) -> dict[str, dict]:
+        """`engine <i>` -> the allocator peaks an engine reports of itself (the embedded
+        engine's `/server_info` `memory`; SGLang reports none: nvidia-smi measures it)."""
+        reports: dict[str, dict] = {}
+        for engine in self.engines:
+            try:
+                info = await engine.client.server_info()
+            except EngineError:
+                continue
+            if isinstance(info.get("memory"), dict):
+                reports[f"engine {engine.index}"] = info["memory"]
+        return reports
+
     def stop(self) -> None:
         """Stop the router and every engine, all at once (`stop_all`)."""
         stops = [self.router.stop] if self.router is not None else []

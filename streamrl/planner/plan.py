@@ -95,6 +95,9 @@ class MemoryPlan:
     gpu_bytes_source: str
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    processes: dict[str, Usage] = field(default_factory=dict)
+    """Each process by the name a run's measured memory gives it (`learner rank 0`,
+    `engine 1`): its usage on one of its GPUs."""
 
     def to_dict(self) -> dict[str, Any]:
         """The whole breakdown, in bytes (JSON-ready)."""
