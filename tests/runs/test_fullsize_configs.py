@@ -5,6 +5,9 @@ and Megatron: what bench/gpu/fullsize_h200.sh runs, short of the GPU."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,27 @@ def test_the_router_config_runs_two_engines_behind_the_router_and_both_versions_
     lengths = {r["response_len_generated_mean"] for r in step_records(out)}
     assert all(4 <= n <= 24 for n in lengths)  # each sample's own budget, ignore_eos
     assert {"engine 0", "engine 1", "learner rank 0"} <= set(summary["memory"]["processes"])
+    report = subprocess.run(
+        [sys.executable, "bench/gpu/fullsize_report.py", str(out), "--json", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-2000:]
+    figures = json.loads((tmp_path / "r").read_text())
+    assert figures["steps"] == 3 and len(figures["mfu_6n_trained_tokens"]["per_step"]) == 3
+    assert figures["weights_num_engines"][-1] == 2 and figures["trained_tokens_per_s"] > 0
+
+
+def test_the_h200_script_names_configs_that_exist_and_the_keys_it_sets_on_them_load():
+    script = (REPO / "bench/gpu/fullsize_h200.sh").read_text()
+    names = set(re.findall(r"bench/configs/(gpu_fullsize_\w+\.toml)", script))
+    assert names == {
+        "gpu_fullsize_async4b.toml",
+        "gpu_fullsize_checkpoint4b.toml",
+        "gpu_fullsize_router.toml",
+    }
+    for name in names:
+        cfg = load_config(REPO / "bench" / "configs" / name)
+        assert cfg.buffer.max_staleness == 1 and cfg.learner.backend == "megatron"
+    router = load_config(REPO / "bench/configs/gpu_fullsize_router.toml")
+    assert router.engine.num_engines == 2 and router.cluster.engine_gpus == [0, 0]
+    assert router.engine.mem_fraction_static <= 0.4
