@@ -645,4 +645,4 @@ class LoggingConfig(_Section):
     memory_interval_s: PositiveFloat = 1.0
     """Seconds between readings of each process's GPU memory (nvidia-smi, per process and
     its children) and host memory (/proc VmHWM) for the run's measured peaks (summary.json
-    `memory`, `streamrl check --against`); a peak shorter than this can be missed."""
+    `memory`, `streamrl check CONFIG --against RUN_DIR`); a peak shorter than this can be missed."""
