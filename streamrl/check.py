@@ -29,6 +29,8 @@ def check_command(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "against", None):
+        return against_command(cfg, Path(args.against), json_path=getattr(args, "json", None))
     problems = find_problems(cfg)
     for problem in problems:
         print(f"error: {args.config}: {problem}", file=sys.stderr)
@@ -48,6 +50,40 @@ COLOCATED_SCHEDULE = (
     "their memory, the learner reloads, trains and offloads (learner.offload = {offload!r}), "
     "the engines resume and take the new weights, then generate (docs/memory.md)"
 )
+
+
+def against_command(cfg: RunConfig, run_dir: Path, *, json_path: str | None = None) -> int:
+    """`streamrl check CONFIG --against RUN_DIR`: the plan of `cfg` next to the peaks the
+    run measured (`streamrl.planner.measured`); exit 2 when either is missing."""
+    import json
+
+    from streamrl.planner.measured import TARGET_ERROR, compare, comparison_lines
+
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        print(f"error: {summary_path}: no such file (has the run finished?)", file=sys.stderr)
+        return 2
+    summary = json.loads(summary_path.read_text())
+    plan, reason = _memory_plan(cfg)
+    if plan is None:
+        print(f"error: no memory plan: {reason}", file=sys.stderr)
+        return 2
+    rows = compare(plan, summary.get("memory"))
+    for line in memory_plan_lines(cfg):
+        print(f"# {line}")
+    print(f"planned against measured peaks of {run_dir} (target: within {TARGET_ERROR:.0%})")
+    for line in comparison_lines(rows):
+        print(line)
+    if json_path:
+        result = {
+            "run_dir": str(run_dir),
+            "plan": plan.to_dict(),
+            "measured": summary.get("memory"),
+            "rows": [row.to_dict() for row in rows],
+            "target_error": TARGET_ERROR,
+        }
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def memory_plan_lines(cfg: RunConfig) -> list[str]:

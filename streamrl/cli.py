@@ -2,7 +2,7 @@
 `streamrl --help` is instant; each command's module is imported when it runs.
 
     streamrl run CONFIG [--set a.b=c ...] [--resume]
-    streamrl check CONFIG [--set ...]
+    streamrl check CONFIG [--set ...] [--against RUN_DIR [--json PATH]]
     streamrl engine serve --model PATH --port N
     streamrl bench {transport,staleness,sync-vs-async,weight-sync,collective} ...
     streamrl export CHECKPOINT --out DIR [--base MODEL] [--no-merged]
@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate a config, its code, data and model paths; print it resolved (exit 2 on a problem)",
     )
     _add_config_args(check)
+    check.add_argument(
+        "--against",
+        metavar="RUN_DIR",
+        help="print each process's planned peak memory next to what the run in RUN_DIR "
+        "measured (its summary.json), with the error of the plan",
+    )
+    check.add_argument("--json", metavar="PATH", help="with --against: write the rows as JSON")
     check.set_defaults(entry="streamrl.check:check_command")
 
     engine = commands.add_parser("engine", help="the embedded inference engine")

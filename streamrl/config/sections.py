@@ -658,3 +658,7 @@ class LoggingConfig(_Section):
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     """`offline` writes the run under run_dir/wandb/ for a later `wandb sync` (slime
     --wandb-mode); the WANDB_MODE environment variable, when set, wins."""
+    memory_interval_s: PositiveFloat = 1.0
+    """Seconds between readings of each process's GPU memory (nvidia-smi, per process and
+    its children) and host memory (/proc VmHWM) for the run's measured peaks (summary.json
+    `memory`, `streamrl check CONFIG --against RUN_DIR`); a peak shorter than this can be missed."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import uuid
 
 import msgspec
@@ -29,6 +30,7 @@ from streamrl.engine.protocol import (
     json_response,
 )
 from streamrl.engine.weight_endpoints import WeightEndpoints
+from streamrl.memory_use import host_peak_bytes, torch_peaks
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +217,10 @@ class EngineServer:
                 "weight_version": self.core.weight_version,
                 "version": f"streamrl-{getattr(streamrl, '__version__', '0')}",
                 "internal_states": [self._load()],
+                "memory": {
+                    **torch_peaks(self.core.device),
+                    "host_peak_bytes": host_peak_bytes(os.getpid()),
+                },
             }
         )
         return json_response(info)

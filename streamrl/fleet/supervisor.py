@@ -107,11 +107,14 @@ class EngineSupervisor:
         self._settled = anyio.Event()
         self._settled.set()
         self._router_url = cfg.engine.router_url
+        self._shared: list[bool] | None = None
+        """Per engine, whether an engine before it uses one of its GPUs (`shared_engine_gpus`)."""
         if cfg.engine.urls:
             for index, url in enumerate(cfg.engine.urls):
                 url = url.rstrip("/")
                 self.engines.append(Engine(index, url, EngineClient(url), None))
         else:
+            self._shared = _shared_gpus(cfg)
             for index in range(cfg.engine.num_engines):
                 host, port = self.spawner.address(f"engine-{index}", cfg.engine.host)
                 argv, env = engine_argv(index, host, port)
@@ -128,13 +131,19 @@ class EngineSupervisor:
         self.wait_serving()
 
     def spawn(self) -> None:
-        """Start every engine process (from the main thread), without waiting for them."""
+        """Start every engine process (from the main thread), without waiting for them; an
+        SGLang engine on a GPU an earlier engine uses is started by `wait_serving` once that
+        one serves (`_is_staggered`)."""
         for engine in self.engines:
-            self._spawn(engine)
+            if not self._is_staggered(engine):
+                self._spawn(engine)
 
     def wait_serving(self) -> None:
-        """Wait until every spawned engine serves, then start the router if one is needed."""
+        """Wait until every spawned engine serves (starting the staggered ones in turn: from
+        the main thread), then start the router if one is needed."""
         for engine in self.engines:
+            if engine.process is None and engine.argv is not None:
+                self._spawn(engine)
             wait_http_ready(
                 engine.url, timeout_s=self.cfg.startup_timeout_s, process=engine.process
             )
@@ -186,6 +195,26 @@ class EngineSupervisor:
                 result[engine.url] = None
         return result
 
+    def pids(self) -> dict[str, int]:
+        """`engine <i>` -> the pid of its process now, for engines started here (the local
+        launcher; a Ray actor's child is on another node's pid namespace)."""
+        if self.spawner.name != "local":
+            return {}
+        return {f"engine {e.index}": e.process.pid for e in self.engines if e.process is not None}
+
+    async def memory_reports(self) -> dict[str, dict]:
+        """`engine <i>` -> the allocator peaks an engine reports of itself (the embedded
+        engine's `/server_info` `memory`; SGLang reports none: nvidia-smi measures it)."""
+        reports: dict[str, dict] = {}
+        for engine in self.engines:
+            try:
+                info = await engine.client.server_info()
+            except EngineError:
+                continue
+            if isinstance(info.get("memory"), dict):
+                reports[f"engine {engine.index}"] = info["memory"]
+        return reports
+
     def stop(self) -> None:
         """Stop the router and every engine, all at once (`stop_all`)."""
         stops = [self.router.stop] if self.router is not None else []
@@ -205,6 +234,16 @@ class EngineSupervisor:
         return [
             e.client for e in self.engines if e.state in (EngineState.SERVING, EngineState.SYNCING)
         ]
+
+    def _is_staggered(self, engine: Engine) -> bool:
+        """Whether `engine` waits for the engines before it: SGLang sizes its KV pool as
+        `mem_fraction_static` of the memory free when it starts, less its weights, so two
+        SGLang servers starting together on one GPU would each count the other's memory as
+        free (and the second to allocate would fail). Local launcher only: Ray gives every
+        engine GPUs of its own."""
+        if self.cfg.backend != "sglang" or self.spawner.name != "local" or self._shared is None:
+            return False
+        return self._shared[engine.index]
 
     def _spawn(self, engine: Engine) -> None:
         if engine.argv is None:
@@ -297,3 +336,15 @@ class EngineSupervisor:
 
     def restart_counts(self) -> dict[str, int]:
         return {engine.url: engine.num_restarts for engine in self.engines}
+
+
+def _shared_gpus(cfg: RunConfig) -> list[bool] | None:
+    """`shared_engine_gpus` of the run's engine placement (None when it does not place)."""
+    from streamrl.placement import engine_gpu_ids, shared_engine_gpus
+
+    engine = cfg.engine
+    try:
+        placement = engine_gpu_ids(engine.num_engines, engine.tp_size, cfg.cluster.engine_gpus)
+    except ValueError:
+        return None
+    return shared_engine_gpus(placement)

@@ -69,6 +69,11 @@ class Trainer:
         self.async_state: IntakeState | None = None
         self._is_stopped = False
         """The checkpoint's asynchronous state when resuming (buffer, fates, groups in flight)."""
+        self.memory_watch = None
+        self.memory: dict[str, Any] | None = None
+        """Each process's measured peak memory (`summary.json` `memory`), once training ends."""
+        self._engine_memory: dict[str, dict] = {}
+        """What the engines report of their own allocators, read before they stop."""
 
     def stop(self) -> None:
         """Stop every process this trainer started (idempotent; also after a failure)."""
@@ -117,6 +122,7 @@ class Trainer:
         from streamrl.backends.build import learner_devices
 
         device, dtype = learner_devices(self.cfg)
+        self.memory_watch = self._watch_memory()
         is_training = self.cfg.train.mode != "rollout_only"
         if is_training:
             self.start_learner_ranks(model_path, device)
@@ -137,8 +143,10 @@ class Trainer:
                 error = str(fatal.exceptions[0])
                 self._write_summary(intake, loop, rollout, started, {}, error=error)
                 raise
+            self._record_memory(metrics, device, loop.state.step)
         finally:
             metrics.close()
+            self.memory_watch.stop()
         return self._write_summary(intake, loop, rollout, started, engine_versions)
 
     def _write_summary(
@@ -160,6 +168,8 @@ class Trainer:
             "rollout_restarts": rollout.num_restarts,
             "engine_versions": engine_versions,
         }
+        if self.memory is not None:
+            summary["memory"] = self.memory
         summary["accounting_problems"] = intake.accounting_problems()
         if error:
             summary["error"] = error
@@ -362,6 +372,46 @@ class Trainer:
 
         return RolloutWriter(self.run_dir)
 
+    # ---- measured memory -------------------------------------------------------
+
+    def _watch_memory(self):
+        """Sample this process (learner rank 0) and the engines it started for their peak
+        GPU and host memory until training ends (`streamrl.memory_use`)."""
+        import os
+
+        from streamrl.memory_use import MemoryWatch
+
+        def processes() -> dict[str, int]:
+            return {"learner rank 0": os.getpid(), **self.supervisor.pids()}
+
+        return MemoryWatch(
+            processes,
+            interval_s=self.cfg.logging.memory_interval_s,
+            without_children=frozenset({"learner rank 0"}),  # its children are the others
+        ).start()
+
+    def _record_memory(self, metrics: MetricsWriter, device, step: int) -> None:
+        """The run's measured peaks: `summary.json` `memory` and one `kind = "memory"`
+        record in metrics.jsonl (`memory/<process>/<figure>`, bytes; a figure the machine
+        cannot measure is absent, never zero)."""
+        from streamrl.memory_use import measured_peak, torch_peaks
+
+        self.memory_watch.stop()
+        memory = self.memory_watch.to_dict()
+        processes = memory["processes"]
+        if "learner rank 0" in processes and self.cfg.train.mode != "rollout_only":
+            processes["learner rank 0"].update(torch_peaks(device))
+        for name, report in self._engine_memory.items():
+            processes.setdefault(name, {}).update(report)
+        record: dict[str, Any] = {"kind": "memory", "step": step}
+        for name, figures in processes.items():
+            figures["measured_peak_bytes"], figures["measured_as"] = measured_peak(figures)
+            for figure, value in figures.items():
+                if isinstance(value, int) and figure != "pid":
+                    record[f"memory/{name.replace(' ', '_')}/{figure}"] = value
+        self.memory = memory
+        metrics.write(record, step=step)
+
     # ---- training --------------------------------------------------------------
 
     async def _train(
@@ -395,6 +445,7 @@ class Trainer:
             if publisher is not None:
                 await _final_resync(publisher, supervisor)
             engine_versions = await supervisor.versions()
+            self._engine_memory = await supervisor.memory_reports()
             await intake.stop("training finished")
             await rollout.wait_exit(timeout_s=30.0)
             loop.record_eval_reports()

@@ -7,8 +7,10 @@ A model path is one of
 - ``"random:<shape>"`` with a shape from `streamrl.models.shapes.RANDOM_SHAPES`: weights
   drawn after ``torch.manual_seed(seed)`` on the CPU in float32, so every process that
   asks for the same shape and seed holds bit-identical weights; `random_model_dir` draws
-  them once per machine (`streamrl.models.cache`). Random shapes use SmolLM2's tokenizer
-  (vocab 49,152), so their ids decode to real text.
+  them once per machine (`streamrl.models.cache`) and saves them in the shape's
+  `saved_dtype` (float32; bfloat16 for the full-size shapes, drawn on the GPU where there
+  is one), and a run's processes all load that saved copy. Random shapes use SmolLM2's
+  tokenizer (vocab 49,152), so their ids decode to real text.
 
 This module loads and saves them (tokenizers, configs, models, checkpoints' tensors);
 `streamrl.models.devices` turns device and dtype names into torch's.
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamrl.models.cache import cache_root, publish_dir, quiet_progress
-from streamrl.models.shapes import RANDOM_PREFIX, RANDOM_SHAPES, random_config
+from streamrl.models.shapes import RANDOM_PREFIX, RANDOM_SHAPES, random_config, saved_dtype
 from streamrl.models.smollm2 import (
     SMOLLM2_NAME,
     smollm2_cache_dir,
@@ -129,19 +131,18 @@ def model_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def build_random_model(shape: str, *, seed: int = 0):
-    """A float32 CPU model of ``shape`` whose weights depend only on ``seed``."""
+def build_random_model(shape: str, *, seed: int = 0, device: str = "cpu"):
+    """A float32 model of ``shape`` on ``device`` whose weights depend only on ``seed`` (and,
+    off the CPU, on the device's random generator: CUDA draws other numbers than the CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = random_config(shape)
-    cpu_rng = torch.random.get_rng_state()
-    try:
+    devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        with torch.device("cpu"):
+        with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(cpu_rng)
     return model
 
 
@@ -228,32 +229,67 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     return views
 
 
-def save_random_model(shape: str, out_dir, *, seed: int = 0) -> Path:
+def save_random_model(
+    shape: str, out_dir, *, seed: int = 0, dtype: str | None = None, device: str | None = None
+) -> Path:
     """Write random ``shape`` weights (seeded) as a Hugging Face directory with SmolLM2's
-    tokenizer: a copy of `random_model_dir`'s, so every run after the first skips drawing
-    and saving them (and importing transformers' model code to do so)."""
+    tokenizer: a copy of `random_model_dir`'s (same ``dtype`` and ``device``), so every run
+    after the first skips drawing and saving them (and importing transformers' model code
+    to do so)."""
     out = Path(out_dir)
-    shutil.copytree(random_model_dir(shape, seed=seed), out, dirs_exist_ok=True)
+    source = random_model_dir(shape, seed=seed, dtype=dtype, device=device)
+    shutil.copytree(source, out, dirs_exist_ok=True)
     return out
 
 
-def random_model_dir(shape: str, *, seed: int = 0) -> Path:
+def random_model_dir(
+    shape: str, *, seed: int = 0, dtype: str | None = None, device: str | None = None
+) -> Path:
     """``shape``'s random weights for ``seed`` as a Hugging Face directory, built once per
-    machine under `cache_root`. Its name holds what the weights depend on: the shape's
-    entry in `RANDOM_SHAPES`, the seed, the torch and transformers releases that drew
-    them, and the tokenizer (SmolLM2's, or the byte-level one where it is missing)."""
+    machine under `cache_root`.
+
+    ``dtype`` is what the safetensors hold: None is the shape's `saved_dtype` (bfloat16 for
+    the full-size shapes: 8, 16 and 19 GB instead of 16, 32 and 38 GB). The weights are
+    drawn in float32 and rounded, so a bfloat16 copy equals the float32 draw cast to
+    bfloat16. ``device`` is where they are drawn: None is the GPU for shapes saved in
+    bfloat16 when CUDA is available (seconds instead of minutes, and no float32 copy of the
+    model in host memory), else the CPU. The directory's name holds what the weights depend
+    on: the shape's entry in `RANDOM_SHAPES`, the seed, the dtype, the device's kind, the
+    torch and transformers releases that drew them, and the tokenizer (SmolLM2's, or the
+    byte-level one where it is missing)."""
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+    dtype = saved_dtype(shape, dtype)
+    if device is None:
+        device = _draw_device(dtype)
     try:
         tokenizer = str(smollm2_cache_dir())
     except FileNotFoundError:
         tokenizer = "bytes"
     versions = [metadata.version(name) for name in ("torch", "transformers")]
-    identity = json.dumps([RANDOM_SHAPES[shape], seed, versions, tokenizer], sort_keys=True)
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    drawn = [RANDOM_SHAPES[shape], seed, versions, tokenizer]
+    if dtype != "float32" or not device.startswith("cpu"):  # float32 CPU draws keep their keys
+        drawn += [dtype, device.partition(":")[0]]
+    key = hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()[:16]
 
     def build(out: Path) -> None:
-        build_random_model(shape, seed=seed).save_pretrained(out)
+        import torch
+
+        model = build_random_model(shape, seed=seed, device=device)
+        model.to(dtype=getattr(torch, dtype))
+        model.save_pretrained(out)
+        del model
         load_tokenizer(RANDOM_PREFIX + shape).save_pretrained(out)
 
-    return publish_dir(build, cache_root() / f"random-{shape}-{key}")
+    suffix = "" if dtype == "float32" else f"-{'bf16' if dtype == 'bfloat16' else dtype}"
+    return publish_dir(build, cache_root() / f"random-{shape}{suffix}-{key}")
+
+
+def _draw_device(dtype: str) -> str:
+    """Where `random_model_dir` draws by default: CUDA for the shapes saved in bfloat16 (the
+    full-size ones) when there is a GPU, else the CPU."""
+    if dtype == "float32":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -224,7 +224,7 @@ RANDOM_SHAPES.update(
 # The dense models of a slime user's single-H200 runs (issue #27), at their real sizes: the
 # fields of each model's published config.json (configs/models/<name>/config.json holds the
 # same; tests/models/test_model_configs.py keeps the two equal), with SmolLM2's special ids.
-# `random_model_dir` draws them in float32: 16, 32 and 38 GB of safetensors on disk.
+# `random_model_dir` saves them in bfloat16 (`SAVED_IN_BF16`): 8, 16 and 19 GB on disk.
 RANDOM_SHAPES.update(
     {
         "qwen3-4b": {  # Qwen/Qwen3-4B: 4.02B parameters, tied embeddings, q/k RMSNorm
@@ -284,6 +284,27 @@ RANDOM_SHAPES.update(
 # Qwen2-0.5B's body with SmolLM2's 49,152-token vocabulary, so its text decodes with
 # SmolLM2's tokenizer (the GPU runs with a text-based synthetic reward need real text).
 RANDOM_SHAPES["qwen2-0.5b-smolvocab"] = {**RANDOM_SHAPES["qwen2-0.5b"], "vocab_size": 49152}
+
+
+SAVED_IN_BF16 = frozenset({"qwen3-4b", "llama3-8b", "glm4-9b"})
+"""The shapes `streamrl.models.random_model_dir` saves in bfloat16 unless asked otherwise:
+in float32 they would fill most of a 64 GiB disk (16, 32 and 38 GB), and every engine and
+learner loads them in bfloat16 anyway."""
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a random shape can be saved in."""
+
+
+def saved_dtype(shape: str, dtype: str | None = None) -> str:
+    """The dtype ``shape``'s random weights are saved in: ``dtype`` when given (float32,
+    bfloat16, float16; bf16 and fp32 as aliases), else bfloat16 for `SAVED_IN_BF16` and
+    float32 for every other shape."""
+    if dtype is None:
+        return "bfloat16" if shape in SAVED_IN_BF16 else "float32"
+    name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} for random weights: use one of {DTYPES}")
+    return name
 
 
 def random_config(shape: str):

@@ -76,6 +76,7 @@ def plan_memory(
         ids = cfg.cluster.learner_gpus or range(cfg.learner.num_gpus)
         for rank, gpu in enumerate(list(ids)[: cfg.learner.num_gpus]):
             place(f"learner rank {rank}" if is_ray else f"GPU {gpu}", usage)
+            plan.processes[f"learner rank {rank}"] = usage
     for engine, gpu_ids in enumerate(_engine_gpus(cfg, plan)):
         if cfg.engine.backend == "sglang":
             usage = sglang_engine_usage(shape, cfg, gpu_bytes)
@@ -83,6 +84,7 @@ def plan_memory(
             usage = embedded_engine_usage(shape, cfg)
         for index, gpu in enumerate(gpu_ids):
             place(f"engine {engine} GPU {index}" if is_ray else f"GPU {gpu}", usage)
+        plan.processes[f"engine {engine}"] = usage
     plan.gpus = sorted(gpus.values(), key=lambda g: (len(g.name), g.name))
     if gpu_bytes is not None:
         plan.problems = fit_problems(plan, cfg, shape)

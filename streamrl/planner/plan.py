@@ -127,6 +127,9 @@ class MemoryPlan:
     gpu_bytes_source: str
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    processes: dict[str, Usage] = field(default_factory=dict)
+    """Each process by the name a run's measured memory gives it (`learner rank 0`,
+    `engine 1`): its usage on one of its GPUs."""
 
     def to_dict(self) -> dict[str, Any]:
         """The whole breakdown, in bytes (JSON-ready)."""
@@ -255,8 +258,11 @@ def sglang_engine_usage(shape: ModelShape, cfg: Any, gpu_bytes: float | None) ->
             shape, gpu_bytes=gpu_bytes, mem_fraction_static=engine.mem_fraction_static,
             weight_bytes=weights,
         )  # fmt: skip
-        terms["kv_pool"] = pool
         per_token = engine_terms.kv_bytes_per_token(shape, tp_size=engine.tp_size, compute_bytes=2)
+        max_total_tokens = _flag_int(engine.extra_args, "--max-total-tokens")
+        if max_total_tokens and pool > 0:  # SGLang takes the smaller of the two
+            pool = min(pool, int(max_total_tokens * per_token))
+        terms["kv_pool"] = pool
         if pool > 0:
             num_tokens = int(pool / per_token)
             notes.append(
@@ -275,3 +281,18 @@ def _released(cfg: Any) -> dict[str, tuple[str, ...]]:
     """The `released` phase of a colocated engine: its CUDA context only (SGLang 0.5.17 on
     the H200 held 1.9 GB in all after a release of every tag: docs/memory.md)."""
     return {RELEASED: ("cuda_context",)} if cfg.cluster.colocate else {}
+
+
+def _flag_int(args: list[str], flag: str) -> int | None:
+    """The integer value of `flag` in an argv tail (`--flag N` or `--flag=N`), or None."""
+    for index, arg in enumerate(args):
+        name, sep, value = arg.partition("=")
+        if name != flag:
+            continue
+        if not sep and index + 1 < len(args):
+            value = args[index + 1]
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None

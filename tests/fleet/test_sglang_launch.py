@@ -149,8 +149,23 @@ def test_too_few_or_repeated_gpus_are_a_config_error_naming_the_keys():
         sglang_argv_factory(
             sglang_config(num_engines=3, tp_size=2, cluster={"engine_gpus": [0, 1, 2, 3]}), MODEL, 0
         )
-    with pytest.raises(ConfigError, match=r"device\(s\) \[1\] more than once"):
-        sglang_argv_factory(sglang_config(cluster={"engine_gpus": [1, 1]}), MODEL, 0)
+    with pytest.raises(ConfigError, match=r"device\(s\) \[1\] more than once for one engine"):
+        sglang_argv_factory(sglang_config(tp_size=2, cluster={"engine_gpus": [1, 1]}), MODEL, 0)
+
+
+def test_two_sglang_engines_can_share_one_gpu_each_with_its_memory_share():
+    cfg = sglang_config(
+        num_engines=2,
+        mem_fraction_static=0.35,
+        cluster={"engine_gpus": [0, 0]},
+        weights={"transport": "ipc"},
+    )
+    factory = sglang_argv_factory(cfg, MODEL, 0)
+    for index in range(2):
+        argv, env = factory(index, "127.0.0.1", 30001 + index)
+        assert env == {"CUDA_VISIBLE_DEVICES": "0"}
+        assert argv[argv.index("--mem-fraction-static") + 1] == "0.35"
+    assert cfg.engine_gpu_ids == {0} and cfg.weight_transport("cuda") == "ipc"
 
 
 def test_engines_on_the_learners_gpu_are_refused_when_weights_travel_over_nccl():

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "streamrl"
 
 LEAVES = ("streamrl.types", "streamrl.utils", "streamrl.process", "streamrl.placement")
 LEAVES += ("streamrl.models", "streamrl.schedules", "streamrl.metrics")
-LEAVES += ("streamrl.checkpoint", "streamrl.logs", "streamrl.events")
+LEAVES += ("streamrl.checkpoint", "streamrl.logs", "streamrl.events", "streamrl.memory_use")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     # the wire types, the process helpers, placement, model shapes: nothing of streamrl
@@ -27,7 +27,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the stream and the buffer: the wire types (and import_object, for user filters)
     "streamrl.queues": ("streamrl.types",),
     # the embedded engine: nothing of the trainer
-    "streamrl.engine": ("streamrl.models", "streamrl.weights"),
+    "streamrl.engine": ("streamrl.memory_use", "streamrl.models", "streamrl.weights"),
     # the trainer's side of the engines
     "streamrl.fleet": (
         "streamrl.config",

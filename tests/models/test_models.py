@@ -78,6 +78,37 @@ def test_random_weights_are_drawn_once_per_machine_and_each_run_gets_its_own_cop
     assert (cached / "config.json").read_text() != "{}"
 
 
+def test_random_weights_saved_in_bfloat16_are_the_float32_draw_rounded_and_load_back(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_CACHE_DIR", str(tmp_path / "cache"))
+    path = models.save_random_model("qwen3-tiny", tmp_path / "m", seed=5, dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as saved:
+        dtypes = {saved.get_slice(name).get_dtype() for name in saved.keys()}  # noqa: SIM118
+    assert dtypes == {"BF16"}
+    assert models.model_config(str(path)).dtype == torch.bfloat16
+    loaded, _ = models.load_model(str(path), dtype=torch.bfloat16)
+    built, _ = models.load_model("random:qwen3-tiny", seed=5, dtype=torch.bfloat16)
+    assert _same_weights(loaded, built)
+    fp32 = models.random_model_dir("qwen3-tiny", seed=5)
+    assert fp32 != models.random_model_dir("qwen3-tiny", seed=5, dtype="bfloat16")
+    cached = sorted(p.name.rpartition("-")[0] for p in (tmp_path / "cache").glob("random-*"))
+    assert cached == ["random-qwen3-tiny", "random-qwen3-tiny-bf16"]
+
+
+def test_full_size_shapes_are_saved_in_bfloat16_unless_asked_otherwise():
+    from streamrl.models.shapes import saved_dtype
+
+    assert [saved_dtype(s) for s in ("qwen3-4b", "llama3-8b", "glm4-9b")] == ["bfloat16"] * 3
+    assert saved_dtype("qwen3-tiny") == "float32"
+    assert saved_dtype("qwen3-4b", "fp32") == "float32"
+    assert saved_dtype("qwen3-tiny", "bf16") == "bfloat16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        saved_dtype("qwen3-tiny", "int8")
+
+
 def test_a_checkpoint_is_read_from_its_files_as_transformers_would_load_it(tmp_path):
     model, _ = models.load_model("random:llama-tiny", seed=2)
     model.save_pretrained(tmp_path / "whole")

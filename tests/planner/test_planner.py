@@ -153,6 +153,25 @@ mode = "sync"
     assert "# GPU 0: " in result.stderr and "a synchronous schedule" in result.stderr
 
 
+def test_two_sglang_engines_on_one_gpu_are_planned_together_each_pool_capped_by_its_flag():
+    cfg = _config(
+        model={"path": str(QWEN3_4B_DIR)},
+        engine={
+            "backend": "sglang", "num_engines": 2, "mem_fraction_static": 0.3,
+            "max_seq_len": 8192, "extra_args": ["--max-total-tokens", "65536"],
+        },
+        learner={"backend": "megatron", "gradient_checkpointing": True},
+        cluster={"engine_gpus": [0, 0]},
+        weights={"transport": "ipc"},
+    )  # fmt: skip
+    plan = plan_memory(cfg, gpu_bytes=141e9, source="test")
+    (gpu,) = plan.gpus
+    assert [usage.role for usage in gpu.usages] == ["learner", "engine", "engine"]
+    per_token = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads of 128, bf16
+    assert [u.terms["kv_pool"] for u in gpu.usages[1:]] == [65536 * per_token] * 2
+    assert gpu.peak_bytes == sum(usage.peak_bytes for usage in gpu.usages)
+
+
 def _count_bytes(tensors) -> int:
     """Bytes of the distinct storages among `tensors` (views and tied weights once)."""
     storages = {}

@@ -60,6 +60,7 @@ def test_a_short_async_run_bounds_staleness_accounts_for_every_group_and_evaluat
     assert summary["groups_trained"] == 8
     assert summary["groups_duplicate"] == 0 and summary["bad_frames"] == 0
     assert (tmp_path / "out" / "checkpoints" / "step_000004" / "config.json").exists()
+    _check_measured_memory(tmp_path / "out", summary)
 
     records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -70,6 +71,29 @@ def test_a_short_async_run_bounds_staleness_accounts_for_every_group_and_evaluat
     kinds = [r.get("kind", "step") for r in records]
     first_eval, last_step = kinds.index("eval"), len(kinds) - 1 - kinds[::-1].index("step")
     assert first_eval < last_step
+
+
+def _check_measured_memory(out, summary) -> None:
+    """The run measured each process's peak: host memory on the CPU, and no GPU figure (None,
+    not a made-up number); `streamrl check --against` prints them next to the plan."""
+    from streamrl.check import against_command
+    from streamrl.config import load_config
+
+    processes = summary["memory"]["processes"]
+    assert set(processes) == {"learner rank 0", "engine 0"}
+    for figures in processes.values():
+        assert figures["host_peak_bytes"] > 50 * 2**20 and figures["pid"] > 0
+        assert figures["gpu_peak_bytes"] is None and figures["measured_peak_bytes"] is None
+    assert processes["learner rank 0"]["torch_max_allocated_bytes"] is None
+    assert processes["engine 0"]["torch_max_reserved_bytes"] is None  # the engine's own report
+    (record,) = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "memory"]
+    assert record["memory/engine_0/host_peak_bytes"] == processes["engine 0"]["host_peak_bytes"]
+    assert not any(key.endswith("gpu_peak_bytes") for key in record)
+    cfg = load_config(out / "config.toml", [])
+    assert against_command(cfg, out, json_path=str(out / "against.json")) == 0
+    rows = json.loads((out / "against.json").read_text())["rows"]
+    assert [row["process"] for row in rows] == ["learner rank 0", "engine 0"]
+    assert all(row["measured_bytes"] is None and row["error"] is None for row in rows)
 
 
 def test_weights_pushed_every_second_version_bound_staleness_and_the_last_version_lands(

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Issue 27's H200 measurements at full size, one section per device call of <= 10 minutes,
+# all on one warm one-GPU machine, in this order (what a section carries: the `carry` list):
+#
+#   fetch                (CPU machine, not a device call) download sglang-router 0.3.2's wheel
+#                        into .router-whl/ (30 MB: it cannot travel beside the 44 MiB SGLang
+#                        bundle, so a later call carries it alone)
+#   async4b OUT          carry .sgl .whl: draw the Qwen3-4B shape in bf16 on the GPU into
+#                        /tmp/qwen3-4b, `streamrl run bench/configs/gpu_fullsize_async4b.toml`
+#                        (SGLang + Megatron on GPU 0, async, max_staleness 1, responses of
+#                        256..8,192 tokens, 10 steps), then the report and the planner next to
+#                        the measured peaks (~3 min of start-up, SGLang's JIT on a fresh
+#                        machine, then the steps)
+#   checkpoint OUT       carry .router-whl: keep the router's wheel in /tmp for `router`, then
+#                        `streamrl bench checkpoint` at the 4B shape (8 steps without and with
+#                        a checkpoint every 4; the bundle, wheels and model stay from async4b)
+#   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
+#                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
+#                        read every 2 s
+#   colocated8b OUT      carry .sgl .whl (a fresh machine is fine): the Llama-3-8B shape,
+#                        colocated (cluster.colocate, learner.offload: the keys of the
+#                        colocated mode; the section says so and stops where this checkout
+#                        lacks them), >= 5 steps with release / resume / offload / reload times
+#
+# Packing (learner.pack_sequences) is switched on in async4b where this checkout has the key;
+# PACK=0 runs the padded path for the comparison the issue asks for.
+# Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from the CPU machine. Results: OUT/*; copy them
+# into bench/results/gpu/ under the names they have (fullsize_*_h200x1*).
+set -uo pipefail
+PART=${1:?usage: fullsize_h200.sh fetch|async4b|checkpoint|router|colocated8b OUT}
+cd "$(dirname "$0")/../.."
+if [ "$PART" = fetch ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .router-whl sglang-router==0.3.2 && du -sh .router-whl && ls .router-whl
+  exit $?
+fi
+OUT=$(mkdir -p "${2:?usage: fullsize_h200.sh PART OUT}" && cd "$2" && pwd)
+export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1
+export STREAMRL_CACHE_DIR=/tmp/streamrl-cache # drawn weights stay for the next call
+
+if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    touch /tmp/site/.installed
+fi
+if [ -d .router-whl ] && [ ! -f /tmp/router-site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/router-site \
+    .router-whl/*.whl && touch /tmp/router-site/.installed
+fi
+
+sglang_env() { # the bundle first on PYTHONPATH, then the router, the carried wheels, this checkout
+  if [ -f .sgl/run-server.sh ]; then
+    # shellcheck disable=SC1091
+    source .sgl/run-server.sh --env || exit 1
+  else
+    [ -f /tmp/sglang-site/.bundle ] || {
+      echo "no SGLang bundle: carry .sgl" >&2
+      exit 1
+    }
+    export PYTHONPATH="/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
+    export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  export PYTHONPATH="$PYTHONPATH:/tmp/router-site:/tmp/site:$PWD"
+}
+
+draw() { # draw SHAPE DIR: the shape's random weights (bf16, drawn on the GPU), timed
+  local started
+  started=$(date +%s)
+  [ -f "$2/config.json" ] ||
+    python3 -c "from streamrl.models import save_random_model; save_random_model('$1', '$2')" ||
+    exit 1
+  echo "$1 in $2: $(du -sh "$2" | cut -f1), $(($(date +%s) - started)) s" | tee -a "$OUT/versions.txt"
+}
+
+has_key() { # has_key SECTION_CLASS FIELD: whether this checkout's config knows the key
+  python3 -c "from streamrl.config import sections as s; import sys; \
+sys.exit(0 if '$2' in s.$1.__struct_fields__ else 1)"
+}
+
+run_and_report() { # run_and_report NAME CONFIG TIMEOUT_S [--set ...]
+  local name=$1 config=$2 limit=$3 run=/tmp/run-$1
+  shift 3
+  rm -rf "$run"
+  timeout "$limit" python3 -m streamrl --log-level warning run "$config" \
+    --set "train.output_dir=\"$run\"" "$@" >"$OUT/${name}_run.log.txt" 2>&1
+  local status=$?
+  tail -40 "$OUT/${name}_run.log.txt"
+  for f in metrics.jsonl summary.json config.toml engines.json; do
+    [ -f "$run/$f" ] && cp "$run/$f" "$OUT/${name}_$f"
+  done
+  for log in "$run"/logs/*.log; do
+    [ -f "$log" ] && tail -60 "$log" >"$OUT/${name}_$(basename "$log" .log)_tail.txt"
+  done
+  if [ -f "$run/summary.json" ]; then
+    python3 bench/gpu/fullsize_report.py "$run" --json "$OUT/${name}_report.json"
+    python3 -m streamrl check "$run/config.toml" --against "$run" \
+      --json "$OUT/${name}_memory.json" | grep -v "^#" | tee "$OUT/${name}_memory.txt"
+  fi
+  return $status
+}
+
+case "$PART" in
+async4b)
+  sglang_env
+  python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)" |
+    tee "$OUT/versions.txt"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >>"$OUT/versions.txt"
+  draw qwen3-4b /tmp/qwen3-4b
+  pack=()
+  if [ "${PACK:-1}" = 1 ] && has_key LearnerConfig pack_sequences; then
+    pack=(--set learner.pack_sequences=true)
+  fi
+  echo "packing: ${pack[*]:-off}" | tee -a "$OUT/versions.txt"
+  run_and_report fullsize_async4b_h200x1 bench/configs/gpu_fullsize_async4b.toml \
+    "${ASYNC4B_TIMEOUT_S:-480}" "${pack[@]}"
+  ;;
+checkpoint)
+  sglang_env
+  draw qwen3-4b /tmp/qwen3-4b
+  timeout "${CHECKPOINT_TIMEOUT_S:-540}" python3 -m streamrl bench checkpoint \
+    bench/configs/gpu_fullsize_checkpoint4b.toml --steps "${CHECKPOINT_STEPS:-8}" \
+    --every "${CHECKPOINT_EVERY:-4}" --work-dir /tmp/bench-checkpoint-4b --run-log-level info \
+    --json "$OUT/fullsize_checkpoint4b_h200x1.json"
+  status=$?
+  for name in without with; do
+    tail -30 "/tmp/bench-checkpoint-4b/$name.log" >"$OUT/fullsize_checkpoint4b_h200x1_$name.log.txt" 2>/dev/null
+    cp "/tmp/bench-checkpoint-4b/$name/metrics.jsonl" \
+      "$OUT/fullsize_checkpoint4b_h200x1_${name}_metrics.jsonl" 2>/dev/null
+  done
+  exit $status
+  ;;
+router)
+  sglang_env
+  python3 -c "import sglang_router" || {
+    echo "no sglang_router: run the checkpoint section with .router-whl carried first" >&2
+    exit 1
+  }
+  draw qwen3-4b /tmp/qwen3-4b
+  run=/tmp/run-fullsize_router_h200x1
+  ( # each engine's version every 2 s, once engines.json names them
+    while [ ! -f "$run/engines.json" ]; do sleep 2; done
+    while sleep 2; do
+      for url in $(python3 -c "import json; print(' '.join(e['url'] for e in json.load(open('$run/engines.json'))['engines']))" 2>/dev/null); do
+        echo "$(date +%s) $url $(curl -sf "$url/get_model_info" | python3 -c 'import json,sys; print(json.load(sys.stdin).get("weight_version"))' 2>/dev/null)"
+      done
+    done
+  ) >"$OUT/fullsize_router_h200x1_engine_versions.txt" 2>&1 &
+  poller=$!
+  run_and_report fullsize_router_h200x1 bench/configs/gpu_fullsize_router.toml \
+    "${ROUTER_TIMEOUT_S:-540}"
+  status=$?
+  kill "$poller" 2>/dev/null
+  exit $status
+  ;;
+colocated8b)
+  sglang_env
+  if ! has_key ClusterConfig colocate; then
+    echo "this checkout has no cluster.colocate: merge the colocated mode first" | tee "$OUT/colocated8b.txt"
+    exit 3
+  fi
+  draw llama3-8b /tmp/llama3-8b
+  run_and_report fullsize_colocated8b_h200x1 bench/configs/gpu_fullsize_async4b.toml \
+    "${COLOCATED_TIMEOUT_S:-480}" --set 'model.path="/tmp/llama3-8b"' \
+    --set 'train.mode="sync"' --set train.steps=5 --set cluster.colocate=true \
+    --set learner.offload=true --set engine.mem_fraction_static=0.6 \
+    --set 'rollout.generate_kwargs={reward="confidence", response_tokens=[256, 2048]}' \
+    --set rollout.sampling.max_new_tokens=2048 --set engine.max_seq_len=2560 \
+    --set learner.micro_batch_tokens=8192
+  ;;
+*)
+  echo "unknown part $PART" >&2
+  exit 2
+  ;;
+esac
