@@ -42,10 +42,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predicts):
+    def forward(self, inputs: dict[str, torch.Tensor], predicts: torch.Tensor):
         """Values [N] of the positions where `predicts` [B, T - 1] is True (see the module
-        docstring: position p's hidden state gives V before token p + 1)."""
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        docstring: position p's hidden state gives V before token p + 1); `inputs` are the
+        body's (`streamrl.backends.torch.model_inputs`: packed rows or padded ones)."""
+        hidden = self.body(**inputs).last_hidden_state
         return self.head(hidden[:, :-1][predicts].float()).squeeze(-1).float()
 
 
@@ -95,11 +96,13 @@ class TorchCritic:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _values(self, micro_batch: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
+        from streamrl.backends.torch import model_inputs
+
         batch = micro_batch.to(self.device)
-        predicts = batch.loss_mask[:, 1:] > 0
+        predicts = batch.predicted()
         values = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with self._autocast():
-            values[:, 1:][predicts] = self.model(batch.input_ids, batch.attention_mask, predicts)
+            values[:, 1:][predicts] = self.model(model_inputs(batch), predicts)
         return batch, values
 
     @torch.no_grad()

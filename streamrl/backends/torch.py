@@ -127,17 +127,16 @@ class TorchBackend:
         return True
 
     def _forward(self, model, micro_batch: MicroBatch, temperature: float, need_entropy: bool):
-        """Per-token logprobs (and entropy) on the trained positions only.
+        """Per-token logprobs (and entropy) on the trained positions only (`model_inputs`:
+        packed rows keep attention inside each sample).
 
         The output head runs only on the hidden states that predict a trained token: the
         prompt and padding are most positions of a batch, and the vocabulary is large.
         Other positions hold 0, as the LearnerBackend layout says."""
         batch = micro_batch.to(self.device)
-        predicts = batch.loss_mask[:, 1:] > 0  # position p predicts token p + 1
+        predicts = batch.predicted()  # position p predicts token p + 1
         with self._autocast():
-            hidden = model.get_decoder()(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask
-            ).last_hidden_state
+            hidden = model.get_decoder()(**model_inputs(batch)).last_hidden_state
             logits = model.get_output_embeddings()(hidden[:, :-1][predicts])
         targets = batch.input_ids[:, 1:][predicts]
         logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
@@ -298,3 +297,15 @@ class TorchBackend:
             raise ValueError(
                 f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+
+
+def model_inputs(batch: MicroBatch) -> dict[str, torch.Tensor]:
+    """A Hugging Face decoder's keyword inputs for a micro-batch: the padding mask of
+    right-padded rows; for packed rows the per-sample position ids and no 2D mask, from which
+    transformers' mask builder (`masking_utils.find_packed_sequence_indices`: a new sample
+    wherever the position does not go up by one) keeps attention causal inside each sample
+    (a block-diagonal mask with sdpa and eager, a BlockMask with flex attention, varlen
+    kernels with flash attention) and RoPE sees each sample from position 0."""
+    if batch.position_ids is None:
+        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids}

@@ -481,6 +481,14 @@ class LearnerConfig(_Section):
     """Samples per optimizer step (slime --global-batch-size); 0 means one step per batch."""
     micro_batch_tokens: PositiveInt = 8192
     """Token budget of one forward/backward micro-batch (slime --max-tokens-per-gpu)."""
+    pack_sequences: bool = True
+    """Pack several samples back to back into one row of up to micro_batch_tokens tokens
+    (slime --use-dynamic-batch-size's packing), each with positions from 0 and attention that
+    never crosses into another sample, instead of right-padding one sample per row to the
+    longest in its micro-batch. Exact: log-probabilities, entropy, the loss and its gradients
+    equal the padded layout's to float rounding, MoE routing replay and LoRA included; only
+    padding's compute goes (about a third of the tokens with responses spread from 256 to
+    8,192), so it is on by default. false keeps right-padded rows."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""
