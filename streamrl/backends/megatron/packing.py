@@ -86,8 +86,9 @@ def _block_mask(documents: torch.Tensor):
 
     batch, seq = documents.shape
     return create_block_mask(
-        causal_in_document, batch, None, seq, seq, device=documents.device, _compile=True
-    )
+        causal_in_document, batch, None, seq, seq, device=documents.device,
+        _compile=documents.is_cuda,  # compiled, the mask costs no [S, S] tensor
+    )  # fmt: skip
 
 
 def _flex():

@@ -216,6 +216,75 @@ def _assert_equal_layouts(run: dict) -> None:
     assert run["grad_diff"] <= GRAD_REL_TOL * run["grad_max"]
 
 
+# ---------------------------------------------------------------- the pieces (in process)
+
+
+def test_document_ids_start_a_sample_at_each_position_0_and_sequence_padding_is_one_more():
+    from streamrl.backends.megatron import packing
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])  # samples of 3, 2, 1, then 2 padding
+    padded = packing.padded_positions(positions, 10)  # sequence parallelism's multiple
+    assert padded.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 0, 1]]
+    assert packing.document_ids(padded).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4, 5, 5]]
+    mask = packing.dense_mask(packing.document_ids(positions))[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
+    assert mask.sum() == 6 + 3 + 1 + 3  # each sample's causal triangle, nothing across
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attentions_block_mask_attends_as_the_dense_document_mask():
+    """The CUDA path's BlockMask (FlexAttention run unfused here) against the CPU path's
+    dense mask: the same attention, GQA included."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from streamrl.backends.megatron import packing
+
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (150, 7, 1, 90, 12)])[None]
+    documents = packing.document_ids(positions)
+    query = torch.randn(1, 4, 260, 16, generator=generator)
+    key, value = (torch.randn(1, 2, 260, 16, generator=generator) for _ in range(2))
+    dense = packing.document_attention(query, key, value, documents, scale=0.25)
+    block_mask = packing._block_mask(documents)
+    flex = flex_attention(query, key, value, block_mask=block_mask, scale=0.25, enable_gqa=True)
+    assert (flex - dense).abs().max() < 1e-5
+    alone = torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, 150:157], key[:, :, 150:157], value[:, :, 150:157], is_causal=True,
+        scale=0.25, enable_gqa=True,
+    )  # fmt: skip
+    assert (dense[:, :, 150:157] - alone).abs().max() < 1e-6
+
+
+def test_rotary_rows_follow_each_samples_own_position_in_a_packed_row():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from streamrl.backends.megatron import packing
+    from streamrl.backends.megatron.cpu_shims import cpu_redirect
+
+    stage = torch.nn.Module()
+    stage.rotary = RotaryEmbedding(
+        kv_channels=8, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True
+    )
+    holder = packing.install(stage)
+    assert packing.positions_of(stage) is holder
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0], [0, 1, 0, 1, 2, 3, 4]])  # [B, S]
+    with cpu_redirect():
+        by_column = stage.rotary(7)
+        holder.positions = positions.t()  # Megatron's [S, B] order
+        by_sample = stage.rotary(7)
+        holder.positions = None
+        again = stage.rotary(7)
+    assert by_column.shape == (7, 1, 1, 8) and by_sample.shape == (7, 2, 1, 8)
+    for row in range(2):
+        for column in range(7):
+            expected = by_column[positions[row, column], 0, 0]
+            assert torch.equal(by_sample[column, row, 0], expected)
+    assert torch.equal(again, by_column)
+
+
+# ---------------------------------------------------------------- packed against padded
+
+
 @pytest.mark.parametrize("variant", ["sdpa", "local", "recompute", "lora", "moe_replay", "mla"])
 def test_packed_rows_train_like_right_padded_rows_on_one_rank(runs, variant):
     _assert_equal_layouts(runs("single")[variant])
