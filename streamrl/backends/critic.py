@@ -66,8 +66,11 @@ class TorchCritic:
         weight_decay: float,
         grad_clip: float,
         gradient_checkpointing: bool = False,
+        pack_sequences: bool = False,
         seed: int = 0,
     ) -> None:
+        """`pack_sequences`: attend inside each sample of packed rows
+        (`streamrl.backends.documents`)."""
         from streamrl.models import load_model
 
         self.device = device
@@ -76,6 +79,10 @@ class TorchCritic:
             model_path, device=str(device), dtype=torch.float32, seed=seed
         )
         language_model.config.use_cache = False
+        if pack_sequences:
+            from streamrl.backends.documents import use_document_attention
+
+            use_document_attention(language_model)
         if gradient_checkpointing:
             language_model.gradient_checkpointing_enable()
         body = language_model.get_decoder()

@@ -15,6 +15,10 @@ The learning rate follows `streamrl.schedules.lr_at` through a `LambdaLR` steppe
 every optimizer step (its step count is saved with the optimizer). An optional frozen
 reference model (in the compute dtype) serves the KL loss; an optional critic
 (`streamrl.backends.critic`) the GAE estimator; gradient checkpointing when configured.
+
+Packed rows (`learner.pack_sequences`): every model of the backend (policy, reference,
+critic) attends with `streamrl.backends.documents` (SDPA on each sample of a row alone)
+and gets per-sample position ids (`model_inputs`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from streamrl import algorithms
 from streamrl.backends import peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
+from streamrl.backends.documents import use_document_attention
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,8 @@ class TorchBackend:
             model_path, device=str(device), dtype=dtype if self.lora else torch.float32, seed=seed
         )
         self.model.config.use_cache = False
+        if cfg.pack_sequences:
+            use_document_attention(self.model)
         if self.lora is not None:
             self.model = peft_adapters.add_adapters(self.model, self.lora)
             self.adapter_spec = peft_adapters.spec_of(self.lora, model_path)
@@ -84,6 +91,8 @@ class TorchBackend:
                 reference_path or model_path, device=str(device), dtype=dtype, seed=seed
             )
             self.reference.eval().requires_grad_(False)
+            if cfg.pack_sequences:
+                use_document_attention(self.reference)
         self.need_reference = need_reference
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_clip = cfg.grad_clip
@@ -113,6 +122,7 @@ class TorchBackend:
                 weight_decay=cfg.weight_decay,
                 grad_clip=cfg.grad_clip,
                 gradient_checkpointing=cfg.gradient_checkpointing,
+                pack_sequences=cfg.pack_sequences,
                 seed=seed,
             )
 
@@ -301,11 +311,14 @@ class TorchBackend:
 
 def model_inputs(batch: MicroBatch) -> dict[str, torch.Tensor]:
     """A Hugging Face decoder's keyword inputs for a micro-batch: the padding mask of
-    right-padded rows; for packed rows the per-sample position ids and no 2D mask, from which
-    transformers' mask builder (`masking_utils.find_packed_sequence_indices`: a new sample
-    wherever the position does not go up by one) keeps attention causal inside each sample
-    (a block-diagonal mask with sdpa and eager, a BlockMask with flex attention, varlen
-    kernels with flash attention) and RoPE sees each sample from position 0."""
+    right-padded rows; for packed rows the per-sample position ids and no 2D mask: RoPE sees
+    each sample from position 0, and the backend's attention (`documents.py`, installed with
+    learner.pack_sequences) keeps each sample to itself. (transformers' own attentions would
+    too, from the same position ids, through a dense block-diagonal mask.)"""
     if batch.position_ids is None:
-        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        return {
+            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "use_cache": False,
+        }  # fmt: skip
+    # No cache: with one, transformers would not look for packed samples in the positions.
+    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}

@@ -10,10 +10,11 @@ right-padded row:
   attention mask (Megatron passes that argument through every layer untouched, pipeline
   stages and activation recompute included). `SdpaAttention` then runs
   `document_attention`: FlexAttention with a BlockMask on CUDA (blocks that cross samples
-  are skipped, so a row costs the sum of its samples' squares, not the row's square), SDPA
-  with the same mask made dense elsewhere (the CPU: exact, and FlexAttention would compile
-  for seconds there). Megatron's unfused attention (`learner.megatron.attention = "local"`)
-  takes the dense mask itself (`masked_positions`).
+  are skipped, so a row costs the sum of its samples' squares, not the row's square), and
+  elsewhere (the CPU, where FlexAttention would compile for seconds) causal SDPA on each
+  sample alone (`streamrl.backends.documents`), which costs the same sum. Megatron's unfused
+  attention (`learner.megatron.attention = "local"`) takes the mask made dense
+  (`masked_positions`).
 - RoPE: Megatron's rotary embedding covers positions 0..S-1 of the row; a forward hook on
   every rotary module (`install`; the model's, and each MLA attention's own) picks each
   token's row of it by the sample's own position (`PackedPositions.positions`, set before
@@ -30,7 +31,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from streamrl.backends.documents import attend_within_samples, sample_spans
 
 FLEX_BLOCK = 128
 """FlexAttention's block size; a packed row is rounded up to it on CUDA (`ROW_MULTIPLE`)."""
@@ -109,15 +111,15 @@ def document_attention(
 ) -> torch.Tensor:
     """Causal attention inside each sample: query [B, heads, S, d], key/value [B, groups, S, d]
     (GQA: query head j reads group j // (heads / groups)), documents [B, S] -> [B, heads, S, d].
-    FlexAttention on CUDA, dense-masked SDPA elsewhere (the module docstring)."""
+    FlexAttention on CUDA, SDPA on each sample alone elsewhere (the module docstring)."""
     gqa = key.shape[1] != query.shape[1]
     if query.device.type == "cuda":
         block_mask = _cached("block", documents, _block_mask)
         return _flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    mask = _cached("dense", documents, dense_mask)
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
-    )
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    spans = sample_spans(starts, key=documents)
+    return attend_within_samples(query, key, value, spans, scale=scale)
 
 
 class PackedPositions:
