@@ -486,9 +486,11 @@ class LearnerConfig(_Section):
     (slime --use-dynamic-batch-size's packing), each with positions from 0 and attention that
     never crosses into another sample, instead of right-padding one sample per row to the
     longest in its micro-batch. Exact: log-probabilities, entropy, the loss and its gradients
-    equal the padded layout's to float rounding, MoE routing replay and LoRA included; only
-    padding's compute goes (about a third of the tokens with responses spread from 256 to
-    8,192), so it is on by default. false keeps right-padded rows."""
+    equal the padded layout's to float rounding, MoE routing replay, LoRA and the critic
+    included. It computes no padding (padded rows of 32 samples spread over 256..8,192 tokens
+    compute 5% padding, of 16 samples 9%), fills micro_batch_tokens (fewer micro-batches),
+    and on the CPU a step took no longer than padded rows (bench/cpu/packing.py), so it is
+    on by default. false keeps right-padded rows."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""
