@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from streamrl.backends.base import MicroBatch
+from streamrl.backends.documents import model_inputs, use_document_attention
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, values [B, T] with grad) -> (loss, metrics), normalised like a LossFn."""
@@ -45,7 +46,7 @@ class ValueModel(torch.nn.Module):
     def forward(self, inputs: dict[str, torch.Tensor], predicts: torch.Tensor):
         """Values [N] of the positions where `predicts` [B, T - 1] is True (see the module
         docstring: position p's hidden state gives V before token p + 1); `inputs` are the
-        body's (`streamrl.backends.torch.model_inputs`: packed rows or padded ones)."""
+        body's (`streamrl.backends.documents.model_inputs`: packed rows or padded ones)."""
         hidden = self.body(**inputs).last_hidden_state
         return self.head(hidden[:, :-1][predicts].float()).squeeze(-1).float()
 
@@ -80,8 +81,6 @@ class TorchCritic:
         )
         language_model.config.use_cache = False
         if pack_sequences:
-            from streamrl.backends.documents import use_document_attention
-
             use_document_attention(language_model)
         if gradient_checkpointing:
             language_model.gradient_checkpointing_enable()
@@ -103,8 +102,6 @@ class TorchCritic:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def _values(self, micro_batch: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
-        from streamrl.backends.torch import model_inputs
-
         batch = micro_batch.to(self.device)
         predicts = batch.predicted()
         values = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from streamrl.backends.base import MicroBatch
+
 ATTENTION = "streamrl_documents"
 """The name `use_document_attention` sets as a model's attention implementation."""
 
@@ -106,6 +108,21 @@ def document_attention(
         spans = spans * query.shape[0]
     context = attend_within_samples(query, key, value, spans, scale=scaling, dropout=dropout)
     return context.transpose(1, 2).contiguous(), None
+
+
+def model_inputs(batch: MicroBatch) -> dict[str, torch.Tensor]:
+    """A Hugging Face decoder's keyword inputs for a micro-batch: the padding mask of
+    right-padded rows; for packed rows the per-sample position ids and no 2D mask: RoPE sees
+    each sample from position 0, and `document_attention` (installed with
+    learner.pack_sequences) keeps each sample to itself. (transformers' own attentions would
+    too, from the same position ids, through a dense block-diagonal mask.)"""
+    if batch.position_ids is None:
+        return {
+            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "use_cache": False,
+        }  # fmt: skip
+    # No cache: with one, transformers would not look for packed samples in the positions.
+    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
 
 
 def use_document_attention(model: torch.nn.Module) -> None:

@@ -18,7 +18,7 @@ reference model (in the compute dtype) serves the KL loss; an optional critic
 
 Packed rows (`learner.pack_sequences`): every model of the backend (policy, reference,
 critic) attends with `streamrl.backends.documents` (SDPA on each sample of a row alone)
-and gets per-sample position ids (`model_inputs`).
+and gets per-sample position ids (`documents.model_inputs`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from streamrl import algorithms
 from streamrl.backends import peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
-from streamrl.backends.documents import use_document_attention
+from streamrl.backends.documents import model_inputs, use_document_attention
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -307,18 +307,3 @@ class TorchBackend:
             raise ValueError(
                 f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-
-
-def model_inputs(batch: MicroBatch) -> dict[str, torch.Tensor]:
-    """A Hugging Face decoder's keyword inputs for a micro-batch: the padding mask of
-    right-padded rows; for packed rows the per-sample position ids and no 2D mask: RoPE sees
-    each sample from position 0, and the backend's attention (`documents.py`, installed with
-    learner.pack_sequences) keeps each sample to itself. (transformers' own attentions would
-    too, from the same position ids, through a dense block-diagonal mask.)"""
-    if batch.position_ids is None:
-        return {
-            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "use_cache": False,
-        }  # fmt: skip
-    # No cache: with one, transformers would not look for packed samples in the positions.
-    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
