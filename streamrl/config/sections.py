@@ -482,10 +482,10 @@ class LearnerConfig(_Section):
     micro_batch_tokens: PositiveInt = 8192
     """Token budget of one forward/backward micro-batch (slime --max-tokens-per-gpu)."""
     pack_sequences: bool = True
-    """Pack several samples back to back into one row of up to micro_batch_tokens tokens
-    (slime --use-dynamic-batch-size's packing), each with positions from 0 and attention that
-    never crosses into another sample, instead of right-padding one sample per row to the
-    longest in its micro-batch. Exact: log-probabilities, entropy, the loss and its gradients
+    """Pack several samples back to back into one row of up to micro_batch_tokens tokens (as
+    slime's --use-dynamic-batch-size with --max-tokens-per-gpu), each with positions from 0
+    and attention that never crosses into another sample, instead of right-padding one
+    sample per row to the longest in its micro-batch. Exact: log-probabilities, entropy, the loss and its gradients
     equal the padded layout's to float rounding, MoE routing replay, LoRA and the critic
     included. It computes no padding (padded rows of 32 samples spread over 256..8,192 tokens
     compute 5% padding, of 16 samples 9%), fills micro_batch_tokens (fewer micro-batches),
