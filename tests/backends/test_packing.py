@@ -211,3 +211,37 @@ def test_without_the_document_mask_a_packed_sample_would_see_the_one_before_it(t
         batch.position_ids = torch.arange(batch.input_ids.shape[1])[None]
     leaking = gather_responses(samples, batches, backend.compute_logprobs(batches, temperature=1))
     assert (leaking - masked).abs().max() > 1e-2
+
+
+def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_padding(
+    tiny_model_dir,
+):
+    from streamrl.backends.step import train_step
+    from streamrl.config import config_from_dict
+    from streamrl.types import Group
+
+    samples = _samples()
+    groups = [
+        Group(group_id=f"g{i}", prompt_seq=i, prompt_index=i, samples=samples[i : i + 2])
+        for i in range(0, len(samples), 2)
+    ]
+    for sample in samples:
+        sample.reward = float(len(sample.response_ids) % 2)
+    efficiency = {}
+    for packed in (False, True):
+        cfg = config_from_dict(
+            {
+                "data": {"path": "x"},
+                "model": {"path": tiny_model_dir},
+                "rollout": {"batch_size": len(groups), "n_samples_per_prompt": 2},
+                "learner": {"micro_batch_tokens": 40, "pack_sequences": packed},
+            }
+        )
+        backend = TorchBackend(
+            tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.float32
+        )
+        metrics = train_step(backend, groups, cfg, pad_id=0)
+        efficiency[packed] = metrics["train/token_efficiency"]
+    real, computed = token_counts(_batches(samples, packed=False))
+    assert efficiency[False] == pytest.approx(real / computed) and efficiency[False] < 0.95
+    assert efficiency[True] == 1.0
