@@ -96,6 +96,12 @@ def document_attention(
     -> ([B, S, heads, d], no weights); causal inside each sample (the module docstring)."""
     if attention_mask is not None:
         raise ValueError(f"{ATTENTION} takes per-sample position ids, not an attention mask")
+    for option in ("sliding_window", "softcap"):
+        if unused.get(option) is not None:
+            raise NotImplementedError(
+                f"this model's attention has a {option}, which learner.pack_sequences' "
+                "attention does not apply: set learner.pack_sequences = false"
+            )
     dropout = dropout if module.training else 0.0
     if position_ids is None or query.shape[2] == 1:
         context = F.scaled_dot_product_attention(

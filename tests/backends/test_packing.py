@@ -245,3 +245,14 @@ def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_p
     real, computed = token_counts(_batches(samples, packed=False))
     assert efficiency[False] == pytest.approx(real / computed) and efficiency[False] < 0.95
     assert efficiency[True] == 1.0
+
+
+def test_a_model_with_a_sliding_window_is_refused_rather_than_packed_without_it():
+    from streamrl.backends.documents import document_attention
+
+    query = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=r"learner\.pack_sequences = false"):
+        document_attention(
+            torch.nn.Module(), query, query, query, None, position_ids=torch.arange(4)[None],
+            sliding_window=2,
+        )  # fmt: skip
