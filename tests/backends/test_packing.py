@@ -157,6 +157,9 @@ def _layout_run(backend: TorchBackend, samples, *, packed: bool) -> dict:
         result["values"] = gather_responses(
             samples, batches, backend.critic.compute_values(batches)
         )
+    if backend.need_reference:
+        reference = backend.compute_logprobs(batches, temperature=0.8, reference=True)
+        result["reference"] = gather_responses(samples, batches, reference)
     backend.optimizer.zero_grad(set_to_none=True)
     sums = {}
     for batch in batches:
@@ -180,13 +183,14 @@ def test_packed_rows_give_the_torch_backend_the_logprobs_loss_and_grads_of_padde
     backend = TorchBackend(
         tiny_model_dir, learner, device=torch.device("cpu"), dtype=torch.float32,
         critic_path=tiny_model_dir if variant == "critic" else None,
+        need_reference=variant != "critic",
     )  # fmt: skip
     if backend.critic is not None:  # a head that gives values other than 0
         torch.nn.init.normal_(backend.critic.model.head.weight)
     samples = _samples()
     padded = _layout_run(backend, samples, packed=False)
     packed = _layout_run(backend, samples, packed=True)
-    for key in ("logprobs", "values"):
+    for key in ("logprobs", "values", "reference"):
         if key in padded:
             assert padded[key].abs().max() > 0.1
             assert (packed[key] - padded[key]).abs().max() < LOGPROB_TOL, key
