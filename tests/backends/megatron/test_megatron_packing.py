@@ -282,6 +282,22 @@ def test_rotary_rows_follow_each_samples_own_position_in_a_packed_row():
     assert torch.equal(again, by_column)
 
 
+def test_an_mla_model_with_recompute_and_pipeline_stages_refuses_packing_naming_the_keys():
+    from streamrl.backends.megatron import packing
+    from streamrl.backends.megatron.model import shape_from_hf
+    from streamrl.models import random_config
+
+    mla = shape_from_hf(random_config("deepseek-v3-tiny"))
+    dense = shape_from_hf(random_config("qwen3-tiny"))
+    with pytest.raises(ValueError, match=r"learner\.pack_sequences") as refused:
+        packing.check_supported(mla, gradient_checkpointing=True, pp_size=2)
+    assert "learner.megatron.pipeline_parallel_size" in str(refused.value)
+    assert "learner.gradient_checkpointing" in str(refused.value)
+    packing.check_supported(mla, gradient_checkpointing=True, pp_size=1)
+    packing.check_supported(mla, gradient_checkpointing=False, pp_size=2)
+    packing.check_supported(dense, gradient_checkpointing=True, pp_size=2)
+
+
 # ---------------------------------------------------------------- packed against padded
 
 
