@@ -9,7 +9,14 @@ parallelism, and gives the publisher full Hugging Face-named tensors.
 
 Token alignment: every per-token tensor is `[B, T]` and aligned with
 `input_ids`; position t holds data about token t, i.e. the log-probability of
-`input_ids[b, t]` given `input_ids[b, :t]`. Position 0 and padding hold 0.
+`input_ids[b, t]` given the tokens before it in its own sample. A sample's first
+token and padding hold 0.
+
+Two row layouts (`learner.pack_sequences`): right-padded rows, one sample per row
+from column 0 (`position_ids` None), or packed rows, several samples back to back
+with positions restarting at 0 at each sample (`position_ids`); a backend then
+keeps attention inside each sample (a document mask) and feeds those positions
+to RoPE, so every value equals the padded layout's.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ CRITIC_DIR = "critic"
 
 @dataclass
 class MicroBatch:
-    """One forward/backward pass worth of sequences, right-padded to a common length."""
+    """One forward/backward pass worth of sequences: right-padded rows, or packed rows."""
 
     input_ids: torch.Tensor
-    """[B, T] int64 prompt + response tokens, right-padded."""
+    """[B, T] int64 prompt + response tokens, right-padded (packed rows: back to back, then
+    padding)."""
     attention_mask: torch.Tensor
     """[B, T] 1 on real tokens, 0 on padding."""
     loss_mask: torch.Tensor
@@ -38,7 +46,9 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor
     """[B, T] float32 engine log-probabilities of the tokens (0 off the loss mask)."""
     sample_indices: list[int]
-    """Row b is sample `sample_indices[b]` of the training step."""
+    """The training step's samples in this micro-batch: row b is sample `sample_indices[b]`
+    in the padded layout; packed, sample `sample_indices[i]` sits at row `sample_rows[i]`
+    from column `sample_columns[i]`."""
     advantages: torch.Tensor | None = None
     """[B, T] float32, filled by the loop before training."""
     proximal_logprobs: torch.Tensor | None = None
@@ -50,10 +60,38 @@ class MicroBatch:
     num_sequences_in_mini_batch: int = 1
     """Sequences of the whole mini-batch: seq_mean's denominator."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    position_ids: torch.Tensor | None = None
+    """[B, T] int64 packed rows only: each token's position in its own sample (0 at the
+    sample's first token; the tail padding of a row counts as one more sample of its own).
+    None: right-padded rows, where the position is the column."""
+    sample_rows: list[int] = field(default_factory=list)
+    """Packed rows only: the row of each of `sample_indices` (empty: padded, row i)."""
+    sample_columns: list[int] = field(default_factory=list)
+    """Packed rows only: the column each of `sample_indices` starts at (empty: 0)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+    @property
+    def is_packed(self) -> bool:
+        """Several samples per row (`position_ids` set), else one right-padded sample per row."""
+        return self.position_ids is not None
+
+    def placements(self) -> list[tuple[int, int]]:
+        """(row, first column) of each of `sample_indices`, in that order."""
+        if not self.sample_rows:
+            return [(row, 0) for row in range(len(self.sample_indices))]
+        return list(zip(self.sample_rows, self.sample_columns, strict=True))
+
+    def predicted(self) -> torch.Tensor:
+        """[B, T - 1] bool: position p's output predicts token p + 1 of the same sample (and
+        that token is trained): the trained positions, less each packed sample's first token,
+        which the previous sample's last token is beside but does not predict."""
+        predicts = self.loss_mask[:, 1:] > 0
+        if self.position_ids is not None:
+            predicts = predicts & (self.position_ids[:, 1:] != 0)
+        return predicts
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device`."""

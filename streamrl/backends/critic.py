@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from streamrl.backends.base import MicroBatch
+from streamrl.backends.documents import model_inputs, use_document_attention
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, values [B, T] with grad) -> (loss, metrics), normalised like a LossFn."""
@@ -42,10 +43,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predicts):
+    def forward(self, inputs: dict[str, torch.Tensor], predicts: torch.Tensor):
         """Values [N] of the positions where `predicts` [B, T - 1] is True (see the module
-        docstring: position p's hidden state gives V before token p + 1)."""
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        docstring: position p's hidden state gives V before token p + 1); `inputs` are the
+        body's (`streamrl.backends.documents.model_inputs`: packed rows or padded ones)."""
+        hidden = self.body(**inputs).last_hidden_state
         return self.head(hidden[:, :-1][predicts].float()).squeeze(-1).float()
 
 
@@ -65,8 +67,11 @@ class TorchCritic:
         weight_decay: float,
         grad_clip: float,
         gradient_checkpointing: bool = False,
+        pack_sequences: bool = False,
         seed: int = 0,
     ) -> None:
+        """`pack_sequences`: attend inside each sample of packed rows
+        (`streamrl.backends.documents`)."""
         from streamrl.models import load_model
 
         self.device = device
@@ -75,6 +80,8 @@ class TorchCritic:
             model_path, device=str(device), dtype=torch.float32, seed=seed
         )
         language_model.config.use_cache = False
+        if pack_sequences:
+            use_document_attention(language_model)
         if gradient_checkpointing:
             language_model.gradient_checkpointing_enable()
         body = language_model.get_decoder()
@@ -96,10 +103,10 @@ class TorchCritic:
 
     def _values(self, micro_batch: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
         batch = micro_batch.to(self.device)
-        predicts = batch.loss_mask[:, 1:] > 0
+        predicts = batch.predicted()
         values = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         with self._autocast():
-            values[:, 1:][predicts] = self.model(batch.input_ids, batch.attention_mask, predicts)
+            values[:, 1:][predicts] = self.model(model_inputs(batch), predicts)
         return batch, values
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """One training step over a batch of groups, for any LearnerBackend.
 
-    samples ─► micro-batches (token budget)
+    samples ─► micro-batches (token budget; packed rows or right-padded ones,
+               learner.pack_sequences: `batching`)
             ─► proximal logprobs (weights before this step: decoupled PPO's pi_prox;
                a forward pass of its own only when needed, see `needs_proximal_pass`)
             ─► reference logprobs (only with a KL loss)
@@ -28,7 +29,12 @@ import torch
 
 from streamrl import algorithms
 from streamrl.backends.base import LearnerBackend, MicroBatch
-from streamrl.backends.batching import gather_responses, pack_micro_batches, scatter_responses
+from streamrl.backends.batching import (
+    gather_responses,
+    make_micro_batches,
+    scatter_responses,
+    token_counts,
+)
 from streamrl.config import RunConfig
 from streamrl.types import Group, Sample
 
@@ -45,8 +51,15 @@ def train_step(
     samples = [sample for group in groups for sample in group.samples]
     group_size = len(groups[0].samples)
     all_indices = list(range(len(samples)))
-    budget = cfg.learner.micro_batch_tokens
-    step_batches = pack_micro_batches(samples, all_indices, token_budget=budget, pad_id=pad_id)
+
+    def micro_batches_of(indices: list[int]):
+        return make_micro_batches(
+            samples, indices, token_budget=cfg.learner.micro_batch_tokens, pad_id=pad_id,
+            packed=cfg.learner.pack_sequences,
+            row_multiple=getattr(backend, "packed_row_multiple", 1),
+        )  # fmt: skip
+
+    step_batches = micro_batches_of(all_indices)
 
     proximal_by_sample = None
     if needs_proximal_pass(cfg):
@@ -82,8 +95,11 @@ def train_step(
     value_loss_fn = make_value_loss_fn(cfg) if critic is not None else None
     need_entropy = True
     sums: dict[str, float] = {}
+    real_tokens = computed_tokens = 0
     for indices in mini_batches:
-        micro_batches = pack_micro_batches(samples, indices, token_budget=budget, pad_id=pad_id)
+        micro_batches = micro_batches_of(indices)
+        real, computed = token_counts(micro_batches)
+        real_tokens, computed_tokens = real_tokens + real, computed_tokens + computed
         for micro_batch in micro_batches:
             micro_batch.advantages = scatter_responses(samples, micro_batch, advantages)
             if proximal_by_sample is not None:
@@ -118,6 +134,8 @@ def train_step(
         metrics["train/importance_ess"] = w_mean**2 / w2_mean if w2_mean > 0 else 0.0
         metrics["train/importance_ratio_std"] = math.sqrt(max(w2_mean - w_mean**2, 0.0))
     metrics["train/optimizer_steps"] = len(mini_batches)
+    # The share of the training passes' tokens that are samples' tokens, not padding.
+    metrics["train/token_efficiency"] = real_tokens / max(computed_tokens, 1)
     return metrics
 
 

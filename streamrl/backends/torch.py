@@ -15,6 +15,10 @@ The learning rate follows `streamrl.schedules.lr_at` through a `LambdaLR` steppe
 every optimizer step (its step count is saved with the optimizer). An optional frozen
 reference model (in the compute dtype) serves the KL loss; an optional critic
 (`streamrl.backends.critic`) the GAE estimator; gradient checkpointing when configured.
+
+Packed rows (`learner.pack_sequences`): every model of the backend (policy, reference,
+critic) attends with `streamrl.backends.documents` (SDPA on each sample of a row alone)
+and gets per-sample position ids (`documents.model_inputs`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from streamrl import algorithms
 from streamrl.backends import peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
+from streamrl.backends.documents import model_inputs, use_document_attention
 from streamrl.backends.offload import HostOffload, optimizer_tensors
 from streamrl.config import LearnerConfig
 
@@ -69,6 +74,8 @@ class TorchBackend:
             model_path, device=str(device), dtype=dtype if self.lora else torch.float32, seed=seed
         )
         self.model.config.use_cache = False
+        if cfg.pack_sequences:
+            use_document_attention(self.model)
         if self.lora is not None:
             self.model = peft_adapters.add_adapters(self.model, self.lora)
             self.adapter_spec = peft_adapters.spec_of(self.lora, model_path)
@@ -85,6 +92,8 @@ class TorchBackend:
                 reference_path or model_path, device=str(device), dtype=dtype, seed=seed
             )
             self.reference.eval().requires_grad_(False)
+            if cfg.pack_sequences:
+                use_document_attention(self.reference)
         self.need_reference = need_reference
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_clip = cfg.grad_clip
@@ -116,6 +125,7 @@ class TorchBackend:
                 weight_decay=cfg.weight_decay,
                 grad_clip=cfg.grad_clip,
                 gradient_checkpointing=cfg.gradient_checkpointing,
+                pack_sequences=cfg.pack_sequences,
                 seed=seed,
             )
 
@@ -130,17 +140,16 @@ class TorchBackend:
         return True
 
     def _forward(self, model, micro_batch: MicroBatch, temperature: float, need_entropy: bool):
-        """Per-token logprobs (and entropy) on the trained positions only.
+        """Per-token logprobs (and entropy) on the trained positions only (`model_inputs`:
+        packed rows keep attention inside each sample).
 
         The output head runs only on the hidden states that predict a trained token: the
         prompt and padding are most positions of a batch, and the vocabulary is large.
         Other positions hold 0, as the LearnerBackend layout says."""
         batch = micro_batch.to(self.device)
-        predicts = batch.loss_mask[:, 1:] > 0  # position p predicts token p + 1
+        predicts = batch.predicted()  # position p predicts token p + 1
         with self._autocast():
-            hidden = model.get_decoder()(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask
-            ).last_hidden_state
+            hidden = model.get_decoder()(**model_inputs(batch)).last_hidden_state
             logits = model.get_output_embeddings()(hidden[:, :-1][predicts])
         targets = batch.input_ids[:, 1:][predicts]
         logprobs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)

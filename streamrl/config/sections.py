@@ -483,6 +483,18 @@ class LearnerConfig(_Section):
     """Samples per optimizer step (slime --global-batch-size); 0 means one step per batch."""
     micro_batch_tokens: PositiveInt = 8192
     """Token budget of one forward/backward micro-batch (slime --max-tokens-per-gpu)."""
+    pack_sequences: bool = False
+    """Pack several samples back to back into one row of up to micro_batch_tokens tokens (as
+    slime's --use-dynamic-batch-size with --max-tokens-per-gpu), each with positions from 0
+    and attention that never crosses into another sample, instead of right-padding one
+    sample per row to the longest in its micro-batch. Exact: log-probabilities, entropy, the
+    loss and its gradients equal the padded layout's to float rounding, MoE routing replay,
+    LoRA and the critic included. It computes no padding (padded rows of 32 samples spread
+    over 256..8,192 tokens compute 5% padding, of 16 samples 9%) and fills micro_batch_tokens
+    (fewer micro-batches); on the CPU a step took no longer than padded rows
+    (bench/cpu/packing.py). Off by default until its GPU paths are measured on the H200
+    (`bench/gpu/packing_check.py`): Megatron's FlexAttention, and the torch backend's SDPA
+    per sample, whose kernel launches grow with the number of samples in a row."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""

@@ -303,3 +303,22 @@ gpu_memory_gb = 141
     assert "#     adam_moments                   32.18 GB" in plan
     assert any(line.startswith("#   sglang engine (TP 1") for line in plan)
     assert f"{2 * QWEN3_4B_PARAMETERS / 1e9:.2f}" == "8.04"
+
+
+def test_a_packed_megatron_micro_batch_is_planned_at_its_width_rounded_to_flex_blocks():
+    """Packed Megatron rows round up to FlexAttention's 128-token block; padded rows and the
+    torch backend's packed rows plan the budget itself."""
+    from streamrl.planner.plan import learner_usage
+
+    def activations(pack: bool, tokens: int, backend: str = "megatron") -> int:
+        cfg = _config(
+            model={"path": "random:qwen3-4b"},
+            engine={"max_seq_len": 1000},
+            rollout={"sampling": {"max_new_tokens": 500}},
+            data={"max_prompt_tokens": 100},
+            learner={"backend": backend, "pack_sequences": pack, "micro_batch_tokens": tokens},
+        )
+        return learner_usage(shape_of(cfg.model.path), cfg, None).terms["activations"]
+
+    assert activations(True, 4000) == activations(False, 4096) > activations(False, 4000)
+    assert activations(True, 4000, "torch") == activations(False, 4000, "torch")

@@ -48,7 +48,15 @@ from typing import Any
 import torch
 
 from streamrl.backends.base import LossFn, MicroBatch
-from streamrl.backends.megatron import checkpoint, convert, export, parallel, routing, speed
+from streamrl.backends.megatron import (
+    checkpoint,
+    convert,
+    export,
+    packing,
+    parallel,
+    routing,
+    speed,
+)
 from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
 from streamrl.backends.megatron.logprobs import token_logprobs_and_entropy
@@ -131,6 +139,11 @@ class MegatronBackend:
                 "algorithm.routing_replay with learner.gradient_checkpointing needs "
                 "pipeline_parallel_size = 1 (a recompute would replay a later micro-batch)"
             )
+        if cfg.pack_sequences:
+            packing.check_supported(
+                self.shape, gradient_checkpointing=cfg.gradient_checkpointing,
+                pp_size=self.layout.pp_size,
+            )  # fmt: skip
         self.lora = cfg.lora if cfg.lora.is_enabled else None
         if self.lora is not None:
             megatron_lora.check_supported(self.shape)
@@ -163,6 +176,13 @@ class MegatronBackend:
         return self.layout.is_stage_publisher
 
     @property
+    def packed_row_multiple(self) -> int:
+        """What a packed row's width is rounded up to: FlexAttention's block on CUDA (one
+        compiled kernel serves every row), 1 elsewhere."""
+        is_flex = self.device.type == "cuda" and self.cfg.megatron.attention == "sdpa"
+        return packing.FLEX_BLOCK if is_flex else 1
+
+    @property
     def is_data_rank(self) -> bool:
         """True on global rank 0: the rank that talks to the buffer and passes micro-batches."""
         return self.layout.rank == 0
@@ -186,7 +206,7 @@ class MegatronBackend:
             sequence_parallel=mcfg.sequence_parallel,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
             options=mcfg,
-            allow_transformer_engine=not self.cfg.lora.is_enabled,
+            allow_transformer_engine=not self.cfg.lora.is_enabled and not self.cfg.pack_sequences,
             compiled=self.compiled,
         )
         convert.load_into_model(model, hf_state, self.shape, **layout.shard)
@@ -319,7 +339,7 @@ class MegatronBackend:
         return token_logprobs_and_entropy(
             logits,
             micro_batch.input_ids,
-            micro_batch.attention_mask,
+            scored_mask(micro_batch),
             vocab_start=self.vocab_start,
             temperature=temperature,
             group=parallel.tp_group() if self.layout.tp_size > 1 else None,
@@ -444,3 +464,12 @@ class MegatronBackend:
     def load(self, path: Path) -> None:
         """Restore what `save` wrote (`checkpoint.load_policy`)."""
         checkpoint.load_policy(self, path)
+
+
+def scored_mask(micro_batch: MicroBatch) -> torch.Tensor:
+    """[B, T]: the positions whose log-probability is scored: real tokens, less each sample's
+    first (in a packed row the previous sample's last token sits before it, and does not
+    predict it)."""
+    if micro_batch.position_ids is None:
+        return micro_batch.attention_mask
+    return micro_batch.attention_mask * (micro_batch.position_ids != 0)

@@ -44,7 +44,9 @@ _TENSOR_FIELDS = (
     "advantages",
     "proximal_logprobs",
     "reference_logprobs",
+    "position_ids",
 )
+_LIST_FIELDS = ("sample_indices", "sample_rows", "sample_columns")
 
 
 def flatten(micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
@@ -54,7 +56,8 @@ def flatten(micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
         for name in _TENSOR_FIELDS
         if getattr(micro_batch, name) is not None
     }
-    out["sample_indices"] = torch.tensor(micro_batch.sample_indices, dtype=torch.int64)
+    for name in _LIST_FIELDS:
+        out[name] = torch.tensor(getattr(micro_batch, name), dtype=torch.int64)
     out["num_tokens_in_mini_batch"] = torch.tensor(
         float(micro_batch.num_tokens_in_mini_batch), dtype=torch.float64
     )
@@ -70,7 +73,7 @@ def unflatten(tensors: dict[str, torch.Tensor]) -> MicroBatch:
     fields = {name: tensors.get(name) for name in _TENSOR_FIELDS}
     return MicroBatch(
         **fields,
-        sample_indices=tensors["sample_indices"].tolist(),
+        **{name: tensors[name].tolist() for name in _LIST_FIELDS},
         num_tokens_in_mini_batch=float(tensors["num_tokens_in_mini_batch"]),
         num_sequences_in_mini_batch=int(tensors["num_sequences_in_mini_batch"]),
         extras={

@@ -75,6 +75,7 @@ class MegatronCritic:
                 options=options,
                 value_head=True,
                 compiled=policy.compiled,
+                allow_transformer_engine=not policy.cfg.pack_sequences,
             )
             starting = StartingWeights(convert.HFCheckpoint(self.model_dir), self.shape)
             convert.load_into_model(self.model, starting, self.shape, **layout.shard)
@@ -138,10 +139,13 @@ class MegatronCritic:
 
 def aligned_values(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """Values [B, T] from the head's output [B, T, 1]: position t holds V before token t (the
-    head's score at t - 1), on the micro-batch's trained positions; 0 elsewhere."""
+    head's score at t - 1), on the micro-batch's trained positions (`MicroBatch.predicted`);
+    0 elsewhere."""
     scores = output[..., 0].float()
     shifted = torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], dim=1)
-    return torch.where(micro_batch.loss_mask > 0, shifted, 0.0)
+    keep = torch.zeros_like(micro_batch.loss_mask, dtype=torch.bool)
+    keep[:, 1:] = micro_batch.predicted()
+    return torch.where(keep, shifted, 0.0)
 
 
 class StartingWeights(Mapping[str, torch.Tensor]):

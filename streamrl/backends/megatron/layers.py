@@ -15,8 +15,10 @@ class SdpaAttention(torch.nn.Module):
     """Megatron core attention through torch SDPA: causal, GQA via `enable_gqa`.
 
     query [sq, b, heads, d], key/value [sk, b, groups, d] -> [sq, b, heads * d].
-    The attention mask argument is ignored: padding is on the right and the
-    mask is causal. Packed sequences are refused."""
+    The attention mask argument is None for right-padded rows (padding is on the right
+    and the mask is causal), or packed rows' document ids [b, s] int32, which keep each
+    token inside its own sample (`packing.document_attention`). Megatron's
+    `packed_seq_params` (the THD layout) are refused: streamrl packs in the [s, b] layout."""
 
     def __init__(
         self,
@@ -51,6 +53,8 @@ class SdpaAttention(torch.nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SdpaAttention takes neither packed sequences nor a bias")
         seq_len, batch, num_heads, _ = query.shape
+        if attention_mask is not None:
+            return self._packed(query, key, value, attention_mask)
         context = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3),
             key.permute(1, 2, 0, 3),
@@ -59,6 +63,21 @@ class SdpaAttention(torch.nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
             enable_gqa=key.shape[2] != num_heads,
+        )
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * value.shape[-1])
+
+    def _packed(self, query, key, value, documents: torch.Tensor) -> torch.Tensor:
+        from streamrl.backends.megatron.packing import document_attention
+
+        if self.dropout > 0 and self.training:
+            raise NotImplementedError("packed rows take no attention dropout")
+        seq_len, batch, num_heads, _ = query.shape
+        context = document_attention(
+            query.permute(1, 2, 0, 3),
+            key.permute(1, 2, 0, 3),
+            value.permute(1, 2, 0, 3),
+            documents,
+            scale=self.softmax_scale,
         )
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * value.shape[-1])
 

@@ -9,7 +9,10 @@ Layer spec: Transformer Engine's when `transformer_engine` imports, otherwise
 Megatron's local spec with its unfused core attention replaced by
 `SdpaAttention` (PyTorch scaled_dot_product_attention, causal, GQA-aware);
 `attention = "local"` keeps Megatron's unfused one. Padding is on the right,
-so causal attention alone keeps real tokens from ever seeing padding.
+so causal attention alone keeps real tokens from ever seeing padding; packed rows
+(several samples in one row) add a document mask and per-sample RoPE positions
+(`packing.py`), and keep the local spec (Transformer Engine's attention would not take
+the document ids).
 
 Dropout is 0 (Megatron defaults to 0.1): the learner's log-probabilities
 must match the engine's. Norm weights are cast with the rest of the model,
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from streamrl.backends.megatron import packing
 from streamrl.backends.megatron.families import (  # noqa: F401 - re-exported
     SUPPORTED_MODEL_TYPES,
     rope_parameters,
@@ -306,6 +310,7 @@ def build_gpt_model(
         if inv_freq is not None:
             model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     model = model.to(device=device, dtype=dtype)
+    packing.install(model)  # RoPE by each sample's own positions when rows are packed
     if value_head and pp_rank == pp_size - 1:  # in place of the LM head GPTModel built
         model.output_layer = ValueHead(
             shape.hidden_size,

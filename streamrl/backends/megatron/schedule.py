@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from streamrl.backends.base import MicroBatch
-from streamrl.backends.megatron import batches, parallel, routing
+from streamrl.backends.megatron import batches, packing, parallel, routing
 from streamrl.backends.megatron.model import padded_for_sequence_parallel
 from streamrl.backends.megatron.parallel import Layout
 
@@ -30,7 +30,8 @@ LossFor = Callable[[MicroBatch, float, torch.Tensor], tuple[torch.Tensor, dict]]
 
 class Schedule:
     """One rank's side of every schedule run: its place (`layout`), its device, the
-    attention kind (the unfused "local" attention takes an explicit causal mask) and the
+    attention kind (the unfused "local" attention takes an explicit mask; packed rows give
+    SDPA their document ids, `packing.py`) and the
     context Megatron's calls run in (`cpu_shims.cpu_redirect` on CPU)."""
 
     def __init__(
@@ -87,12 +88,11 @@ class Schedule:
             control = routing.control_of(model)
             if control is not None:  # the rollout's experts, for replay and agreement
                 control.prepare(micro_batch, input_ids.shape[1], config, count=weight > 0)
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            output = model(
-                input_ids,
-                positions.unsqueeze(0).expand_as(input_ids),
-                self._attention_mask(input_ids.shape[1]),
-            )
+            positions, attention_mask = self._positions_and_mask(micro_batch, input_ids)
+            rope = packing.positions_of(model)
+            if rope is not None:  # packed rows: RoPE by each sample's own positions
+                rope.positions = positions.t() if micro_batch.is_packed else None
+            output = model(input_ids, positions, attention_mask)
             length = micro_batch.input_ids.shape[1]  # the loss sees the unpadded positions
             return output, lambda logits: loss_for(micro_batch, weight, logits[:, :length])
 
@@ -109,12 +109,26 @@ class Schedule:
             forward_only=forward_only,
         )
 
-    def _attention_mask(self, seq_len: int) -> torch.Tensor | None:
-        """Causal mask (True = masked) for Megatron's unfused attention; SDPA needs none."""
+    def _positions_and_mask(
+        self, micro_batch: MicroBatch, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids [B, S] and the core attention's mask argument for `input_ids` (the
+        micro-batch's, padded for sequence parallelism). Right-padded rows: positions are
+        columns; SDPA takes no mask, Megatron's unfused attention a causal one (True =
+        masked). Packed rows: each sample's own positions; SDPA takes the document ids,
+        the unfused attention the dense mask they make (`packing`)."""
+        seq_len = input_ids.shape[1]
+        if not micro_batch.is_packed:
+            positions = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
+            if self.attention != "local":
+                return positions, None
+            ones = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=self.device)
+            return positions, ones.triu(diagonal=1)
+        positions = packing.padded_positions(micro_batch.position_ids, seq_len)
+        documents = packing.document_ids(positions)
         if self.attention != "local":
-            return None
-        ones = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=self.device)
-        return ones.triu(diagonal=1)
+            return positions, documents
+        return positions, packing.masked_positions(documents)
 
     def collect_on_rank0(
         self, everything: list[MicroBatch], mine: list[int], local: list[torch.Tensor]

@@ -194,7 +194,7 @@ NOT_MAPPED: dict[str, str] = {
     "--rollout-health-check-interval": "engine.health_interval_s",
     "--rollout-health-check-timeout": "engine.health_timeout_s",
     "--rollout-health-check-first-wait": "an engine counts once its /health answers",
-    "--use-dynamic-batch-size": "micro-batches are always packed by tokens (learner.micro_batch_tokens)",
+    "--use-dynamic-batch-size": "micro-batches are packed by tokens (learner.micro_batch_tokens, learner.pack_sequences)",
     "--micro-batch-size": "micro-batches are packed by tokens (learner.micro_batch_tokens)",
     "--balance-data": "micro-batches are packed by tokens",
     "--num-steps-per-rollout": "derived: rollout.batch_size * n / learner.global_batch_size",

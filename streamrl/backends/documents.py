@@ -1,0 +1,139 @@
+"""Attention inside each sample of a packed row: SDPA, causal, on every sample alone.
+
+A packed row (`MicroBatch.position_ids`) holds several samples back to back. A dense
+block-diagonal mask makes a row of S tokens cost S^2 of attention whatever its samples
+(transformers' own sdpa and eager attentions build that mask from per-sample position ids:
+2.5 times the right-padded rows' time for a tiny model's forward and backward on the CPU).
+`attend_within_samples` runs SDPA on each sample's span alone, so a row costs the sum of
+its samples' squares, on the kernels SDPA picks (flash attention on CUDA), and every
+sample is computed as in a row of its own.
+
+The torch backend registers `document_attention` with transformers' `AttentionInterface`
+under `ATTENTION` (`use_document_attention`). transformers skips its mask builder for an
+attention it does not know, so the mask passed there is None and the position ids arrive
+with the layer's keyword arguments; rows without them (right-padded) run one causal SDPA,
+since with padding on the right causality alone keeps real tokens from it. The megatron
+backend calls `attend_within_samples` on the CPU (`megatron/packing.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from streamrl.backends.base import MicroBatch
+
+ATTENTION = "streamrl_documents"
+"""The name `use_document_attention` sets as a model's attention implementation."""
+
+Spans = list[list[tuple[int, int]]]
+"""Per row, (start, end) of each sample."""
+
+_SPANS: dict[str, Any] = {}
+
+
+def sample_spans(starts: torch.Tensor, *, key: torch.Tensor) -> Spans:
+    """Per row of `starts` ([B, S] bool, True where a sample begins; column 0 always
+    begins one), the samples' spans. Computed once per forward: every layer passes the same
+    `key` tensor, which is kept with the spans so that a later tensor cannot alias it."""
+    cached = _SPANS.get("entry")
+    if cached is not None and cached[0] is key:
+        return cached[1]
+    width = starts.shape[1]
+    spans = []
+    for row in starts.cpu().tolist():
+        edges = [0] + [column for column in range(1, width) if row[column]] + [width]
+        spans.append(list(itertools.pairwise(edges)))
+    _SPANS["entry"] = (key, spans)
+    return spans
+
+
+def attend_within_samples(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: Spans,
+    *,
+    scale: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal SDPA inside each span: query [B, heads, S, d], key/value [B, groups, S, d]
+    (GQA: query head j reads group j // (heads / groups)) -> [B, heads, S, d_v]."""
+    gqa = key.shape[1] != query.shape[1]
+    rows = []
+    for row, row_spans in enumerate(spans):
+        parts = [
+            F.scaled_dot_product_attention(
+                query[row : row + 1, :, start:end],
+                key[row : row + 1, :, start:end],
+                value[row : row + 1, :, start:end],
+                dropout_p=dropout,
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            for start, end in row_spans
+        ]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+
+
+def document_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: torch.Tensor | None = None,
+    **unused: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [B, heads, S, d], key/value [B, groups, S, d]
+    -> ([B, S, heads, d], no weights); causal inside each sample (the module docstring)."""
+    if attention_mask is not None:
+        raise ValueError(f"{ATTENTION} takes per-sample position ids, not an attention mask")
+    for option in ("sliding_window", "softcap"):
+        if unused.get(option) is not None:
+            raise NotImplementedError(
+                f"this model's attention has a {option}, which learner.pack_sequences' "
+                "attention does not apply: set learner.pack_sequences = false"
+            )
+    dropout = dropout if module.training else 0.0
+    if position_ids is None or query.shape[2] == 1:
+        context = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=query.shape[2] > 1, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )  # fmt: skip
+        return context.transpose(1, 2).contiguous(), None
+    spans = sample_spans(position_ids == 0, key=position_ids)
+    if len(spans) != query.shape[0]:  # position ids shared by every row
+        spans = spans * query.shape[0]
+    context = attend_within_samples(query, key, value, spans, scale=scaling, dropout=dropout)
+    return context.transpose(1, 2).contiguous(), None
+
+
+def model_inputs(batch: MicroBatch) -> dict[str, torch.Tensor]:
+    """A Hugging Face decoder's keyword inputs for a micro-batch: the padding mask of
+    right-padded rows; for packed rows the per-sample position ids and no 2D mask: RoPE sees
+    each sample from position 0, and `document_attention` (installed with
+    learner.pack_sequences) keeps each sample to itself. (transformers' own attentions would
+    too, from the same position ids, through a dense block-diagonal mask.)"""
+    if batch.position_ids is None:
+        return {
+            "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "use_cache": False,
+        }  # fmt: skip
+    # No cache: with one, transformers would not look for packed samples in the positions.
+    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+
+
+def use_document_attention(model: torch.nn.Module) -> None:
+    """Make `document_attention` the attention of a Hugging Face model (and its submodels)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, document_attention)
+    model.set_attn_implementation(ATTENTION)
