@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,10 +38,40 @@ ServerArgv = Callable[[int, str, int], tuple[list[str], dict[str, str]]]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to 0, read, close)."""
+    """A TCP port that was free a moment ago, for a server that binds it later.
+
+    Picked at random outside the kernel's ephemeral range (`ip_local_port_range`): a port
+    the kernel handed out by binding 0 is one the next outgoing connection of any process
+    may take as its own local port before the server binds it (a learner rank's rendezvous
+    failed with EADDRINUSE that way while the other test worker made HTTP calls). Falls back
+    to binding 0 when no port outside the range is free."""
+    low, high = _ephemeral_range()
+    spans = [(lo, hi) for lo, hi in ((10_000, low - 1), (high + 1, 65_535)) if hi - lo >= 1000]
+    for _ in range(64) if spans else ():
+        lo, hi = _PORT_PICKS.choice(spans)
+        port = _PORT_PICKS.randint(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_PORT_PICKS = random.SystemRandom()
+"""Not the `random` module's state, which a seeded process shares with its seeded siblings."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux; IANA's elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49_152, 65_535
 
 
 def _die_with_parent() -> None:

@@ -1,5 +1,6 @@
 """Stopping what a run started in bounded time: `stop_all` stops every process at once, and
-`kill_survivors` kills by pid what outlived its grace, never a process that reused the pid."""
+`kill_survivors` kills by pid what outlived its grace, never a process that reused the pid;
+and the ports `free_port` hands the processes a run starts."""
 
 from __future__ import annotations
 
@@ -57,3 +58,19 @@ def test_kill_survivors_kills_what_outlived_its_grace_and_leaves_a_reused_pid_al
         for process in (exited, stuck, other):
             process.wait()
     assert start_time(stuck.pid) is None
+
+
+def test_a_free_port_is_bindable_and_outside_the_range_outgoing_connections_take():
+    import random
+    import socket
+
+    from streamrl.process import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    random.seed(0)  # a seeded process (every streamrl process seeds) still gets its own picks
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 15
+    for port in ports:
+        assert not low <= port <= high, (port, low, high)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
