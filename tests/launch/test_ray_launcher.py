@@ -276,7 +276,7 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
 def test_spread_places_engine_and_rollout_on_different_ray_nodes(tmp_path):
     from ray.cluster_utils import Cluster
 
-    # No dashboard: half the CPU of the start, and no fixed port (8265) to collide on.
+    # No dashboard web server: half the CPU of the start, no fixed port (8265) to collide on.
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
     )

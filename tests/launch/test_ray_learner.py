@@ -60,9 +60,10 @@ def megatron_dp2_config(tmp_path: Path, address: str, *, steps: int, save_interv
 
 
 NO_DASHBOARD = {"include_dashboard": False}
-"""A test cluster's head without Ray's dashboard, which the tests do not read: it doubles the
-CPU of a two-node start (5.1 s against 2.3), and its fixed port (8265) is the machine's: a
-head fails to start while another instance holds it."""
+"""A test cluster's head without the dashboard's web server, which the tests do not read: it
+doubles the CPU of a two-node start (5.0-5.2 s against 2.3), and its port (8265) is the
+machine's: a head fails to start while another Ray instance holds it. (Ray still starts a
+minimal dashboard process, which binds no such port.)"""
 
 WORKER_ENV = {"NCCL_SOCKET_IFNAME": "streamrl-test0"}
 """Set at the worker's `ray start` (what the runbook says to do on each node); gloo ignores it."""
