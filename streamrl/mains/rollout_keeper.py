@@ -71,9 +71,9 @@ class RolloutKeeper:
         self.model_path = model_path
         self.children = children
         self.saved_in_flight = saved_in_flight
+        """Groups a checkpoint saved in flight: continued first by the (next) process."""
         self.tokenizer_class = tokenizer_class
         self.limits = limits
-        """Groups a checkpoint saved in flight: continued first by the (next) process."""
         self.waiting = waiting
         self.process: ProcessHandle | None = None
         self.num_restarts = 0

@@ -60,9 +60,9 @@ class Trainer:
         self.children: list[ProcessHandle] = []
         self.supervisor = None
         self.early_rollout: ProcessHandle | None = None
+        """The first rollout process, started with the engines, until RolloutKeeper adopts it."""
         self.tokenizer_class = ""
         """The rollout's tokenizer class (`resolved_tokenizer_class`), resolved when it starts."""
-        """The first rollout process, started with the engines, until RolloutKeeper adopts it."""
         self.ranks = None
         self.leader = None
         self.filters = []
