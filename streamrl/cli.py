@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = commands.add_parser("_rollout", help="(internal) the rollout process of a run")
     rollout.add_argument("--run-dir", required=True)
     rollout.add_argument("--tokenizer", required=True, help="unless model.tokenizer is set")
+    rollout.add_argument("--tokenizer-class", default="", help="AutoTokenizer's choice for it")
     rollout.set_defaults(entry="streamrl.mains.rollout:rollout_command")
 
     follower = commands.add_parser("_learner", help="(internal) a learner rank > 0 of a run")

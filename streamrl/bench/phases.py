@@ -76,7 +76,12 @@ def generation_only(
 
 
 async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout_s):
-    from streamrl.mains.rollout import RolloutSpec, start_rollout
+    from streamrl.mains.rollout import (
+        RolloutSpec,
+        known_limits,
+        resolved_tokenizer_class,
+        start_rollout,
+    )
     from streamrl.process import LocalSpawner
     from streamrl.queues.buffer import FILTERS
     from streamrl.queues.receiver import StreamReceiver, UnlimitedCredits
@@ -97,6 +102,9 @@ async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout
     receiver = StreamReceiver(
         "tcp://127.0.0.1:0", credits=UnlimitedCredits(window), on_group=on_group
     )
+    # What the trainer hands a run's rollout process (it then imports no torch).
+    vocab_size, max_position_embeddings = known_limits(model_path)
+    tokenizer_class = resolved_tokenizer_class(cfg, model_path)
     readings = {}
     with anyio.fail_after(timeout_s):
         async with anyio.create_task_group() as tg:
@@ -109,8 +117,11 @@ async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout
                     engine_urls=fleet.urls,
                     router_url=fleet.router_url,
                     model_path=model_path,
+                    vocab_size=vocab_size,
+                    max_position_embeddings=max_position_embeddings,
                 ),
                 log_level="warning",
+                tokenizer_class=tokenizer_class,
             )
             try:
                 watch = anyio.CancelScope()

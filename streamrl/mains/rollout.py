@@ -66,6 +66,11 @@ class RolloutSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     resume_file: str = ""
     """msgpack list of `PartialGroup`s a checkpoint saved in flight, started before any new
     prompt; empty for none."""
+    vocab_size: int = 0
+    """The model's embedding rows (its config's `vocab_size`, `model_limits`); 0: the
+    rollout reads the config itself (transformers' config code imports torch)."""
+    max_position_embeddings: int = 0
+    """The model's context length (`model_limits`); read with `vocab_size`."""
 
 
 def write_spec(run_dir: Path, spec: RolloutSpec) -> Path:
@@ -89,28 +94,69 @@ def read_resume(spec: RolloutSpec) -> list[PartialGroup]:
 
 
 def start_rollout(
-    spawner: Spawner, run_dir: Path, spec: RolloutSpec, *, log_level: str
+    spawner: Spawner, run_dir: Path, spec: RolloutSpec, *, log_level: str, tokenizer_class: str = ""
 ) -> ProcessHandle:
-    """Write the spec and start the rollout process through `spawner` (log: logs/rollout.log)."""
+    """Write the spec and start the rollout process through `spawner` (log: logs/rollout.log);
+    `tokenizer_class` as for `spawn_rollout`."""
     write_spec(run_dir, spec)
-    return _spawn(spawner, run_dir, tokenizer=spec.model_path, log_level=log_level)
+    return _spawn(
+        spawner, run_dir, tokenizer=spec.model_path, tokenizer_class=tokenizer_class,
+        log_level=log_level,
+    )  # fmt: skip
 
 
-def spawn_rollout(spawner: Spawner, run_dir: Path, *, tokenizer: str, log_level: str):
+def spawn_rollout(
+    spawner: Spawner, run_dir: Path, *, tokenizer: str, log_level: str, tokenizer_class: str = ""
+):
     """Start the rollout process before its spec exists: it loads `tokenizer` (the model
     path, unless `model.tokenizer` names another) and waits for `write_spec`. A spec left
-    by an earlier start is removed first."""
+    by an earlier start is removed first. `tokenizer_class`: `resolved_tokenizer_class` of
+    the tokenizer the process loads, or empty (it resolves the class itself)."""
     (run_dir / SPEC_FILE).unlink(missing_ok=True)
-    return _spawn(spawner, run_dir, tokenizer=tokenizer, log_level=log_level)
-
-
-def _spawn(spawner: Spawner, run_dir: Path, *, tokenizer: str, log_level: str):
-    argv = ["--log-level", log_level, "_rollout", "--run-dir", str(run_dir)]
-    return spawner.spawn(
-        "rollout",
-        streamrl_argv(*argv, "--tokenizer", tokenizer),
-        log_path=run_dir / "logs" / "rollout.log",
+    return _spawn(
+        spawner, run_dir, tokenizer=tokenizer, tokenizer_class=tokenizer_class, log_level=log_level
     )
+
+
+def _spawn(
+    spawner: Spawner, run_dir: Path, *, tokenizer: str, tokenizer_class: str, log_level: str
+):
+    argv = ["--log-level", log_level, "_rollout", "--run-dir", str(run_dir)]
+    argv += ["--tokenizer", tokenizer]
+    if tokenizer_class:
+        argv += ["--tokenizer-class", tokenizer_class]
+    return spawner.spawn("rollout", streamrl_argv(*argv), log_path=run_dir / "logs" / "rollout.log")
+
+
+def resolved_tokenizer_class(cfg: RunConfig, model_path: str) -> str:
+    """The class name of the tokenizer the rollout process loads for `model_path` (the one
+    `model.tokenizer` names, if any), resolved here by `AutoTokenizer`: the process then
+    loads that class directly (`load_tokenizer`'s `resolved_class`). Empty when it does not
+    load here: the process resolves it, and reports what fails, itself."""
+    from streamrl.models import load_tokenizer
+
+    try:
+        return type(load_tokenizer(cfg.model.tokenizer or model_path)).__name__
+    except Exception:
+        return ""
+
+
+def model_limits(model_path: str) -> tuple[int, int]:
+    """The model's embedding rows and context length (2**31 - 1 when its config names none):
+    what `RolloutSpec.vocab_size` and `max_position_embeddings` carry."""
+    from streamrl.models import model_config
+
+    config = model_config(model_path)
+    return int(config.vocab_size), int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
+
+
+def known_limits(model_path: str) -> tuple[int, int]:
+    """`model_limits` read by the trainer for the spec; (0, 0) when they do not read here: the
+    rollout process reads them, and reports what fails, itself."""
+    try:
+        return model_limits(model_path)
+    except Exception:
+        return 0, 0
 
 
 FATAL_ACK_TIMEOUT_S = 30.0
@@ -131,7 +177,9 @@ def rollout_command(args) -> int:
     parent = os.getppid()
     run_dir = Path(args.run_dir)
     cfg = load_config(run_dir / "config.toml")
-    tokenizer = load_tokenizer(cfg.model.tokenizer or args.tokenizer)
+    tokenizer = load_tokenizer(
+        cfg.model.tokenizer or args.tokenizer, resolved_class=args.tokenizer_class
+    )
     if not (run_dir / SPEC_FILE).exists():
         log.info("tokenizer loaded; waiting for %s", run_dir / SPEC_FILE)
     while not (run_dir / SPEC_FILE).exists():
@@ -189,7 +237,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
     except ValueError as exc:  # the message names the key
         raise ConfigError(str(exc)) from exc
     engines = EngineSet(spec.engine_urls, router_url=spec.router_url or None)
-    engines.set_limits(await _request_limits(engines, spec.model_path))
+    engines.set_limits(await _request_limits(engines, spec))
     if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
         engines.route_to_adapters(lambda: sender.version)  # the adapter of each version
     configure = getattr(generate_fn, "configure", None)
@@ -296,14 +344,14 @@ def _look_at(cfg: RunConfig, failure: Failure) -> str:
     return "; ".join(keys)
 
 
-async def _request_limits(engines, model_path: str):
+async def _request_limits(engines, spec: RolloutSpec):
     """What the engines accept (`streamrl.fleet.limits`): the model's embedding rows and the
     smallest context length an engine reports."""
-    from streamrl.models import model_config
-
-    config = await anyio.to_thread.run_sync(model_config, model_path)
-    model_max = int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
-    return await engines.read_limits(vocab_size=int(config.vocab_size), model_max=model_max)
+    if spec.vocab_size:
+        vocab_size, model_max = spec.vocab_size, spec.max_position_embeddings
+    else:
+        vocab_size, model_max = await anyio.to_thread.run_sync(model_limits, spec.model_path)
+    return await engines.read_limits(vocab_size=vocab_size, model_max=model_max)
 
 
 def _gateway(cfg: RunConfig, generate_fn) -> contextlib.AbstractAsyncContextManager:

@@ -55,9 +55,13 @@ class RolloutKeeper:
         children: list[ProcessHandle],
         saved_in_flight: list[PartialGroup],
         waiting: ProcessHandle | None = None,
+        tokenizer_class: str = "",
+        limits: tuple[int, int] = (0, 0),
     ) -> None:
         """`children`: the trainer's list of processes to stop, which this keeps current;
-        `waiting`: a rollout process already started, waiting for its spec."""
+        `waiting`: a rollout process already started, waiting for its spec;
+        `tokenizer_class` and `limits` (`resolved_tokenizer_class`, `known_limits`) spare
+        each process the transformers code that imports torch."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.spawner = spawner
@@ -68,6 +72,8 @@ class RolloutKeeper:
         self.children = children
         self.saved_in_flight = saved_in_flight
         """Groups a checkpoint saved in flight: continued first by the (next) process."""
+        self.tokenizer_class = tokenizer_class
+        self.limits = limits
         self.waiting = waiting
         self.process: ProcessHandle | None = None
         self.num_restarts = 0
@@ -92,6 +98,8 @@ class RolloutKeeper:
             position=position_after(done, since=self.loop.start_position),
             start_version=self.loop.version,
             resume_file=resume_file,
+            vocab_size=self.limits[0],
+            max_position_embeddings=self.limits[1],
         )
         if self.waiting is not None:
             # Started with the engines and waiting for its spec (if it died meanwhile,
@@ -100,8 +108,9 @@ class RolloutKeeper:
             write_spec(self.run_dir, spec)
             return
         self.process = start_rollout(
-            self.spawner, self.run_dir, spec, log_level=self.cfg.logging.level
-        )
+            self.spawner, self.run_dir, spec, log_level=self.cfg.logging.level,
+            tokenizer_class=self.tokenizer_class,
+        )  # fmt: skip
         self.children.append(self.process)
 
     async def keep_alive(self, scope: anyio.CancelScope) -> None:

@@ -39,7 +39,7 @@ from streamrl.config import RunConfig
 from streamrl.mains.errors import RolloutFatal, RunError
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
-from streamrl.mains.rollout import spawn_rollout
+from streamrl.mains.rollout import known_limits, resolved_tokenizer_class, spawn_rollout
 from streamrl.mains.rollout_keeper import RolloutKeeper
 from streamrl.mains.run_dir import initial_model, load_user_code, metrics_writer, prepare_run_dir
 from streamrl.metrics import MetricsWriter
@@ -61,6 +61,8 @@ class Trainer:
         self.supervisor = None
         self.early_rollout: ProcessHandle | None = None
         """The first rollout process, started with the engines, until RolloutKeeper adopts it."""
+        self.tokenizer_class = ""
+        """The rollout's tokenizer class (`resolved_tokenizer_class`), resolved when it starts."""
         self.ranks = None
         self.leader = None
         self.filters = []
@@ -245,9 +247,11 @@ class Trainer:
             spawner=self.spawner,
         )
         self.supervisor.spawn()
+        self.tokenizer_class = resolved_tokenizer_class(self.cfg, model_path)
         self.early_rollout = spawn_rollout(
-            self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level
-        )
+            self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level,
+            tokenizer_class=self.tokenizer_class,
+        )  # fmt: skip
         self.children.append(self.early_rollout)
 
     async def _build_backend_while_engines_load(self, device, dtype, *, build_learner: bool):
@@ -338,6 +342,8 @@ class Trainer:
             children=self.children,
             saved_in_flight=list(saved.in_flight) if saved is not None else [],
             waiting=self.early_rollout,
+            tokenizer_class=self.tokenizer_class,
+            limits=known_limits(model_path),
         )
         self.early_rollout = None
         return keeper

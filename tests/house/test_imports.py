@@ -27,3 +27,18 @@ def test_streamrl_help_loads_no_heavy_package():
         "try:\n    build_parser().parse_args(['--help'])\nexcept SystemExit:\n    pass"
     )
     assert not loaded & set(HEAVY)
+
+
+def test_the_rollout_process_loads_its_code_and_tokenizer_without_torch(tiny_model_dir):
+    """Given the tokenizer class and the model's limits the trainer resolved, the rollout
+    process (`streamrl.mains.rollout` and what it imports to serve) needs no torch, which
+    transformers' AutoTokenizer and AutoConfig import: about 1 s of CPU per start."""
+    loaded = loaded_after(
+        "from streamrl.cli import main\nfrom streamrl.mains import rollout\n"
+        "import streamrl.actors.evaluator, streamrl.actors.rollout, streamrl.agents.api\n"
+        "import streamrl.data.source, streamrl.fleet.engine_set, streamrl.queues.sender\n"
+        "import streamrl.rewards, streamrl.actors.failures, streamrl.data.rows\n"
+        "from streamrl.models import load_tokenizer\n"
+        f"load_tokenizer({tiny_model_dir!r}, resolved_class='TokenizersBackend')"
+    )
+    assert "transformers" in loaded and "torch" not in loaded

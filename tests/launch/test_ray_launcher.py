@@ -170,56 +170,6 @@ def test_a_ray_run_without_ray_installed_names_the_install_command(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
-# ---------------------------------------------------------------- the ProcessHost actor
-
-
-@pytest.fixture
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-def start_host(tmp_path: Path, code: str) -> RayProcess:
-    host = ray.remote(ProcessHost).options(num_cpus=0).remote("probe")
-    node = ray.get(host.node.remote())
-    log_path = tmp_path / "probe.log"
-    pid = ray.get(host.start.remote([sys.executable, "-c", code], {}, str(log_path), str(tmp_path)))
-    return RayProcess("probe", host, pid, node, log_path)
-
-
-def test_a_process_host_reports_exit_code_and_log_tail_and_stop_leaves_no_process(
-    local_ray, tmp_path
-):
-    short = start_host(tmp_path, "print('hello from the node'); raise SystemExit(3)")
-    assert short.wait() == 3
-    assert short.poll() == 3 and not short.is_alive()
-    assert "hello from the node" in short.log_tail()
-    assert short.placement["node_ip"] == ray.util.get_node_ip_address()
-
-    long = start_host(tmp_path, "import time; print('up', flush=True); time.sleep(600)")
-    assert long.is_alive()
-    wait_until(lambda: "up" in long.log_tail(), what="the child's first line")
-    assert long.stop(timeout_s=5.0) == -signal.SIGTERM
-    assert is_gone(long.pid)
-    with pytest.raises(subprocess.TimeoutExpired):
-        start_host(tmp_path, "import time; time.sleep(600)").wait(timeout_s=0.2)
-
-
-def test_a_killed_actor_takes_its_process_with_it(local_ray, tmp_path):
-    process = start_host(tmp_path, "import time; time.sleep(600)")
-    actor_pid = process.placement["actor_pid"]
-    ray.kill(process._host)
-    wait_until(lambda: is_gone(process.pid), what="the child of the killed actor to exit")
-    # Ray's worker may end its children before it exits itself: the actor can outlive the
-    # child by a moment (seen in CI), so wait for it too.
-    wait_until(lambda: is_gone(actor_pid), what="the killed actor's process to exit")
-    assert process.poll() == LOST_EXIT_CODE
-    assert "out of reach" in process.log_tail()
-
-
 # ---------------------------------------------------------------- streamrl run
 
 
@@ -326,7 +276,10 @@ def test_a_ray_run_places_engines_and_rollout_in_actors_restarts_a_killed_engine
 def test_spread_places_engine_and_rollout_on_different_ray_nodes(tmp_path):
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # No dashboard web server: half the CPU of the start, no fixed port (8265) to collide on.
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+    )
     try:
         cluster.add_node(num_cpus=2)  # room for both bundles: PACK would share a node
         cluster.wait_for_nodes()
@@ -340,3 +293,55 @@ def test_spread_places_engine_and_rollout_on_different_ray_nodes(tmp_path):
         wait_all_gone(placed_pids(placed), timeout_s=30)
     finally:
         cluster.shutdown()
+
+
+# ---------------------------------------------------------------- the ProcessHost actor
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One Ray instance in this process for the ProcessHost tests, the last of the module (a
+    start is 3 s of CPU)."""
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def start_host(tmp_path: Path, code: str) -> RayProcess:
+    host = ray.remote(ProcessHost).options(num_cpus=0).remote("probe")
+    node = ray.get(host.node.remote())
+    log_path = tmp_path / "probe.log"
+    pid = ray.get(host.start.remote([sys.executable, "-c", code], {}, str(log_path), str(tmp_path)))
+    return RayProcess("probe", host, pid, node, log_path)
+
+
+def test_a_process_host_reports_exit_code_and_log_tail_and_stop_leaves_no_process(
+    local_ray, tmp_path
+):
+    short = start_host(tmp_path, "print('hello from the node'); raise SystemExit(3)")
+    assert short.wait() == 3
+    assert short.poll() == 3 and not short.is_alive()
+    assert "hello from the node" in short.log_tail()
+    assert short.placement["node_ip"] == ray.util.get_node_ip_address()
+
+    long = start_host(tmp_path, "import time; print('up', flush=True); time.sleep(600)")
+    assert long.is_alive()
+    wait_until(lambda: "up" in long.log_tail(), what="the child's first line")
+    assert long.stop(timeout_s=5.0) == -signal.SIGTERM
+    assert is_gone(long.pid)
+    with pytest.raises(subprocess.TimeoutExpired):
+        start_host(tmp_path, "import time; time.sleep(600)").wait(timeout_s=0.2)
+
+
+def test_a_killed_actor_takes_its_process_with_it(local_ray, tmp_path):
+    process = start_host(tmp_path, "import time; time.sleep(600)")
+    actor_pid = process.placement["actor_pid"]
+    ray.kill(process._host)
+    wait_until(lambda: is_gone(process.pid), what="the child of the killed actor to exit")
+    # Ray's worker may end its children before it exits itself: the actor can outlive the
+    # child by a moment (seen in CI), so wait for it too.
+    wait_until(lambda: is_gone(actor_pid), what="the killed actor's process to exit")
+    assert process.poll() == LOST_EXIT_CODE
+    assert "out of reach" in process.log_tail()

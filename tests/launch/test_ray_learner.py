@@ -59,20 +59,53 @@ def megatron_dp2_config(tmp_path: Path, address: str, *, steps: int, save_interv
     return path
 
 
+NO_DASHBOARD = {"include_dashboard": False}
+"""A test cluster's head without the dashboard's web server, which the tests do not read: it
+doubles the CPU of a two-node start (5.0-5.2 s against 2.3), and its port (8265) is the
+machine's: a head fails to start while another Ray instance holds it. (Ray still starts a
+minimal dashboard process, which binds no such port.)"""
+
 WORKER_ENV = {"NCCL_SOCKET_IFNAME": "streamrl-test0"}
 """Set at the worker's `ray start` (what the runbook says to do on each node); gloo ignores it."""
 
 
-def two_node_cluster():
-    """Head: the driver (rank 0), the engine and the rollout; worker: learner rank 1."""
-    from ray.cluster_utils import Cluster
+class TwoNodes:
+    """A simulated two-node cluster. Head: the driver (rank 0), the engine and the rollout;
+    worker: learner rank 1 (resource `learner_node`, environment `WORKER_ENV`)."""
 
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"engine_node": 2}}
-    )
-    worker = cluster.add_node(num_cpus=1, resources={"learner_node": 1}, env_vars=WORKER_ENV)
-    cluster.wait_for_nodes()
-    return cluster, worker
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"engine_node": 2}, **NO_DASHBOARD})  # fmt: skip
+        self.worker = self._add_worker()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def _add_worker(self):
+        worker = self.cluster.add_node(
+            num_cpus=1, resources={"learner_node": 1}, env_vars=WORKER_ENV
+        )
+        self.cluster.wait_for_nodes()
+        return worker
+
+    def replace_worker(self) -> None:
+        """The worker node removed and a new one of the same shape added in its place."""
+        self.cluster.remove_node(self.worker)
+        self.worker = self._add_worker()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """One two-node cluster for the module's runs on Ray (each run leaves it as it found it:
+    the test checks that every placed process is gone), started once."""
+    nodes = TwoNodes()
+    try:
+        yield nodes
+    finally:
+        nodes.cluster.shutdown()
 
 
 def rank_nodes(out: Path) -> list[dict]:
@@ -141,7 +174,7 @@ def test_ray_keeps_each_tensor_parallel_group_on_one_node_or_refuses_the_placeme
 
     from streamrl.launch.ray.spawner import RayLaunchError, RaySpawner
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **NO_DASHBOARD})
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
@@ -184,88 +217,78 @@ def test_ray_keeps_each_tensor_parallel_group_on_one_node_or_refuses_the_placeme
 
 
 @pytest.mark.slow
-def test_megatron_at_dp2_trains_with_one_rank_on_each_of_two_ray_nodes(tmp_path):
-    cluster, _ = two_node_cluster()
+def test_megatron_at_dp2_trains_with_one_rank_on_each_of_two_ray_nodes(two_nodes, tmp_path):
     out = tmp_path / "out"
+    steps = 3
+    process = start_run(megatron_dp2_config(tmp_path, two_nodes.address, steps=steps))
     try:
-        steps = 3
-        process = start_run(megatron_dp2_config(tmp_path, cluster.address, steps=steps))
-        try:
-            wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
-            environ = Path(f"/proc/{rank_nodes(out)[1]['pid']}/environ").read_bytes().split(b"\0")
-            summary = check_finished_run(process, out, steps)
-        finally:
-            process.kill()
-        assert set(summary["engine_versions"].values()) == {steps}
-        ranks = rank_nodes(out)
-        print("learner ranks:", json.dumps(ranks))
-        print("summary:", {k: summary[k] for k in ("steps", "accounting_ok", "engine_versions")})
-        assert [r["rank"] for r in ranks] == [0, 1]
-        assert ranks[0]["node_id"] != ranks[1]["node_id"]
-        placed = json.loads((out / "ray.json").read_text())
-        assert placed["learner_ranks"][1]["node_id"] == ranks[1]["node_id"]
-        assert placed["nodes"]["engine-0"]["node_id"] == ranks[0]["node_id"]  # engine_node
-        assert placed["learner_bundles"] == [{"CPU": 1.0, "learner_node": 1.0}]
-        # The rank's environment is its node's (set at `ray start`), plus its own place.
-        assert b"NCCL_SOCKET_IFNAME=streamrl-test0" in environ
-        assert f"STREAMRL_NODE_IP={ranks[1]['node_ip']}".encode() in environ
-        assert b"RANK=1" in environ and b"WORLD_SIZE=2" in environ
-        rank1_log = (out / "logs" / "learner-rank1.log").read_text()
-        assert f"learner rank 1 of 2 joined {placed['driver']['node_ip']}:" in rank1_log
-        assert f"(streamrl from {WORKTREE / 'streamrl'})" in rank1_log  # this checkout's code
-        assert [r["train/grad_norm"] > 0 for r in step_records(out)] == [True] * steps
-        wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
-        assert streamrl_processes(str(tmp_path)) == []
+        wait_for(lambda: len(step_records(out)) >= 1, process, "the first step")
+        environ = Path(f"/proc/{rank_nodes(out)[1]['pid']}/environ").read_bytes().split(b"\0")
+        summary = check_finished_run(process, out, steps)
     finally:
-        cluster.shutdown()
+        process.kill()
+    assert set(summary["engine_versions"].values()) == {steps}
+    ranks = rank_nodes(out)
+    print("learner ranks:", json.dumps(ranks))
+    print("summary:", {k: summary[k] for k in ("steps", "accounting_ok", "engine_versions")})
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["node_id"] != ranks[1]["node_id"]
+    placed = json.loads((out / "ray.json").read_text())
+    assert placed["learner_ranks"][1]["node_id"] == ranks[1]["node_id"]
+    assert placed["nodes"]["engine-0"]["node_id"] == ranks[0]["node_id"]  # engine_node
+    assert placed["learner_bundles"] == [{"CPU": 1.0, "learner_node": 1.0}]
+    # The rank's environment is its node's (set at `ray start`), plus its own place.
+    assert b"NCCL_SOCKET_IFNAME=streamrl-test0" in environ
+    assert f"STREAMRL_NODE_IP={ranks[1]['node_ip']}".encode() in environ
+    assert b"RANK=1" in environ and b"WORLD_SIZE=2" in environ
+    rank1_log = (out / "logs" / "learner-rank1.log").read_text()
+    assert f"learner rank 1 of 2 joined {placed['driver']['node_ip']}:" in rank1_log
+    assert f"(streamrl from {WORKTREE / 'streamrl'})" in rank1_log  # this checkout's code
+    assert [r["train/grad_norm"] > 0 for r in step_records(out)] == [True] * steps
+    wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
+    assert streamrl_processes(str(tmp_path)) == []
 
 
 @pytest.mark.slow
 def test_a_killed_learner_actor_stops_the_run_naming_its_node_and_a_resume_on_another_node_completes(
-    tmp_path,
+    two_nodes, tmp_path
 ):
-    cluster, worker = two_node_cluster()
     out = tmp_path / "out"
     steps = 4
-    config_path = megatron_dp2_config(tmp_path, cluster.address, steps=steps, save_interval=1)
+    config_path = megatron_dp2_config(tmp_path, two_nodes.address, steps=steps, save_interval=1)
+    process = start_run(config_path)
     try:
-        process = start_run(config_path)
-        try:
-            wait_for(lambda: (out / "checkpoints" / "step_000001").exists(), process, "a ckpt")
-            placed = json.loads((out / "ray.json").read_text())
-            victim = placed["nodes"]["learner-rank1"]
-            os.kill(victim["actor_pid"], signal.SIGKILL)
-            assert process.wait(timeout=120) == 1
-            stderr = process.stderr.read()
-        finally:
-            process.kill()
-        message = stderr[stderr.index("streamrl: learner rank 1") :]
-        print(message.split("Last lines")[0])
-        assert f"Ray node {victim['node_id']} at {victim['node_ip']}" in message
-        latest = sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1]
-        assert f"The last checkpoint is {out / 'checkpoints' / latest} (step " in message
-        assert "--resume" in message
-        assert "Traceback" not in stderr
-        wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
-        assert streamrl_processes(str(tmp_path)) == []
-
-        cluster.remove_node(worker)  # the resume lands on a node the first run never saw
-        cluster.add_node(num_cpus=1, resources={"learner_node": 1})
-        cluster.wait_for_nodes()
-        result = streamrl_run(config_path, "--resume", timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["accounting_ok"] and summary["steps"] == steps
-        assert set(summary["engine_versions"].values()) == {steps}
-        ranks = rank_nodes(out)
-        print("resumed:", json.dumps(ranks), {k: summary[k] for k in ("steps", "accounting_ok")})
-        assert ranks[1]["node_id"] not in (victim["node_id"], ranks[0]["node_id"])
-        resumed = [r["step"] for r in step_records(out)]
-        assert resumed[-1] == steps and int(latest.removeprefix("step_")) + 1 in resumed
-        wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
-        assert streamrl_processes(str(tmp_path)) == []
+        wait_for(lambda: (out / "checkpoints" / "step_000001").exists(), process, "a ckpt")
+        placed = json.loads((out / "ray.json").read_text())
+        victim = placed["nodes"]["learner-rank1"]
+        os.kill(victim["actor_pid"], signal.SIGKILL)
+        assert process.wait(timeout=120) == 1
+        stderr = process.stderr.read()
     finally:
-        cluster.shutdown()
+        process.kill()
+    message = stderr[stderr.index("streamrl: learner rank 1") :]
+    print(message.split("Last lines")[0])
+    assert f"Ray node {victim['node_id']} at {victim['node_ip']}" in message
+    latest = sorted(p.name for p in (out / "checkpoints").glob("step_*"))[-1]
+    assert f"The last checkpoint is {out / 'checkpoints' / latest} (step " in message
+    assert "--resume" in message
+    assert "Traceback" not in stderr
+    wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
+    assert streamrl_processes(str(tmp_path)) == []
+
+    two_nodes.replace_worker()  # the resume lands on a node the first run never saw
+    result = streamrl_run(config_path, "--resume", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accounting_ok"] and summary["steps"] == steps
+    assert set(summary["engine_versions"].values()) == {steps}
+    ranks = rank_nodes(out)
+    print("resumed:", json.dumps(ranks), {k: summary[k] for k in ("steps", "accounting_ok")})
+    assert ranks[1]["node_id"] not in (victim["node_id"], ranks[0]["node_id"])
+    resumed = [r["step"] for r in step_records(out)]
+    assert resumed[-1] == steps and int(latest.removeprefix("step_")) + 1 in resumed
+    wait_until(lambda: all(is_gone(pid) for pid in placed_pids(out)), what="placed processes")
+    assert streamrl_processes(str(tmp_path)) == []
 
 
 @pytest.mark.slow

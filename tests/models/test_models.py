@@ -167,3 +167,25 @@ def test_random_models_fall_back_to_a_byte_tokenizer_without_smollm2(monkeypatch
     assert tokenizer.eos_token_id == 2
     ids = tokenizer.encode("héllo")
     assert tokenizer.decode(ids) == "héllo" and max(ids) < 259
+
+
+@pytest.mark.parametrize("source", ["random:qwen3-tiny", "qwen3 dir", "llama dir"])
+def test_the_class_autotokenizer_resolved_loads_the_same_tokenizer_without_it(
+    source, tiny_model_dir, tiny_llama_dir
+):
+    """What the rollout process does with the class the trainer resolved (it then imports no
+    torch): the same class, files, settings and outputs as AutoTokenizer's."""
+    path = {"qwen3 dir": tiny_model_dir, "llama dir": tiny_llama_dir}.get(source, source)
+    auto = models.load_tokenizer(path)
+    direct = models.load_tokenizer(path, resolved_class=type(auto).__name__)
+    assert type(auto).__name__ == models.FAST_TOKENIZER_CLASS and type(direct) is type(auto)
+    assert direct.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert direct.init_kwargs == auto.init_kwargs
+    public = {k: v for k, v in vars(auto).items() if not k.startswith("_")}
+    assert {k: v for k, v in vars(direct).items() if not k.startswith("_")} == public
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    rendered = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert direct.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == rendered
+    ids = auto.encode(rendered + " héllo wörld 123")
+    assert direct.encode(rendered + " héllo wörld 123") == ids
+    assert direct.decode(ids) == auto.decode(ids)

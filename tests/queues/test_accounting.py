@@ -27,6 +27,18 @@ def test_a_consistent_stream_has_no_problems():
     }
 
 
+def test_a_group_that_arrives_after_the_last_report_is_received_not_in_flight():
+    """Seen at the end of runs (summary: started 10 = trained 6 + buffered 4, and 1 in
+    flight): seq 9 was in flight at the worker's last report and arrived before the stop."""
+    accounting = Accounting(received=set(range(9)))
+    accounting.on_trained(range(6))
+    accounting.on_report(state(next_seq=10, in_flight=[9]))
+    assert accounting.in_flight == 1 and accounting.num_started == 10
+    accounting.received.add(9)
+    assert accounting.problems(buffered=[6, 7, 8, 9]) == []
+    assert accounting.in_flight == 0 and accounting.num_started == 10
+
+
 def test_a_started_prompt_neither_received_nor_in_flight_is_a_problem():
     accounting = Accounting(received={0, 1, 2, 3, 4})
     accounting.on_trained([0, 1, 2, 3, 4])
