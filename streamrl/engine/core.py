@@ -68,8 +68,9 @@ class Request:
     on_tokens: Callable[[list[int], list[float], list[str]], None] | None = None
     """Streaming: called on the caller's event loop with the output tokens (ids, logprobs,
     versions) produced since its previous call, after each output token that SGLang's
-    interval rule marks (token k when k % stream_interval == 1; every token at 1). Tokens
-    after the last mark come only in the final `Output`. None: only the final `Output`."""
+    interval rule marks (token k when k % stream_interval == 1; every token at 1), except
+    the token that ends the request: it, and any after the last mark, come only in the
+    final `Output`. None: only the final `Output`."""
     stream_interval: int = 1
 
 

@@ -193,6 +193,26 @@ async def test_a_streamed_request_gets_its_tokens_in_batches_at_the_marked_token
     assert all(vers == ["default"] * len(vers) for _, _, vers in batches)
 
 
+async def test_the_token_that_ends_a_streamed_request_comes_only_in_its_output(tiny_model_dir):
+    """Over 9 tokens the interval rule at 4 marks 1, 5 and 9, but the 9th ends the request:
+    its final Output carries it, so a stream never sends the last token twice (once as
+    running, once as final) however the two race to the HTTP thread."""
+    batches = []
+    params = SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True, seed=5)
+    request = Request(
+        "s",
+        prompts(1)[0],
+        params,
+        on_tokens=lambda ids, lps, vers: batches.append(ids),
+        stream_interval=4,
+    )
+    with running_engine(tiny_model_dir) as engine:
+        (output,) = await engine.generate([request])
+    assert [len(ids) for ids in batches] == [1, 4]
+    assert [t for ids in batches for t in ids] == output.output_ids[:5]
+    assert len(output.output_ids) == 9
+
+
 # -- stopping --------------------------------------------------------------------
 
 

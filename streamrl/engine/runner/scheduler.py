@@ -226,11 +226,11 @@ class Scheduler:
         seq.logprobs.append(logprob)
         seq.versions.append(version)
         self.stats["generated_tokens"] += 1
-        if seq.on_token is not None:
-            seq.on_token(token, logprob, version)
         reason = finish_reason_after_append(seq, token, self.eos_token_ids, self.max_seq_len)
         if reason is not None:
-            self._finish(seq, reason)
+            self._finish(seq, reason)  # the final output carries the last token to a stream
+        elif seq.on_token is not None:
+            seq.on_token(token, logprob, version)
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
         if seq.status is Status.RUNNING:
