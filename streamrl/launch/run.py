@@ -13,8 +13,12 @@ started, also on Ctrl-C, SIGTERM or a failure.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 import anyio
@@ -35,9 +39,10 @@ def run_command(args) -> int:
     # Both signals raise KeyboardInterrupt in the main thread. Left to asyncio, Ctrl-C would
     # cancel the main task instead, and a cancellation absorbed on its way out (a shielded
     # scope finishing cleanup) can end the run as if it had completed: exit 0, not 130.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
     trainer = Trainer(cfg, resume=args.resume)
+    interrupt = _Interrupt(trainer)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         try:
             summary = anyio.run(run_trainer, trainer)
@@ -81,8 +86,44 @@ def _first_known(group: BaseExceptionGroup) -> BaseException | None:
     return None
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class _Interrupt:
+    """The SIGTERM / SIGINT handler: raises KeyboardInterrupt in the main thread, and the
+    first time starts a watchdog. If the run is still stopping `STOP_GRACE_S` later, the
+    watchdog prints every thread's stack (what held the exit), stops the children itself,
+    and ends the process with 130: an interrupted run never hangs (one was seen still
+    stopping 60 s after a SIGTERM on a loaded machine)."""
+
+    STOP_GRACE_S = 40.0
+    FORCED_STOP_S = 15.0
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.watchdog: threading.Thread | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.watchdog is None:
+            self.watchdog = threading.Thread(target=self._watch, name="stop-watchdog", daemon=True)
+            self.watchdog.start()
+        raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        time.sleep(self.STOP_GRACE_S)
+        print(
+            f"streamrl: still stopping {self.STOP_GRACE_S:.0f} s after the interrupt; "
+            "every thread's stack:",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        stopper = threading.Thread(target=self.trainer.stop, name="forced-stop", daemon=True)
+        stopper.start()
+        stopper.join(self.FORCED_STOP_S)
+        if stopper.is_alive():
+            message = f"the forced stop did not finish in {self.FORCED_STOP_S:.0f} s; processes may remain"
+        else:
+            message = "every process stopped (by the watchdog)"
+        print(f"streamrl: interrupted; {message}", file=sys.stderr, flush=True)
+        os._exit(130)
 
 
 async def run(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:

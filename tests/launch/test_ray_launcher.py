@@ -204,7 +204,13 @@ def test_sigterm_stops_a_ray_run_and_every_placed_process(tmp_path):
             trainer_niceness
         ] * len(running)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 130
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            tail = process.stderr.read()[-6000:]
+            pytest.fail(f"the run was still going 60 s after SIGTERM; its stderr ends:\n{tail}")
+        assert code == 130
     finally:
         process.kill()
     assert "interrupted; every process stopped" in process.stderr.read()

@@ -74,3 +74,39 @@ def test_a_free_port_is_bindable_and_outside_the_range_outgoing_connections_take
         assert not low <= port <= high, (port, low, high)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", ports.pop()))
+
+
+HUNG_RUN = """
+import signal, sys, threading
+from streamrl.launch.run import _Interrupt
+
+class Trainer:
+    def stop(self):
+        print("children stopped", file=sys.stderr, flush=True)
+
+_Interrupt.STOP_GRACE_S = 0.5
+signal.signal(signal.SIGTERM, _Interrupt(Trainer()))
+print("ready", flush=True)
+try:
+    threading.Event().wait()
+except KeyboardInterrupt:
+    threading.Event().wait()  # a stop that never ends, as a thread holding the exit would
+"""
+
+
+def test_a_run_whose_stop_hangs_after_sigterm_is_ended_by_the_watchdog_with_its_stacks():
+    process = subprocess.Popen(
+        [sys.executable, "-c", HUNG_RUN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 130
+    finally:
+        process.kill()
+    stderr = process.stderr.read()
+    assert "still stopping 0 s after the interrupt; every thread's stack:" in stderr
+    assert "threading.py" in stderr  # the dumped stacks
+    assert "children stopped" in stderr
+    assert "interrupted; every process stopped (by the watchdog)" in stderr
