@@ -86,8 +86,8 @@ class Trainer:
 
 _Interrupt.STOP_GRACE_S = 0.5
 signal.signal(signal.SIGTERM, _Interrupt(Trainer()))
-print("ready", flush=True)
-try:
+try:  # ready only inside: a SIGTERM before the try would end the script as an interrupt
+    print("ready", flush=True)
     threading.Event().wait()
 except KeyboardInterrupt:
     threading.Event().wait()  # a stop that never ends, as a thread holding the exit would
