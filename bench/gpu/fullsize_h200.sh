@@ -4,7 +4,8 @@
 #
 #   fetch                (CPU machine, not a device call) download sglang-router 0.3.2's wheel
 #                        into .router-whl/ (30 MB: it cannot travel beside the 44 MiB SGLang
-#                        bundle, so a later call carries it alone)
+#                        bundle, so a later call carries it alone) and torch_memory_saver's
+#                        into .whl/ (run bench/gpu/fetch_wheels.sh first)
 #   async4b OUT          carry .sgl .whl: draw the Qwen3-4B shape in bf16 on the GPU into
 #                        /tmp/qwen3-4b, `streamrl run bench/configs/gpu_fullsize_async4b.toml`
 #                        (SGLang + Megatron on GPU 0, async, max_staleness 1, responses of
@@ -32,7 +33,11 @@ cd "$(dirname "$0")/../.."
 if [ "$PART" = fetch ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .router-whl sglang-router==0.3.2 && du -sh .router-whl && ls .router-whl
+    -d .router-whl sglang-router==0.3.2 && du -sh .router-whl && ls .router-whl || exit 1
+  # SGLang's --enable-memory-saver (colocated8b) imports torch_memory_saver, which the bundle
+  # lacks: it travels with .whl (2.5 MB) and installs into /tmp/site on the first call
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .whl torch_memory_saver==0.0.10 && ls .whl
   exit $?
 fi
 OUT=$(mkdir -p "${2:?usage: fullsize_h200.sh PART OUT}" && cd "$2" && pwd)
