@@ -87,7 +87,7 @@ run_and_report() { # run_and_report NAME CONFIG TIMEOUT_S [--set ...]
   local name=$1 config=$2 limit=$3 run=/tmp/run-$1
   shift 3
   rm -rf "$run"
-  timeout "$limit" python3 -m streamrl --log-level warning run "$config" \
+  timeout "$limit" python3 -m streamrl --log-level "${RUN_LOG_LEVEL:-info}" run "$config" \
     --set "train.output_dir=\"$run\"" "$@" >"$OUT/${name}_run.log.txt" 2>&1
   local status=$?
   tail -40 "$OUT/${name}_run.log.txt"
