@@ -239,12 +239,14 @@ class LearnerLoop:
         return decision.metrics()
 
     def _is_checkpoint_due(self) -> bool:
-        """Every `train.save_interval` steps; in colocated mode also the last step (after it
-        the learner's state is on the host, where `save` cannot copy it from)."""
+        """Every `train.save_interval` steps; in colocated mode also the last step unless
+        `train.save_final` is off (after it the learner's state is on the host, where `save`
+        cannot copy it from)."""
         if self.backend is None:
             return False
-        interval = self.cfg.train.save_interval
-        is_last = self.handoff is not None and self.state.step == self.cfg.train.steps
+        train = self.cfg.train
+        interval = train.save_interval
+        is_last = self.handoff is not None and train.save_final and self.state.step == train.steps
         return bool(interval and self.state.step % interval == 0) or is_last
 
     async def _publish_colocated(self) -> PublishRecord:

@@ -611,6 +611,10 @@ class TrainConfig(_Section):
     """Checkpoint every N steps (slime --save-interval); 0 saves only at the end. The learner
     stops only to copy its state (see `checkpoint_staging`); the copy is written in the
     background while training goes on, one checkpoint at a time (docs/recovery.md)."""
+    save_final: bool = True
+    """Write a checkpoint after the last step too (a later run continues from it). false:
+    only `save_interval`'s, for a benchmark whose final state would not fit its disk (a
+    Qwen3-4B shape's Adam state alone is 44 GB)."""
     checkpoint_staging: Literal["host", "device"] = "host"
     """Where a checkpoint's copy of the learner's weights and optimizer state waits to be
     written: `host` in pinned host memory (the learner waits for the device-to-host copy;

@@ -443,7 +443,7 @@ class Trainer:
             await loop.run()
             is_saved = cfg.train.save_interval and loop.state.step % cfg.train.save_interval == 0
             is_saved = is_saved or loop.last_checkpoint_step == loop.state.step  # (colocated)
-            if loop.backend is not None and not is_saved:
+            if loop.backend is not None and not is_saved and cfg.train.save_final:
                 await loop.save()
             watch.cancel()
             with anyio.fail_after(cfg.engine.startup_timeout_s):

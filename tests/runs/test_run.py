@@ -107,7 +107,8 @@ def test_weights_pushed_every_second_version_bound_staleness_and_the_last_versio
 
     extra = "[weights]\nupdate_interval = 2\n"
     config = write_config(tmp_path, steps=5, eta=1, extra=extra)
-    text = config.read_text().replace("[train]\n", "[train]\nsave_rollouts = true\n")
+    train = "[train]\nsave_rollouts = true\nsave_final = false\n"  # (no final checkpoint)
+    text = config.read_text().replace("[train]\n", train)
     config.write_text(text)
     result = streamrl_run(config)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -125,6 +126,7 @@ def test_weights_pushed_every_second_version_bound_staleness_and_the_last_versio
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and summary["groups_trained"] == 10
     assert set(summary["engine_versions"].values()) == {5}
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
 
 
 def test_async_with_staleness_and_no_correction_fails_fast_naming_the_options(tmp_path):
