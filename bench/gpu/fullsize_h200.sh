@@ -97,8 +97,10 @@ run_and_report() { # run_and_report NAME CONFIG TIMEOUT_S [--set ...]
   for log in "$run"/logs/*.log; do
     [ -f "$log" ] && tail -60 "$log" >"$OUT/${name}_$(basename "$log" .log)_tail.txt"
   done
-  if [ -f "$run/summary.json" ]; then
+  if [ -s "$run/metrics.jsonl" ]; then
     python3 bench/gpu/fullsize_report.py "$run" --json "$OUT/${name}_report.json"
+  fi
+  if [ -f "$run/summary.json" ]; then
     python3 -m streamrl check "$run/config.toml" --against "$run" \
       --json "$OUT/${name}_memory.json" | grep -v "^#" | tee "$OUT/${name}_memory.txt"
   fi

@@ -7,7 +7,8 @@ tokens only (6 N x `train/trained_tokens` / `train_s` / peak, N the model's para
 `train_s` the whole step including its proximal and reference passes; the first step, which
 compiles, is left out of the median), the engine pause of each weight update, the response
 lengths, each engine's weight version per step as the publisher recorded it, and the measured
-peak memory of each process (summary.json `memory`). The planner's side is
+peak memory of each process (summary.json `memory`; a run killed outright has no
+summary: the rest is still reported). The planner's side is
 `streamrl check CONFIG --against RUN_DIR --json`.
 """
 
@@ -33,7 +34,8 @@ def report(run_dir: Path, peak_flops: float) -> dict:
     cfg = load_config(run_dir / "config.toml", [])
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if "kind" not in r]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary_file = run_dir / "summary.json"  # absent where the run was killed outright
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     num_parameters = shape_of(cfg.model.path).num_parameters()
     mfu = [
         6 * num_parameters * r["train/trained_tokens"] / r["train_s"] / peak_flops
@@ -44,7 +46,7 @@ def report(run_dir: Path, peak_flops: float) -> dict:
     last = steps[-1] if steps else {}
     padding = {
         key: [r[key] for r in steps if key in r]
-        for key in sorted({k for r in steps for k in r if "pack" in k or "computed" in k})
+        for key in sorted({k for r in steps for k in r if "pack" in k or "token_efficiency" in k})
     }
     return {
         "run_dir": str(run_dir),
@@ -70,13 +72,25 @@ def report(run_dir: Path, peak_flops: float) -> dict:
         "weights_version_per_step": [r.get("weights/version") for r in steps],
         "weights_num_engines": [r.get("weights/num_engines") for r in steps],
         "engine_versions_at_end": summary.get("engine_versions"),
-        "packing": padding,  # the learner's computed-token keys, where the learner has them
+        "packing": padding,  # per step: the learner's samples' tokens / computed tokens
+        "token_efficiency_overall": _token_efficiency(steps),
         "memory": summary.get("memory"),
         "colocate": {
             key: [r[key] for r in steps if key in r]
             for key in sorted({k for r in steps for k in r if k.startswith("colocate/")})
         },
     }
+
+
+def _token_efficiency(steps: list[dict]) -> float | None:
+    """Trained tokens over computed tokens summed over the run (each step's computed tokens
+    are its trained tokens / `train/token_efficiency`)."""
+    rows = [r for r in steps if r.get("train/token_efficiency") and r.get("train/trained_tokens")]
+    if not rows:
+        return None
+    trained = sum(r["train/trained_tokens"] for r in rows)
+    computed = sum(r["train/trained_tokens"] / r["train/token_efficiency"] for r in rows)
+    return round(trained / computed, 4)
 
 
 def main() -> None:

@@ -141,9 +141,12 @@ class Trainer:
             started = time.monotonic()
             try:
                 engine_versions = await self._train(intake, publisher, loop, rollout)
-            except* RolloutFatal as fatal:  # what was generated until then is accounted for
-                error = str(fatal.exceptions[0])
-                self._write_summary(intake, loop, rollout, started, {}, error=error)
+            except BaseException as exc:  # what was generated and measured until then stays
+                try:
+                    self._record_memory(metrics, device, loop.state.step)
+                finally:
+                    error = stop_reason(exc)
+                    self._write_summary(intake, loop, rollout, started, {}, error=error)
                 raise
             self._record_memory(metrics, device, loop.state.step)
         finally:
@@ -460,6 +463,24 @@ class Trainer:
             self.leader.close()
             await anyio.to_thread.run_sync(self.ranks.wait, 120.0)
         return engine_versions
+
+
+def stop_reason(exc: BaseException) -> str:
+    """summary.json's `error` for a run that stopped before `train.steps`: a rollout's fatal
+    error as it was sent, an interrupt (Ctrl-C, SIGTERM, a timeout's kill) as such, else
+    the exception."""
+    if isinstance(exc, BaseExceptionGroup):
+        fatal, _ = exc.split(RolloutFatal)
+        if fatal is not None:
+            leaf = fatal
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            return str(leaf)
+    if isinstance(exc, RolloutFatal):
+        return str(exc)
+    if isinstance(exc, KeyboardInterrupt | anyio.get_cancelled_exc_class()):
+        return "interrupted (Ctrl-C, SIGTERM or a timeout) before train.steps"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _final_resync(publisher, supervisor) -> None:

@@ -206,6 +206,10 @@ def test_ctrl_c_stops_every_process_with_a_clear_message(tmp_path):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 130
     assert "interrupted; every process stopped" in process.stderr.read()
+    # What the run measured until then stays: its steps, why it stopped, its memory peaks.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] >= 1 and summary["error"].startswith("interrupted"), summary
+    assert "learner rank 0" in summary["memory"]["processes"], summary["memory"]
     processes = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert [line for line in processes.splitlines() if str(tmp_path) in line] == []
 
