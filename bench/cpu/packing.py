@@ -61,9 +61,8 @@ def spread_efficiency() -> dict:
         entry = {}
         for packed in (False, True):
             batches = make_micro_batches(
-                samples, list(range(num)), token_budget=16384, pad_id=0, packed=packed,
-                row_multiple=128,
-            )  # fmt: skip
+                samples, list(range(num)), token_budget=16384, pad_id=0, packed=packed
+            )
             real, computed = token_counts(batches)
             entry["packed" if packed else "padded"] = {
                 "token_efficiency": round(real / computed, 4),

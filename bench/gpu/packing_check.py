@@ -14,10 +14,10 @@ the JSON is rewritten after every measurement and printed at the end:
 (a) `megatron_step`: for the Qwen2-0.5B and Qwen2-1.5B shapes (random weights, bf16), one
     step's samples: 32 samples, prompts of 64..511 tokens, responses uniform in 256..8,192,
     `learner.micro_batch_tokens` = 16,384. For each layout (`padded`:
-    `learner.pack_sequences = false`; `packed`: true, FlexAttention with a BlockMask) one
+    `learner.pack_sequences = false`; `packed`: true, variable-length flash attention) one
     RL step as `megatron_check.rl_step` runs it (old-policy log-probabilities, then forward
-    and backward of every micro-batch with entropy, then Adam), a warm-up step (which
-    compiles), then 3 timed ones. Reported per layout: step time and its phases, tokens/s,
+    and backward of every micro-batch with entropy, then Adam), a warm-up step, then 3
+    timed ones. Reported per layout: step time and its phases, tokens/s,
     the micro-batches' count, `token_efficiency` (samples' tokens / computed tokens), peak
     memory, and MFU against the 989e12 dense bf16 peak counting samples' tokens only:
       mfu_6n                   6 N tokens / step time (the issue's formula)
@@ -30,7 +30,7 @@ the JSON is rewritten after every measurement and printed at the end:
     over response tokens (bf16; different attention kernels, so not bit-equal), and the
     same for the padded layout against itself run twice (the noise floor).
 (c) `torch_parity`: the torch backend (transformers, bf16 autocast) on the 0.5B shape, the
-    same comparison (packed rows attend through `streamrl.backends.documents`: SDPA, flash
+    same comparison (packed rows attend through `streamrl.backends.documents`: varlen flash
     on CUDA, on each sample alone).
 """
 
@@ -93,13 +93,12 @@ def spread_samples(num: int, *, prompt: tuple[int, int], response: tuple[int, in
     return samples
 
 
-def layout_batches(samples, *, packed: bool, backend):
+def layout_batches(samples, *, packed: bool):
     from streamrl.backends.batching import make_micro_batches
 
     batches = make_micro_batches(
-        samples, list(range(len(samples))), token_budget=PLAN.budget, pad_id=0, packed=packed,
-        row_multiple=backend.packed_row_multiple,
-    )  # fmt: skip
+        samples, list(range(len(samples))), token_budget=PLAN.budget, pad_id=0, packed=packed
+    )
     for batch in batches:  # nll_loss checks a per-row extra travelled with its rows
         batch.extras["row_weight"] = torch.zeros(batch.input_ids.shape[0])
     return batches
@@ -145,7 +144,7 @@ def megatron_step(model_dir: Path, out: dict, save) -> None:
         try:
             backend = megatron_backend(model_dir, packed=name == "packed")
             num_params = sum(p.numel() for p in backend.model.parameters())
-            batches = layout_batches(samples, packed=name == "packed", backend=backend)
+            batches = layout_batches(samples, packed=name == "packed")
             real, computed = token_counts(batches)
             flops = sample_flops(shape, num_params, samples)
             base.reset_peak_memory()
@@ -185,7 +184,7 @@ def megatron_parity(model_dir: Path) -> dict:
     backend = megatron_backend(model_dir, packed=True)
     runs = {}
     for name, packed in (("padded", False), ("padded_again", False), ("packed", True)):
-        batches = layout_batches(samples, packed=packed, backend=backend)
+        batches = layout_batches(samples, packed=packed)
         runs[name] = gather_responses(
             samples, batches, backend.compute_logprobs(batches, temperature=1.0)
         )

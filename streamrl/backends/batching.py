@@ -8,9 +8,8 @@ Two layouts (`learner.pack_sequences`; `MicroBatch` describes both):
   lengths still computes some: 5% of the tokens of 32 samples of 256..8,192 tokens, 9% of
   16 (bench/cpu/packing.py), and a micro-batch fills less of its budget.
 - packed (`packed_micro_batches`): a micro-batch is one row holding samples back to back
-  (first-fit decreasing into bins of `token_budget` tokens), as wide as its samples
-  (rounded up to `row_multiple`), with each sample's positions restarting at 0. Only
-  the rounding is padding.
+  (first-fit decreasing into bins of `token_budget` tokens), exactly as wide as its
+  samples, with each sample's positions restarting at 0: no padding.
 
 Either way a sample longer than the budget gets a micro-batch of its own.
 """
@@ -35,14 +34,11 @@ def make_micro_batches(
     token_budget: int,
     pad_id: int,
     packed: bool,
-    row_multiple: int = 1,
 ) -> list[MicroBatch]:
     """Micro-batches over `samples[i] for i in indices`, packed or right-padded (the module
-    docstring); `row_multiple` rounds a packed row's width up (kernels that tile by it)."""
+    docstring)."""
     if packed:
-        return packed_micro_batches(
-            samples, indices, token_budget=token_budget, pad_id=pad_id, row_multiple=row_multiple
-        )
+        return packed_micro_batches(samples, indices, token_budget=token_budget, pad_id=pad_id)
     return pad_micro_batches(samples, indices, token_budget=token_budget, pad_id=pad_id)
 
 
@@ -81,7 +77,6 @@ def packed_micro_batches(
     *,
     token_budget: int,
     pad_id: int,
-    row_multiple: int = 1,
 ) -> list[MicroBatch]:
     """One-row micro-batches holding `samples[i] for i in indices` back to back: first-fit
     decreasing into bins of `token_budget` tokens (mini-batch totals filled in)."""
@@ -99,7 +94,7 @@ def packed_micro_batches(
         else:
             bins[fits].append(index)
             free[fits] -= length
-    micro_batches = [_build_packed(samples, rows, pad_id, row_multiple) for rows in bins]
+    micro_batches = [_build_packed(samples, rows, pad_id) for rows in bins]
     return _with_totals(micro_batches, samples, indices)
 
 
@@ -150,13 +145,9 @@ def _build(samples: list[Sample], rows: list[int], pad_id: int) -> MicroBatch:
     )
 
 
-def _build_packed(
-    samples: list[Sample], indices: list[int], pad_id: int, row_multiple: int
-) -> MicroBatch:
-    """One row: `indices`' samples back to back, then padding to a multiple of
-    `row_multiple` (positions 0.. there too: the padding is a sample of its own)."""
-    used = sum(_length(samples[i]) for i in indices)
-    width = -(-used // row_multiple) * row_multiple
+def _build_packed(samples: list[Sample], indices: list[int], pad_id: int) -> MicroBatch:
+    """One row: `indices`' samples back to back."""
+    width = sum(_length(samples[i]) for i in indices)
     input_ids = np.full((1, width), pad_id, dtype=np.int64)
     attention = np.zeros((1, width), dtype=np.int64)
     loss_mask = np.zeros((1, width), dtype=np.float32)
@@ -176,7 +167,6 @@ def _build_packed(
         positions[0, start : start + length] = np.arange(length)
         columns.append(start)
         start += length
-    positions[0, start:] = np.arange(width - start)
     placements = [(0, column) for column in columns]
     routed = _routed_experts(samples, indices, placements, (1, width))
     return MicroBatch(

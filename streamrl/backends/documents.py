@@ -1,12 +1,22 @@
-"""Attention inside each sample of a packed row: SDPA, causal, on every sample alone.
+"""Attention inside each sample of a packed row: causal, on every sample alone.
 
 A packed row (`MicroBatch.position_ids`) holds several samples back to back. A dense
 block-diagonal mask makes a row of S tokens cost S^2 of attention whatever its samples
 (transformers' own sdpa and eager attentions build that mask from per-sample position ids:
 2.5 times the right-padded rows' time for a tiny model's forward and backward on the CPU).
-`attend_within_samples` runs SDPA on each sample's span alone, so a row costs the sum of
-its samples' squares, on the kernels SDPA picks (flash attention on CUDA), and every
-sample is computed as in a row of its own.
+`attend_within_samples` attends within each sample's span alone, so a row costs the sum of
+its samples' squares and every sample is computed as in a row of its own:
+
+- on CUDA (bf16 or fp16, one head size for query, key and value, no dropout), one
+  variable-length flash-attention call over every span of the micro-batch
+  (`torch.nn.attention.varlen`): no mask, no compile, one kernel per layer whatever the
+  number of samples;
+- elsewhere (the CPU, float32, MLA's narrower value heads), SDPA on each span, one call per
+  sample and layer.
+
+(FlexAttention with a document BlockMask was the first CUDA path: on the H200 a Qwen3-4B
+learner's first step had not ended minutes after its batch arrived, still compiling in
+TorchInductor: bench/results/gpu/fullsize_async4b/README.md.)
 
 The torch backend registers `document_attention` with transformers' `AttentionInterface`
 under `ATTENTION` (`use_document_attention`). transformers skips its mask builder for an
@@ -18,13 +28,17 @@ backend calls `attend_within_samples` on the CPU (`megatron/packing.py`).
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from streamrl.backends.base import MicroBatch
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "streamrl_documents"
 """The name `use_document_attention` sets as a model's attention implementation."""
@@ -60,8 +74,20 @@ def attend_within_samples(
     scale: float | None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Causal SDPA inside each span: query [B, heads, S, d], key/value [B, groups, S, d]
-    (GQA: query head j reads group j // (heads / groups)) -> [B, heads, S, d_v]."""
+    """Causal attention inside each span: query [B, heads, S, d], key/value [B, groups, S, d]
+    (GQA: query head j reads group j // (heads / groups)) -> [B, heads, S, d_v]. One
+    variable-length flash-attention call where it applies, else SDPA per span (the module
+    docstring)."""
+    if dropout == 0.0 and _takes_varlen(query, value):
+        try:
+            return _attend_varlen(query, key, value, spans, scale=scale)
+        except (RuntimeError, TypeError) as exc:  # a torch whose kernel refuses this input
+            _VARLEN["broken"] = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "variable-length flash attention failed (%s); packed rows attend with SDPA "
+                "per sample from now on",
+                _VARLEN["broken"],
+            )
     gqa = key.shape[1] != query.shape[1]
     rows = []
     for row, row_spans in enumerate(spans):
@@ -79,6 +105,80 @@ def attend_within_samples(
         ]
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
+
+
+_VARLEN: dict[str, Any] = {}
+
+
+def _varlen_function() -> Any:
+    """torch's `varlen_attn` with how to ask it for causal attention and GQA (its keywords
+    changed between releases), or None where this torch lacks it."""
+    if "function" not in _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _VARLEN["function"] = varlen_attn
+        if varlen_attn is not None:
+            parameters = inspect.signature(varlen_attn).parameters
+            causal = {"window_size": (-1, 0)} if "window_size" in parameters else {}
+            if not causal and "is_causal" in parameters:
+                causal = {"is_causal": True}
+            _VARLEN["causal"] = causal
+            _VARLEN["gqa"] = "enable_gqa" in parameters
+            if not causal:
+                _VARLEN["function"] = None
+    return _VARLEN["function"]
+
+
+def _takes_varlen(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `_attend_varlen` serves these tensors (the module docstring's conditions)."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and query.shape[-1] == value.shape[-1] <= 256
+        and "broken" not in _VARLEN
+        and _varlen_function() is not None
+    )
+
+
+def _attend_varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: Spans, *, scale
+) -> torch.Tensor:
+    """Every span of every row as one sequence of a variable-length flash attention."""
+    batch, heads, width, _ = query.shape
+    cumulative, longest = _boundaries(spans, width, query.device)
+
+    def tokens(tensor: torch.Tensor) -> torch.Tensor:  # [B, h, S, d] -> [B x S, h, d]
+        return tensor.transpose(1, 2).reshape(batch * width, tensor.shape[1], tensor.shape[3])
+
+    key, value = tokens(key), tokens(value)
+    gqa = key.shape[1] != heads
+    options = dict(_VARLEN["causal"])
+    if gqa and _VARLEN["gqa"]:
+        options["enable_gqa"] = True
+    elif gqa:  # a torch without the keyword: each group repeated for its query heads
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    context = _varlen_function()(
+        tokens(query), key, value, cumulative, cumulative, longest, longest, scale=scale,
+        **options,
+    )  # fmt: skip
+    return context.reshape(batch, width, heads, -1).transpose(1, 2)
+
+
+def _boundaries(spans: Spans, width: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The spans' cumulative ends in the flattened micro-batch (int32 on `device`) and the
+    longest span: made once per micro-batch, for every layer (a host-to-device copy per
+    layer would wait for the GPU each time)."""
+    cached = _VARLEN.get("boundaries")
+    if cached is not None and cached[0] is spans and cached[1] == width:
+        return cached[2], cached[3]
+    ends = [row * width + end for row, row_spans in enumerate(spans) for _, end in row_spans]
+    longest = max(end - start for row_spans in spans for start, end in row_spans)
+    cumulative = torch.tensor([0, *ends], dtype=torch.int32).to(device, non_blocking=True)
+    _VARLEN["boundaries"] = (spans, width, cumulative, longest)
+    return cumulative, longest
 
 
 def document_attention(

@@ -56,7 +56,6 @@ def train_step(
         return make_micro_batches(
             samples, indices, token_budget=cfg.learner.micro_batch_tokens, pad_id=pad_id,
             packed=cfg.learner.pack_sequences,
-            row_multiple=getattr(backend, "packed_row_multiple", 1),
         )  # fmt: skip
 
     step_batches = micro_batches_of(all_indices)

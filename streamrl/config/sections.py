@@ -489,12 +489,12 @@ class LearnerConfig(_Section):
     and attention that never crosses into another sample, instead of right-padding one
     sample per row to the longest in its micro-batch. Exact: log-probabilities, entropy, the
     loss and its gradients equal the padded layout's to float rounding, MoE routing replay,
-    LoRA and the critic included. It computes no padding (padded rows of 32 samples spread
-    over 256..8,192 tokens compute 5% padding, of 16 samples 9%) and fills micro_batch_tokens
-    (fewer micro-batches); on the CPU a step took no longer than padded rows
-    (bench/cpu/packing.py). Off by default until its GPU paths are measured on the H200
-    (`bench/gpu/packing_check.py`): Megatron's FlexAttention, and the torch backend's SDPA
-    per sample, whose kernel launches grow with the number of samples in a row."""
+    LoRA and the critic included. It computes no padding (padded rows computed 21% padding
+    in a Qwen3-4B run on the H200 with 16 samples of 256..8,192 tokens a step) and fills
+    micro_batch_tokens (fewer micro-batches); on the CPU a step took no longer than padded
+    rows (bench/cpu/packing.py). Attention: one variable-length flash-attention call on
+    CUDA, SDPA per sample elsewhere (streamrl/backends/documents.py). Off by default until
+    that CUDA path is measured on the H200 (`bench/gpu/packing_check.py`)."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""

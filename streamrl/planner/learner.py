@@ -15,10 +15,9 @@ torch). The dtypes are the backends' own:
 With LoRA the base is frozen in the compute dtype and only the adapters train. Activation
 and logits terms are per micro-batch of `tokens` = max(learner.micro_batch_tokens, the
 longest sequence): a micro-batch holds up to that many tokens, padding included, in either
-layout (`backends.batching`: right-padded rows, or packed rows, which a Megatron learner
-rounds up to FlexAttention's 128-token block: `plan.micro_batch_width`). Packing changes no
+layout (`backends.batching`: right-padded rows, or packed rows). Packing changes no
 per-token term: a packed row is one sequence of that width to every layer, and its
-document mask is kept as block indices (FlexAttention's BlockMask, no [T, T] tensor).
+attention keeps no mask (`backends.documents`: variable-length flash attention on CUDA).
 """
 
 from __future__ import annotations

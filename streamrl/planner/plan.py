@@ -23,7 +23,6 @@ from streamrl.backends.megatron.shapes import ModelShape
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 10**9
-PACKED_ROW_MULTIPLE = 128  # streamrl.backends.megatron.packing.FLEX_BLOCK (that imports torch)
 """Per process, outside torch's allocator (CUDA context, kernels, NCCL): an estimate, to be
 measured as nvidia-smi's figure less `torch.cuda.max_memory_reserved`."""
 
@@ -180,18 +179,9 @@ def longest_sequence(cfg: Any) -> int:
     return max(cfg.engine.max_seq_len, sampled)
 
 
-def micro_batch_width(cfg: Any) -> int:
-    """Tokens of the widest micro-batch within the budget: learner.micro_batch_tokens, a
-    packed Megatron row rounded up to FlexAttention's block (`PACKED_ROW_MULTIPLE`)."""
-    budget = cfg.learner.micro_batch_tokens
-    if cfg.learner.pack_sequences and cfg.learner.backend == "megatron":
-        return -(-budget // PACKED_ROW_MULTIPLE) * PACKED_ROW_MULTIPLE
-    return budget
-
-
 def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usage:
     """One learner rank: its state, one micro-batch's work, the optimizer step, a push."""
-    tokens = max(micro_batch_width(cfg), longest_sequence(cfg))
+    tokens = max(cfg.learner.micro_batch_tokens, longest_sequence(cfg))
     setup = learner_setup(shape, cfg, tokens=tokens)
     terms = {
         name: getattr(learner_terms, name)(shape, setup)

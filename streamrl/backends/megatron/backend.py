@@ -176,13 +176,6 @@ class MegatronBackend:
         return self.layout.is_stage_publisher
 
     @property
-    def packed_row_multiple(self) -> int:
-        """What a packed row's width is rounded up to: FlexAttention's block on CUDA (one
-        compiled kernel serves every row), 1 elsewhere."""
-        is_flex = self.device.type == "cuda" and self.cfg.megatron.attention == "sdpa"
-        return packing.FLEX_BLOCK if is_flex else 1
-
-    @property
     def is_data_rank(self) -> bool:
         """True on global rank 0: the rank that talks to the buffer and passes micro-batches."""
         return self.layout.rank == 0

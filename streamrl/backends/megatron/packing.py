@@ -9,12 +9,11 @@ right-padded row:
   core attention the row's document ids ([B, S] int32, `document_ids`) in the place of the
   attention mask (Megatron passes that argument through every layer untouched, pipeline
   stages and activation recompute included). `SdpaAttention` then runs
-  `document_attention`: FlexAttention with a BlockMask on CUDA (blocks that cross samples
-  are skipped, so a row costs the sum of its samples' squares, not the row's square), and
-  elsewhere (the CPU, where FlexAttention would compile for seconds) causal SDPA on each
-  sample alone (`streamrl.backends.documents`), which costs the same sum. Megatron's unfused
-  attention (`learner.megatron.attention = "local"`) takes the mask made dense
-  (`masked_positions`).
+  `document_attention`: causal attention inside each sample
+  (`streamrl.backends.documents.attend_within_samples`: one variable-length flash-attention
+  call on CUDA, SDPA per sample elsewhere), so a row costs the sum of its samples' squares,
+  not the row's square. Megatron's unfused attention (`learner.megatron.attention =
+  "local"`) takes the mask made dense (`masked_positions`).
 - RoPE: Megatron's rotary embedding covers positions 0..S-1 of the row; a forward hook on
   every rotary module (`install`; the model's, and each MLA attention's own) picks each
   token's row of it by the sample's own position (`PackedPositions.positions`, set before
@@ -33,11 +32,6 @@ from typing import Any
 import torch
 
 from streamrl.backends.documents import attend_within_samples, sample_spans
-
-FLEX_BLOCK = 128
-"""FlexAttention's block size; a packed row is rounded up to it on CUDA (`ROW_MULTIPLE`)."""
-
-_CACHE: dict[str, Any] = {}
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -70,37 +64,6 @@ def masked_positions(documents: torch.Tensor) -> torch.Tensor:
     return ~dense_mask(documents)
 
 
-def _cached(kind: str, documents: torch.Tensor, build) -> Any:
-    """One mask per micro-batch for every layer: kept with the tensor it was built from (the
-    same object reaches every layer), so a new micro-batch's tensor cannot alias it."""
-    entry = _CACHE.get(kind)
-    if entry is None or entry[0] is not documents:
-        entry = (documents, build(documents))
-        _CACHE[kind] = entry
-    return entry[1]
-
-
-def _block_mask(documents: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def causal_in_document(batch, head, query, key):
-        return (key <= query) & (documents[batch, query] == documents[batch, key])
-
-    batch, seq = documents.shape
-    return create_block_mask(
-        causal_in_document, batch, None, seq, seq, device=documents.device,
-        _compile=documents.is_cuda,  # compiled, the mask costs no [S, S] tensor
-    )  # fmt: skip
-
-
-def _flex():
-    if "flex" not in _CACHE:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _CACHE["flex"] = torch.compile(flex_attention)
-    return _CACHE["flex"]
-
-
 def document_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,12 +73,8 @@ def document_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention inside each sample: query [B, heads, S, d], key/value [B, groups, S, d]
-    (GQA: query head j reads group j // (heads / groups)), documents [B, S] -> [B, heads, S, d].
-    FlexAttention on CUDA, SDPA on each sample alone elsewhere (the module docstring)."""
-    gqa = key.shape[1] != query.shape[1]
-    if query.device.type == "cuda":
-        block_mask = _cached("block", documents, _block_mask)
-        return _flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    (GQA: query head j reads group j // (heads / groups)), documents [B, S] -> [B, heads, S, d]
+    (the module docstring)."""
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     spans = sample_spans(starts, key=documents)

@@ -231,30 +231,6 @@ def test_document_ids_start_a_sample_at_each_position_0_and_sequence_padding_is_
     assert mask.sum() == 6 + 3 + 1 + 3  # each sample's causal triangle, nothing across
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attentions_block_mask_attends_as_the_dense_document_mask():
-    """The CUDA path's BlockMask (FlexAttention run unfused here) against the CPU path's
-    dense mask: the same attention, GQA included."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from streamrl.backends.megatron import packing
-
-    generator = torch.Generator().manual_seed(0)
-    positions = torch.cat([torch.arange(n) for n in (150, 7, 1, 90, 12)])[None]
-    documents = packing.document_ids(positions)
-    query = torch.randn(1, 4, 260, 16, generator=generator)
-    key, value = (torch.randn(1, 2, 260, 16, generator=generator) for _ in range(2))
-    dense = packing.document_attention(query, key, value, documents, scale=0.25)
-    block_mask = packing._block_mask(documents)
-    flex = flex_attention(query, key, value, block_mask=block_mask, scale=0.25, enable_gqa=True)
-    assert (flex - dense).abs().max() < 1e-5
-    alone = torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, 150:157], key[:, :, 150:157], value[:, :, 150:157], is_causal=True,
-        scale=0.25, enable_gqa=True,
-    )  # fmt: skip
-    assert (dense[:, :, 150:157] - alone).abs().max() < 1e-6
-
-
 def test_rotary_rows_follow_each_samples_own_position_in_a_packed_row():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
