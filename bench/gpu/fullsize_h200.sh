@@ -13,8 +13,9 @@
 #                        the measured peaks (~3 min of start-up, SGLang's JIT on a fresh
 #                        machine, then the steps)
 #   checkpoint OUT       carry .router-whl: keep the router's wheel in /tmp for `router`, then
-#                        `streamrl bench checkpoint` at the 4B shape (8 steps without and with
-#                        a checkpoint every 4; the bundle, wheels and model stay from async4b)
+#                        `streamrl bench checkpoint` at the Qwen2-1.5B shape (a 4B checkpoint,
+#                        52 GB, does not fit the machine's disk; 8 steps without and with a
+#                        checkpoint every 4; the bundle and wheels stay from async4b)
 #   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
 #                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
 #                        read every 2 s
@@ -124,16 +125,16 @@ async4b)
   ;;
 checkpoint)
   sglang_env
-  draw qwen3-4b /tmp/qwen3-4b
+  draw qwen2-1.5b /tmp/qwen2-1.5b
   timeout "${CHECKPOINT_TIMEOUT_S:-540}" python3 -m streamrl bench checkpoint \
-    bench/configs/gpu_fullsize_checkpoint4b.toml --steps "${CHECKPOINT_STEPS:-8}" \
-    --every "${CHECKPOINT_EVERY:-4}" --work-dir /tmp/bench-checkpoint-4b --run-log-level info \
-    --json "$OUT/fullsize_checkpoint4b_h200x1.json"
+    bench/configs/gpu_fullsize_checkpoint.toml --steps "${CHECKPOINT_STEPS:-8}" \
+    --every "${CHECKPOINT_EVERY:-4}" --work-dir /tmp/bench-checkpoint --run-log-level info \
+    --json "$OUT/fullsize_checkpoint_h200x1.json"
   status=$?
   for name in without with; do
-    tail -30 "/tmp/bench-checkpoint-4b/$name.log" >"$OUT/fullsize_checkpoint4b_h200x1_$name.log.txt" 2>/dev/null
-    cp "/tmp/bench-checkpoint-4b/$name/metrics.jsonl" \
-      "$OUT/fullsize_checkpoint4b_h200x1_${name}_metrics.jsonl" 2>/dev/null
+    tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/fullsize_checkpoint_h200x1_$name.log.txt" 2>/dev/null
+    cp "/tmp/bench-checkpoint/$name/metrics.jsonl" \
+      "$OUT/fullsize_checkpoint_h200x1_${name}_metrics.jsonl" 2>/dev/null
   done
   exit $status
   ;;

@@ -85,7 +85,7 @@ def test_the_h200_script_names_configs_that_exist_and_the_keys_it_sets_on_them_l
     names = set(re.findall(r"bench/configs/(gpu_fullsize_\w+\.toml)", script))
     assert names == {
         "gpu_fullsize_async4b.toml",
-        "gpu_fullsize_checkpoint4b.toml",
+        "gpu_fullsize_checkpoint.toml",
         "gpu_fullsize_router.toml",
     }
     for name in names:
