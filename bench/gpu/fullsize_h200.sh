@@ -95,7 +95,8 @@ run_and_report() { # run_and_report NAME CONFIG TIMEOUT_S [--set ...]
   for f in metrics.jsonl summary.json config.toml engines.json; do
     [ -f "$run/$f" ] && cp "$run/$f" "$OUT/${name}_$f"
   done
-  for log in "$run"/logs/*.log; do
+  for log in "$run"/logs/*.log; do # the start (load, graph capture) and the end of each
+    [ -f "$log" ] && head -80 "$log" >"$OUT/${name}_$(basename "$log" .log)_head.txt"
     [ -f "$log" ] && tail -60 "$log" >"$OUT/${name}_$(basename "$log" .log)_tail.txt"
   done
   if [ -s "$run/metrics.jsonl" ]; then
