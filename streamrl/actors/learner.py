@@ -326,6 +326,7 @@ class LearnerLoop:
         staging_started = time.perf_counter()
         write_model = await anyio.to_thread.run_sync(self._stage_checkpoint, partial)
         staging_s = time.perf_counter() - staging_started
+        reused_bytes, allocated_bytes = self._staging_bytes()
         record = {
             "kind": "checkpoint",
             "step": state.step,
@@ -335,6 +336,8 @@ class LearnerLoop:
             "checkpoint/rollout_pause_s": cut.rollout_pause_s,
             "checkpoint/wait_previous_s": wait_previous_s,
             "checkpoint/staging_s": staging_s,
+            "checkpoint/staging_reused_bytes": reused_bytes,
+            "checkpoint/staging_allocated_bytes": allocated_bytes,
             "checkpoint/stall_s": time.perf_counter() - started,
             "checkpoint/async_state_bytes": len(files[checkpoint.ASYNC_STATE_FILE]),
             "checkpoint/complete": cut.is_complete,
@@ -349,12 +352,13 @@ class LearnerLoop:
         self.last_checkpoint_step = state.step
         log.info(
             "checkpoint of step %d started: %d groups buffered, %d in flight (cut %.2f s, "
-            "copy %.2f s)",
+            "copy %.2f s%s)",
             state.step,
             len(cut.buffered),
             len(cut.in_flight),
             cut.cut_s,
             staging_s,
+            _describe_buffers(reused_bytes, allocated_bytes),
         )
         return checkpoint.checkpoint_dir(self.run_dir) / f"step_{state.step:06d}"
 
@@ -365,3 +369,23 @@ class LearnerLoop:
 
             torch.cuda.set_device(self.backend.device)
         return self.backend.stage_checkpoint(partial, staging=self.cfg.train.checkpoint_staging)
+
+    def _staging_bytes(self) -> tuple[int, int]:
+        """Bytes of host buffers this rank's last checkpoint copy reused and allocated
+        (`streamrl.backends.staging.StagingPool`; 0, 0 for a backend without one)."""
+        inner = getattr(self.backend, "backend", self.backend)  # rank 0's under a `Leader`
+        pool = getattr(inner, "staging_pool", None)
+        if pool is None:
+            return 0, 0
+        reuse = pool.reuse()
+        return reuse.reused_bytes, reuse.allocated_bytes
+
+
+def _describe_buffers(reused_bytes: int, allocated_bytes: int) -> str:
+    """The log's words for a copy's host buffers ("" when it had none)."""
+    amounts = [
+        f"{verb} {num_bytes / 1e9:.2f} GB"
+        for verb, num_bytes in (("reused", reused_bytes), ("allocated", allocated_bytes))
+        if num_bytes
+    ]
+    return f", {' and '.join(amounts)} of staging buffers" if amounts else ""

@@ -23,6 +23,7 @@ import torch
 
 from streamrl.backends.base import MicroBatch
 from streamrl.backends.documents import model_inputs, use_document_attention
+from streamrl.backends.staging import StagingPool
 
 ValueLossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro_batch, values [B, T] with grad) -> (loss, metrics), normalised like a LossFn."""
@@ -143,9 +144,12 @@ class TorchCritic:
         """Weights (safetensors), optimizer and schedule state under `path` (a directory)."""
         self.stage_checkpoint(path)()
 
-    def stage_checkpoint(self, path: Path, *, staging: str = "host") -> Callable[[], None]:
+    def stage_checkpoint(
+        self, path: Path, *, staging: str = "host", pool: StagingPool | None = None
+    ) -> Callable[[], None]:
         """Copy what `save` writes and return the function that writes the copy (as
-        `TorchBackend.stage_checkpoint`)."""
+        `TorchBackend.stage_checkpoint`; `pool`: the policy's, whose `critic` buffers the
+        copy reuses)."""
         from streamrl.backends import staging as staging_
 
         staged = staging_.stage(
@@ -155,19 +159,21 @@ class TorchCritic:
                 "scheduler": self.scheduler.state_dict(),
             },
             to=staging,
+            pool=pool,
+            part="critic",
         )
 
         def write() -> None:
             from safetensors.torch import save_file
 
-            state = staged.host()
             path.mkdir(parents=True, exist_ok=True)
-            weights = {k: v.contiguous() for k, v in state["weights"].items()}
-            save_file(weights, path / WEIGHTS_FILE)
-            torch.save(
-                {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
-                path / OPTIMIZER_FILE,
-            )
+            with staged.host() as state:
+                weights = {k: v.contiguous() for k, v in state["weights"].items()}
+                save_file(weights, path / WEIGHTS_FILE)
+                torch.save(
+                    {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
+                    path / OPTIMIZER_FILE,
+                )
 
         return write
 

@@ -11,11 +11,25 @@ background thread writes the copy. Where the copy lives is `train.checkpoint_sta
              stream) and frees it; the device holds one more copy until then
 
 On a CPU learner both are one copy in memory.
+
+The host buffers are kept from one checkpoint to the next in a `StagingPool` (one per
+backend): page-locking tens of GB of new memory is what makes a host copy slow, not the
+copy. A checkpoint's buffers go back to the pool when its write is done with them (the
+`with staged.host()` block ends), and the next checkpoint's copy takes them again: a
+buffer is reused for a tensor of the same shape and dtype, in the order the tensors come.
+A copy that finds its buffers still out (their write not done) allocates new ones rather
+than wait, so a buffer is never written while a write may read it. The device copies of
+`device` staging are not kept: each is freed once moved to the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,34 +40,93 @@ class Staging(enum.StrEnum):
     DEVICE = "device"
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What one copy did for its host buffers."""
+
+    reused_bytes: int = 0
+    """Bytes copied into buffers a previous copy allocated."""
+    allocated_bytes: int = 0
+    """Bytes of buffers allocated for this copy (pinned when copied from a GPU)."""
+
+    def __add__(self, other: Reuse) -> Reuse:
+        return Reuse(
+            self.reused_bytes + other.reused_bytes, self.allocated_bytes + other.allocated_bytes
+        )
+
+
+class StagingPool:
+    """The host buffers of each part of a checkpoint (`policy`, `critic`: one set each), kept
+    between one checkpoint's write and the next checkpoint's copy. A set is out of the pool
+    from the copy that takes it until its write gives it back; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[str, list[torch.Tensor]] = {}
+        self.last_copy: dict[str, Reuse] = {}
+        """Each part's latest copy: bytes reused and allocated."""
+
+    def take(self, part: str) -> list[torch.Tensor]:
+        """`part`'s buffers, in the order the last copy used them (empty: none are free)."""
+        with self._lock:
+            return self._free.pop(part, [])
+
+    def give_back(self, part: str, buffers: list[torch.Tensor]) -> None:
+        """Keep `buffers` for `part`'s next copy (replacing any set kept before)."""
+        with self._lock:
+            self._free[part] = buffers
+
+    def reuse(self) -> Reuse:
+        """The latest copy of every part, summed."""
+        return sum(self.last_copy.values(), Reuse())
+
+
 class Staged:
     """A copy of a tree of dicts, lists and tuples whose tensors are copies, taken with
     `stage`; `host()` gives it with every tensor on the host (in the writing thread)."""
 
-    def __init__(self, tree: Any, event: torch.cuda.Event | None, device: torch.device | None):
+    def __init__(
+        self,
+        tree: Any,
+        event: torch.cuda.Event | None,
+        device: torch.device | None,
+        release: Callable[[], None],
+    ):
         self._tree = tree
         self._event = event
         """Recorded after the copies were queued (device staging on a GPU), else None."""
         self._device = device
+        self._release = release
+        """Gives the host buffers back to their pool (a no-op without one)."""
 
-    def host(self) -> Any:
-        """The tree with its tensors on the host (moves a device staging's copies and lets
-        them go: call it once)."""
-        if self._event is None:
-            return self._tree
+    @contextlib.contextmanager
+    def host(self) -> Iterator[Any]:
+        """The tree with its tensors on the host, for the block's length: its host buffers
+        go back to their pool when the block ends (moves a device staging's copies and lets
+        them go: enter it once)."""
+        tree, self._tree = self._tree, None
+        try:
+            if self._event is not None:
+                tree = self._moved_to_host(tree)  # the device copies go with the old tree
+            yield tree
+        finally:
+            self._release()
+
+    def _moved_to_host(self, tree: Any) -> Any:
         torch.cuda.set_device(self._device)
         stream = torch.cuda.Stream(self._device)
         stream.wait_event(self._event)  # the copies were queued on the learner's stream
         with torch.cuda.stream(stream):
-            tree = _map_tensors(self._tree, lambda t: t.to("cpu"), {})
-        self._tree = None
-        return tree
+            return _map_tensors(tree, lambda t: t.to("cpu"), {})
 
 
-def stage(tree: Any, *, to: Staging | str) -> Staged:
+def stage(
+    tree: Any, *, to: Staging | str, pool: StagingPool | None = None, part: str = "policy"
+) -> Staged:
     """Copy every tensor of `tree` (tensors that share storage stay shared) to pinned host
-    memory (`host`) or to a new tensor on its device (`device`)."""
-    stager = Stager(to)
+    memory (`host`) or to a new tensor on its device (`device`); host buffers come from
+    `pool`'s set for `part` where it has them."""
+    stager = Stager(to, pool=pool, part=part)
     return stager.done(stager.copy(tree))
 
 
@@ -61,10 +134,20 @@ class Stager:
     """Copies taken one tree at a time (a stream of tensors that may reuse one buffer:
     each copied as it comes), then `done` once."""
 
-    def __init__(self, to: Staging | str) -> None:
+    def __init__(
+        self, to: Staging | str, *, pool: StagingPool | None = None, part: str = "policy"
+    ) -> None:
         self.to = Staging(to)
         self.gpu: torch.device | None = None
         """The GPU of the first GPU tensor copied (None: all were on the host)."""
+        self._pool, self._part = pool, part
+        self._spare: defaultdict[tuple, deque[torch.Tensor]] = defaultdict(deque)
+        """The pool's buffers not yet reused, by `_buffer_key`, in their old order."""
+        for buffer in pool.take(part) if pool is not None else []:
+            self._spare[_buffer_key(buffer, buffer.is_pinned())].append(buffer)
+        self._buffers: list[torch.Tensor] = []
+        """The host buffers of this copy, in order (the pool's next set)."""
+        self._reuse = Reuse()
 
     def copy(self, tree: Any) -> Any:
         """`tree` with each of its tensors copied (shared storage stays shared within it)."""
@@ -73,25 +156,51 @@ class Stager:
     def done(self, tree: Any) -> Staged:
         """`tree` (of copies) as staged, once the copies are safe from the training that
         follows: host copies complete, device copies queued on the current stream ahead
-        of any later kernel."""
+        of any later kernel. Buffers of the pool's set that this copy did not use are let
+        go."""
+        self._spare.clear()
+        if self._pool is not None:
+            self._pool.last_copy[self._part] = self._reuse
+        release = self._release
         if self.gpu is None:
-            return Staged(tree, None, None)
+            return Staged(tree, None, None, release)
         if self.to is Staging.HOST:
             torch.cuda.current_stream(self.gpu).synchronize()
-            return Staged(tree, None, None)
+            return Staged(tree, None, None, release)
         event = torch.cuda.Event()
         event.record()
-        return Staged(tree, event, self.gpu)
+        return Staged(tree, event, self.gpu, release)
+
+    def _release(self) -> None:
+        buffers, self._buffers = self._buffers, []
+        if self._pool is not None and buffers:  # a second call has none to give
+            self._pool.give_back(self._part, buffers)
 
     def _copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        if tensor.device.type != "cuda":
-            return tensor.clone()
-        self.gpu = self.gpu or tensor.device
-        if self.to is Staging.DEVICE:
-            return tensor.clone()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+        is_cuda = tensor.device.type == "cuda"
+        if is_cuda:
+            self.gpu = self.gpu or tensor.device
+            if self.to is Staging.DEVICE:
+                return tensor.clone()
+        return self._host_buffer(tensor, pinned=is_cuda).copy_(tensor, non_blocking=is_cuda)
+
+    def _host_buffer(self, tensor: torch.Tensor, *, pinned: bool) -> torch.Tensor:
+        """A spare buffer of the pool's for `tensor`, else a new one."""
+        spare = self._spare.get(_buffer_key(tensor, pinned))
+        if spare:
+            buffer = spare.popleft()
+            self._reuse += Reuse(reused_bytes=buffer.nbytes)
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            self._reuse += Reuse(allocated_bytes=buffer.nbytes)
+        self._buffers.append(buffer)
+        return buffer
+
+
+def _buffer_key(tensor: torch.Tensor, pinned: bool) -> tuple:
+    """Which host buffers a tensor's copy may go into: same shape, dtype and pinning."""
+    return tuple(tensor.shape), tensor.dtype, pinned
 
 
 def _map_tensors(tree: Any, fn, memo: dict[Any, torch.Tensor]) -> Any:

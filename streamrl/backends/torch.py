@@ -36,6 +36,7 @@ from streamrl.backends import peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
 from streamrl.backends.documents import model_inputs, use_document_attention
 from streamrl.backends.offload import HostOffload, optimizer_tensors
+from streamrl.backends.staging import StagingPool
 from streamrl.config import LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class TorchBackend:
         )
         self.host_offload = HostOffload(device)
         """What `offload_to_host` moved out (`learner.offload` with `cluster.colocate`)."""
+        self.staging_pool = StagingPool()
+        """The host buffers a checkpoint's copy reuses (`streamrl.backends.staging`)."""
         self.critic = None
         if critic_path is not None:
             from streamrl.backends.critic import TorchCritic
@@ -274,10 +277,13 @@ class TorchBackend:
                 "scheduler": self.scheduler.state_dict(),
             },
             to=staging,
+            pool=self.staging_pool,
         )
         write_critic = None
         if self.critic is not None:
-            write_critic = self.critic.stage_checkpoint(path / CRITIC_DIR, staging=staging)
+            write_critic = self.critic.stage_checkpoint(
+                path / CRITIC_DIR, staging=staging, pool=self.staging_pool
+            )
 
         def write() -> None:
             from transformers.utils import logging as hf_logging
@@ -285,19 +291,19 @@ class TorchBackend:
             from streamrl.weights import adapters
 
             hf_logging.disable_progress_bar()
-            state = staged.host()
             path.mkdir(parents=True, exist_ok=True)
-            if self.lora is not None:
-                adapters.write_peft_adapter(path, state["weights"], self.adapter_spec)
-            else:
-                self.model.save_pretrained(
-                    path, state_dict=state["weights"], safe_serialization=True
+            with staged.host() as state:
+                if self.lora is not None:
+                    adapters.write_peft_adapter(path, state["weights"], self.adapter_spec)
+                else:
+                    self.model.save_pretrained(
+                        path, state_dict=state["weights"], safe_serialization=True
+                    )
+                torch.save(
+                    {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
+                    path / "optimizer.pt",
                 )
             self.tokenizer.save_pretrained(path)
-            torch.save(
-                {"optimizer": state["optimizer"], "scheduler": state["scheduler"]},
-                path / "optimizer.pt",
-            )
             if write_critic is not None:
                 write_critic()
 

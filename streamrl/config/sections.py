@@ -621,7 +621,8 @@ class TrainConfig(_Section):
     host memory holds one more copy of each rank's state), `device` on the learner's own
     GPU (the learner waits only for a device copy; that GPU holds one more copy of its
     rank's weights and optimizer state until the background write has moved it to the
-    host). The same on a CPU learner."""
+    host). The same on a CPU learner. `host`'s buffers are allocated at the first checkpoint
+    and reused by the next ones, so host memory holds that copy for the rest of the run."""
     keep_checkpoints: PositiveInt = 2
     seed: int = 0
     stall_warning_s: NonNegFloat = 60.0

@@ -53,10 +53,11 @@ def test_a_checkpoint_written_while_training_goes_on_resumes_what_was_copied(
 
     backend = build()
     train(backend)
-    copied = staging.stage(
+    with staging.stage(
         {"model": backend.model.state_dict(), "optimizer": backend.optimizer.state_dict()},
         to="host",
-    ).host()
+    ).host() as copied:  # no pool: the copy stays the test's
+        pass
     write = backend.stage_checkpoint(tmp_path / "checkpoint", staging=to)
     train(backend)  # the live state moves on before the copy is written
     write()
@@ -73,7 +74,8 @@ def test_a_checkpoint_written_while_training_goes_on_resumes_what_was_copied(
 def test_tied_weights_stay_one_tensor_in_the_copy():
     weight = torch.randn(4, 3)
     copy = staging.stage({"embed": weight, "head": weight, "other": weight.clone()}, to="host")
-    tree = copy.host()
+    with copy.host() as tree:
+        pass
     assert tree["embed"] is tree["head"] and tree["other"] is not tree["embed"]
     assert torch.equal(tree["embed"], weight) and tree["embed"].data_ptr() != weight.data_ptr()
 

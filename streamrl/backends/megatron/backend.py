@@ -66,6 +66,7 @@ from streamrl.backends.megatron.model import (
 )
 from streamrl.backends.megatron.schedule import Schedule
 from streamrl.backends.offload import HostOffload, optimizer_tensors
+from streamrl.backends.staging import StagingPool
 from streamrl.weights import adapters
 
 
@@ -159,6 +160,9 @@ class MegatronBackend:
         del hf_state
         self.host_offload = HostOffload(self.device)
         """What `offload_to_host` moved out (`learner.offload` with `cluster.colocate`)."""
+        self.staging_pool = StagingPool()
+        """The host buffers a checkpoint's copy reuses, the critic's too
+        (`streamrl.backends.staging`)."""
         self.critic = None
         if critic_path is not None:
             from streamrl.backends.megatron.critic import MegatronCritic

@@ -90,6 +90,7 @@ def stage_policy(backend: MegatronBackend, path: Path, *, staging: str) -> Calla
     write_files = _stage_files(
         path, layout, stage_tensors, is_publisher=backend.is_publisher, shard_names=shard_names,
         optimizer=backend.optimizer, context=backend.megatron_context, staging=staging,
+        pool=backend.staging_pool, part="policy",
     )  # fmt: skip
     num_updates = backend.num_updates
     critic_parts = []
@@ -194,7 +195,7 @@ def stage_critic(critic: MegatronCritic, path: Path, *, staging: str) -> Parts:
     write_files = _stage_files(
         path, layout, critic.stage_tensors, is_publisher=layout.is_stage_publisher,
         shard_names=names, optimizer=critic.optimizer, context=critic.policy.megatron_context,
-        staging=staging,
+        staging=staging, pool=critic.policy.staging_pool, part="critic",
     )  # fmt: skip
     num_updates = critic.num_updates
 
@@ -240,14 +241,17 @@ def _stage_files(
     optimizer: Any,
     context: Callable[[], contextlib.AbstractContextManager],
     staging: str,
+    pool: staging_.StagingPool,
+    part: str,
 ) -> Callable[[], None]:
-    """Copy this rank's files: each stage's publisher its stage's weights (every rank takes
-    part in the gathers), every rank its optimizer state. Every rank calls it; the function
-    returned writes them (no collectives)."""
+    """Copy this rank's files (into `pool`'s buffers for `part` where it has them): each
+    stage's publisher its stage's weights (every rank takes part in the gathers), every rank
+    its optimizer state. Every rank calls it; the function returned writes them (no
+    collectives) and gives the buffers back to `pool`."""
     if layout.rank == 0:
         (path / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    stager = staging_.Stager(staging)
+    stager = staging_.Stager(staging, pool=pool, part=part)
     # each tensor copied as it comes (a stream may reuse its buffers); only publishers keep them
     weights = {name: stager.copy(tensor) for name, tensor in stage_tensors() if is_publisher}
     with context():
@@ -256,11 +260,11 @@ def _stage_files(
     del weights, optimizer_state
 
     def write() -> None:
-        state = staged.host()
-        if is_publisher:
-            weights = {k: v.contiguous() for k, v in state["weights"].items()}
-            convert.write_hf_shard(weights, path / shard_names[layout.pp_rank])
-        torch.save(state["optimizer"], path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt")
+        with staged.host() as state:
+            if is_publisher:
+                weights = {k: v.contiguous() for k, v in state["weights"].items()}
+                convert.write_hf_shard(weights, path / shard_names[layout.pp_rank])
+            torch.save(state["optimizer"], path / OPTIMIZER_DIR / f"rank{layout.rank:05d}.pt")
 
     return write
 
