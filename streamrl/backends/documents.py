@@ -128,6 +128,12 @@ def _varlen_function() -> Any:
             _VARLEN["gqa"] = "enable_gqa" in parameters
             if not causal:
                 _VARLEN["function"] = None
+        log.info(
+            "packed rows attend %s",
+            "through variable-length flash attention (torch.nn.attention.varlen)"
+            if _VARLEN["function"] is not None
+            else "with SDPA per sample: this torch has no usable torch.nn.attention.varlen",
+        )
     return _VARLEN["function"]
 
 
