@@ -54,6 +54,10 @@ class EngineClient:
         """LoRA on SGLang (`streamrl.publish.adapter_files`): the version whose adapter every
         `/generate` names (`lora_path`), which then tags all its tokens; None names none."""
         self._accepts_digest: bool | None = None
+        self.paused = False
+        """Whether this client paused the engine (`pause`) and has not let it go on since
+        (`continue_generation`). SGLang's `/health_generate` waits at the pause's gate, so
+        the fleet's health check then asks `/health` instead (`streamrl.fleet.supervisor`)."""
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
@@ -234,10 +238,13 @@ class EngineClient:
 
     async def pause(self, mode: str = "abort") -> dict:
         """Pause generation: `abort` | `retract` | `in_place` (keeps the KV cache)."""
+        self.paused = True  # before the call: SGLang's abort pause takes a second or more
         return await self._json("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict:
-        return await self._json("POST", "/continue_generation", {})
+        answer = await self._json("POST", "/continue_generation", {})
+        self.paused = False
+        return answer
 
     # ---- memory handoff (colocated training) ------------------------------
     async def release_memory_occupation(

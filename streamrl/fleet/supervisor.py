@@ -5,7 +5,8 @@ Each engine moves through
     starting ─► serving ─► down ─► starting ─► syncing ─► serving ...
 
 A health check (`/health_generate` within `engine.health_timeout_s`, every
-`engine.health_interval_s`) or a dead process moves a serving engine to
+`engine.health_interval_s`; `/health` while the run holds the engine paused, since a paused
+SGLang engine generates nothing) or a dead process moves a serving engine to
 `down`: it leaves the router, its process is killed (a hung one too) and
 started again on the same port, the weight publisher brings it to the current
 version (`syncing`), and only then does it rejoin the router. Requests that
@@ -275,7 +276,10 @@ class EngineSupervisor:
             return "exited"
         try:
             with anyio.fail_after(self.cfg.health_timeout_s):
-                await engine.client.health_generate(timeout_s=self.cfg.health_timeout_s)
+                if engine.client.paused:  # held on purpose (an update, colocated training):
+                    await engine.client.health()  # its server answers, generation waits
+                else:
+                    await engine.client.health_generate(timeout_s=self.cfg.health_timeout_s)
             return None
         except (TimeoutError, EngineError) as exc:
             log.error("engine %s failed its health check: %s", engine.url, exc or "timeout")
