@@ -493,8 +493,12 @@ class LearnerConfig(_Section):
     in a Qwen3-4B run on the H200 with 16 samples of 256..8,192 tokens a step) and fills
     micro_batch_tokens (fewer micro-batches); on the CPU a step took no longer than padded
     rows (bench/cpu/packing.py). Attention: one variable-length flash-attention call on
-    CUDA, SDPA per sample elsewhere (streamrl/backends/documents.py). Off by default until
-    that CUDA path is measured on the H200 (`bench/gpu/packing_check.py`)."""
+    CUDA, SDPA per sample elsewhere (streamrl/backends/documents.py). On the H200 the
+    Megatron learner's step was 17% cheaper per trained token packed, with the same
+    log-probabilities (docs/benchmarks.md, "Full size"). Off by default: the torch backend
+    refuses it for attention with a sliding window or soft-capping, Megatron for latent
+    attention (MLA) with recompute under pipeline parallelism, and the torch backend's CUDA
+    path is not yet measured (`bench/gpu/packing_check.py`)."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""
