@@ -63,6 +63,10 @@ def report(run_dir: Path, peak_flops: float) -> dict:
         },
         "train_s": [r.get("train_s") for r in steps],
         "learner_idle_s": [r.get("learner_idle_s") for r in steps],
+        "train_phases_s": {  # the step's passes (streamrl.backends.step), where recorded
+            key: [r.get(key) for r in steps]
+            for key in sorted({k for r in steps for k in r if _is_phase(k)})
+        },
         "engine_pause_s": {
             "per_update": pauses,
             "median": statistics.median(pauses) if pauses else None,
@@ -80,6 +84,10 @@ def report(run_dir: Path, peak_flops: float) -> dict:
             for key in sorted({k for r in steps for k in r if k.startswith("colocate/")})
         },
     }
+
+
+def _is_phase(key: str) -> bool:
+    return key.startswith("train/") and key.endswith("_s")
 
 
 def _token_efficiency(steps: list[dict]) -> float | None:

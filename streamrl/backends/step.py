@@ -22,7 +22,9 @@ critic's before the step, which are also V_old of the clipped value loss.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from typing import Any
 
 import torch
@@ -59,21 +61,27 @@ def train_step(
         )  # fmt: skip
 
     step_batches = micro_batches_of(all_indices)
+    phases = _Phases()
 
     proximal_by_sample = None
     if needs_proximal_pass(cfg):
-        proximal = backend.compute_logprobs(step_batches, temperature=temperature)
-        proximal_by_sample = gather_responses(samples, step_batches, proximal)
+        with phases("proximal"):
+            proximal = backend.compute_logprobs(step_batches, temperature=temperature)
+            proximal_by_sample = gather_responses(samples, step_batches, proximal)
     reference_by_sample = None
     if algo.kl_loss_coef > 0:
-        reference = backend.compute_logprobs(step_batches, temperature=temperature, reference=True)
-        reference_by_sample = gather_responses(samples, step_batches, reference)
+        with phases("reference"):
+            reference = backend.compute_logprobs(
+                step_batches, temperature=temperature, reference=True
+            )
+            reference_by_sample = gather_responses(samples, step_batches, reference)
     critic = _critic_of(backend, cfg)
     values_by_sample = None
     if critic is not None:
-        values_by_sample = gather_responses(
-            samples, step_batches, critic.compute_values(step_batches)
-        )
+        with phases("values"):
+            values_by_sample = gather_responses(
+                samples, step_batches, critic.compute_values(step_batches)
+            )
 
     response_mask = _response_tensor(samples, "loss_mask")
     behaviour_by_sample = _response_tensor(samples, "logprobs")
@@ -114,11 +122,13 @@ def train_step(
                     samples, micro_batch, values_by_sample
                 )
                 micro_batch.extras["returns"] = scatter_responses(samples, micro_batch, returns)
-        result = backend.train_mini_batch(
-            micro_batches, loss_fn, temperature=temperature, need_entropy=need_entropy
-        )
+        with phases("update"):
+            result = backend.train_mini_batch(
+                micro_batches, loss_fn, temperature=temperature, need_entropy=need_entropy
+            )
         if critic is not None:
-            critic_result = critic.train_mini_batch(micro_batches, value_loss_fn)
+            with phases("critic_update"):
+                critic_result = critic.train_mini_batch(micro_batches, value_loss_fn)
             result.update({f"critic_{k}": v for k, v in critic_result.items()})
         for key, value in result.items():
             sums[key] = sums.get(key, 0.0) + value
@@ -135,7 +145,26 @@ def train_step(
     metrics["train/optimizer_steps"] = len(mini_batches)
     # The share of the training passes' tokens that are samples' tokens, not padding.
     metrics["train/token_efficiency"] = real_tokens / max(computed_tokens, 1)
+    metrics.update(phases.seconds)
     return metrics
+
+
+class _Phases:
+    """Wall seconds of a step's passes, as `train/{phase}_s` (summed over mini-batches).
+    Each pass ends by bringing its results to the host (log-probabilities gathered, the loss
+    read), so on a GPU the clock covers the kernels too."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"train/{phase}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - started
 
 
 def needs_proximal_pass(cfg: RunConfig) -> bool:

@@ -137,6 +137,10 @@ def test_without_a_proximal_pass_a_step_equals_the_step_with_one(tiny_model_dir,
         assert without[f"train/{key}"] == pytest.approx(with_pass[f"train/{key}"], rel=1e-4), key
     assert "train/logprob_abs_diff_max" not in without
     assert without["train/logprob_abs_diff_mean"] > 1.0  # behaviour logprobs are far off
+    # Each pass that ran is timed, and only those.
+    assert with_pass["train/proximal_s"] > 0 and "train/proximal_s" not in without
+    assert with_pass["train/update_s"] > 0 and without["train/update_s"] > 0
+    assert "train/reference_s" not in with_pass and "train/values_s" not in with_pass
 
 
 def test_a_proximal_pass_is_made_only_when_pi_prox_differs_from_the_training_forward():

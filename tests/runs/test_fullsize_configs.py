@@ -78,6 +78,7 @@ def test_the_router_config_runs_two_engines_behind_the_router_and_both_versions_
     figures = json.loads((tmp_path / "r").read_text())
     assert figures["steps"] == 3 and len(figures["mfu_6n_trained_tokens"]["per_step"]) == 3
     assert figures["weights_num_engines"][-1] == 2 and figures["trained_tokens_per_s"] > 0
+    assert all(s > 0 for s in figures["train_phases_s"]["train/update_s"])  # each step's update
 
 
 def test_the_h200_script_names_configs_that_exist_and_the_keys_it_sets_on_them_load():
