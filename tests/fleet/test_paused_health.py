@@ -67,7 +67,9 @@ async def attached(server: PausableServer, port: int, run_dir: Path):
         {
             "model": {"path": "/models/m"},
             "data": {"path": "prompts.jsonl"},
-            "engine": {"urls": [f"http://127.0.0.1:{port}"], "health_timeout_s": 0.5},
+            # Long enough for a healthy answer on a loaded 2-core machine; the hung case
+            # waits it out once.
+            "engine": {"urls": [f"http://127.0.0.1:{port}"], "health_timeout_s": 2.0},
         }
     )
     supervisor = EngineSupervisor(cfg, run_dir=run_dir, engine_argv=None)
