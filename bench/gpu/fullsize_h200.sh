@@ -19,6 +19,10 @@
 #   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
 #                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
 #                        read every 2 s
+#   profile4b OUT        carry .whl: the Megatron learner alone on the Qwen3-4B shape, one step's
+#                        16 packed samples of 256..8,192 tokens timed and profiled with every
+#                        layer, half of them and none recomputed (bench/gpu/learner_profile.py;
+#                        about 5 minutes)
 #   colocated8b OUT      carry .sgl .whl (a fresh machine is fine): `streamrl check` of the
 #                        Llama-3-8B shape colocated (the planner refuses it on one H200: its
 #                        figures are kept), then the Qwen3-4B shape colocated with SGLang,
@@ -29,7 +33,7 @@
 # Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from the CPU machine. Results: OUT/*; copy them
 # into bench/results/gpu/ under the names they have (fullsize_*_h200x1*).
 set -uo pipefail
-PART=${1:?usage: fullsize_h200.sh fetch|async4b|checkpoint|router|colocated8b OUT}
+PART=${1:?usage: fullsize_h200.sh fetch|async4b|checkpoint|router|profile4b|colocated8b OUT}
 cd "$(dirname "$0")/../.."
 if [ "$PART" = fetch ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -161,6 +165,16 @@ router)
   status=$?
   kill "$poller" 2>/dev/null
   exit $status
+  ;;
+profile4b)
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -c "import torch; print('torch', torch.__version__)" | tee "$OUT/versions.txt"
+  draw qwen3-4b /tmp/qwen3-4b
+  # shellcheck disable=SC2086
+  timeout "${PROFILE_TIMEOUT_S:-540}" python3 bench/gpu/learner_profile.py --model /tmp/qwen3-4b \
+    --out "$OUT/learner_profile_qwen3-4b_h200x1.json" ${PROFILE_ARGS:-} 2>&1 |
+    tee "$OUT/learner_profile_qwen3-4b_h200x1.log.txt" | grep -E "^\[learner_profile\]|Error|error" | cut -c1-3000
+  exit "${PIPESTATUS[0]}"
   ;;
 colocated8b)
   sglang_env

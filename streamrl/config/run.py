@@ -214,6 +214,13 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(mcfg, key) > 1:
                 problems.append(f"learner.megatron.{key} > 1 needs learner.backend = 'megatron'")
+    if mcfg.recompute_layers and not (
+        cfg.learner.backend == "megatron" and cfg.learner.gradient_checkpointing
+    ):
+        problems.append(
+            f"learner.megatron.recompute_layers = {mcfg.recompute_layers} needs "
+            f"learner.backend = 'megatron' and learner.gradient_checkpointing = true"
+        )
     if cfg.learner.backend == "megatron":
         model_parallel = mcfg.tensor_parallel_size * mcfg.pipeline_parallel_size
         if cfg.learner.num_gpus % model_parallel:

@@ -380,6 +380,13 @@ class MegatronConfig(_Section):
     """Step of the aux-loss-free balancing update of DeepSeek-V3 / GLM-4.5's expert correction
     bias per optimizer step; 0 keeps the checkpoint's bias (the engines' routing stays the
     learner's until the next weight push either way: the bias is published with the weights)."""
+    recompute_layers: NonNegInt = 0
+    """With learner.gradient_checkpointing, how many layers of each pipeline stage recompute
+    their forward in the backward: the stage's first N (Megatron's `block` method; slime
+    --recompute-method block --recompute-num-layers N); the others keep their activations.
+    0 recomputes every layer (Megatron's `uniform` method, one layer a group). Fewer layers
+    cost more memory (`streamrl check` plans it) and less time: each recomputed layer
+    repeats its forward, a third of its training work."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the learner's elementwise work: the fp32 log-softmax over the vocabulary
     of every log-probability and entropy (one fused pass over the logits instead of about ten

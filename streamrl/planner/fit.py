@@ -201,6 +201,8 @@ def _applies(key: str, cfg: Any) -> bool:
     megatron = learner.backend == "megatron"
     if key == "learner.gradient_checkpointing":
         return not learner.gradient_checkpointing
+    if key == "learner.megatron.recompute_layers":  # 0: every layer recomputed
+        return megatron and learner.gradient_checkpointing and learner.megatron.recompute_layers > 0
     if key.startswith("learner.megatron.") or key == "learner.num_gpus":
         if key == "learner.megatron.use_distributed_optimizer":
             return megatron and not learner.megatron.use_distributed_optimizer

@@ -41,6 +41,7 @@ class LearnerSetup:
     compute_bytes: int  # 2 for bf16, 4 for float32
     tokens: int  # padded tokens of the largest micro-batch
     recompute: bool = False  # learner.gradient_checkpointing
+    recompute_layers: int = 0  # learner.megatron.recompute_layers: of a stage; 0 = every layer
     reference: bool = False  # a KL reference model (algorithm.kl_loss_coef > 0, no LoRA)
     distributed_optimizer: bool = True  # megatron only
     sequence_parallel: bool = False  # megatron only
@@ -230,14 +231,18 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: LearnerSetup) -> 
 def activations(shape: ModelShape, setup: LearnerSetup) -> int:
     """Saved activations at the backward's start on the busiest GPU: tokens x layers of one
     stage x micro-batches in flight (1F1B keeps pp of them on the first stage) x the layer's
-    bytes per token; with `learner.gradient_checkpointing`, each layer's input only, plus one
-    layer recomputed in full."""
+    bytes per token. With `learner.gradient_checkpointing` a recomputed layer keeps its input
+    only, and one layer at a time holds its full activations again in the backward: every
+    layer (the default), or the first `learner.megatron.recompute_layers` of each stage
+    while the others keep theirs."""
     layers = shape.num_layers  # L / pp layers of a stage x pp micro-batches in flight
     full = layer_activation_bytes_per_token(shape, setup)
+    recomputed = 0
     if setup.recompute:
-        per_token = layers * layer_input_bytes_per_token(shape, setup) + full
-    else:
-        per_token = layers * full
+        stage_layers = layers // setup.layout.pp
+        recomputed = (setup.recompute_layers or stage_layers) * setup.layout.pp
+    kept = layers - recomputed
+    per_token = recomputed * layer_input_bytes_per_token(shape, setup) + max(kept, 1) * full
     return int(setup.tokens * per_token)
 
 

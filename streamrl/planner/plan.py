@@ -31,7 +31,11 @@ TRAIN_TERMS = ("autocast_weight_copies", "activations", "activation_gradients", 
 
 # What lowers a term: the config keys a refusal names, largest term first.
 KEYS_FOR_TERM = {
-    "activations": ("learner.micro_batch_tokens", "learner.gradient_checkpointing"),
+    "activations": (
+        "learner.micro_batch_tokens",
+        "learner.gradient_checkpointing",
+        "learner.megatron.recompute_layers",
+    ),
     "activation_gradients": ("learner.micro_batch_tokens",),
     "logits": ("learner.micro_batch_tokens",),
     "autocast_weight_copies": ("learner.backend",),
@@ -165,7 +169,9 @@ def learner_setup(shape: ModelShape, cfg: Any, *, tokens: int) -> learner_terms.
     return learner_terms.LearnerSetup(
         backend=learner.backend, layout=layout,
         compute_bytes=4 if learner.dtype == "float32" else 2, tokens=tokens,
-        recompute=learner.gradient_checkpointing, reference=cfg.algorithm.kl_loss_coef > 0,
+        recompute=learner.gradient_checkpointing,
+        recompute_layers=megatron.recompute_layers if is_megatron else 0,
+        reference=cfg.algorithm.kl_loss_coef > 0,
         distributed_optimizer=megatron.use_distributed_optimizer,
         sequence_parallel=layout.tp > 1 and (megatron.sequence_parallel or always_sp),
         lora_rank=lora.rank, lora_targets=tuple(lora.target_modules) if lora.rank else (),
@@ -217,9 +223,17 @@ def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usa
     description = (
         f"learner ({setup.backend}, {parallel}, {'bf16' if setup.compute_bytes == 2 else 'fp32'}, "
         f"{tokens} tokens per micro-batch, "
-        f"{'recompute' if setup.recompute else 'no recompute'})"
+        f"{_recompute_words(setup)})"
     )
     return Usage("learner", description, terms, phases)
+
+
+def _recompute_words(setup: learner_terms.LearnerSetup) -> str:
+    if not setup.recompute:
+        return "no recompute"
+    if setup.recompute_layers:
+        return f"recompute of {setup.recompute_layers} layers a stage"
+    return "recompute"
 
 
 def embedded_engine_usage(shape: ModelShape, cfg: Any) -> Usage:

@@ -175,3 +175,24 @@ def test_colocate_with_train_py_becomes_colocated_sync_with_the_learner_offloade
     assert conversion.get("train.mode") == "sync"
     assert conversion.get("learner.offload") == "all"
     assert conversion.get("cluster.engine_gpus") == [0]
+
+
+def test_recompute_flags_map_block_recompute_to_the_layers_of_a_stage():
+    def converted(*words: str):
+        return convert(read_command([], ["python", "train.py", *words]))
+
+    block = converted(
+        "--recompute-granularity", "full", "--recompute-method", "block",
+        "--recompute-num-layers", "12",
+    )  # fmt: skip
+    assert block.get("learner.gradient_checkpointing") is True
+    assert block.get("learner.megatron.recompute_layers") == 12
+    uniform = converted(
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "4",
+    )  # fmt: skip
+    assert uniform.get("learner.megatron.recompute_layers") is None
+    assert any("uniform --recompute-num-layers 4" in note for note in uniform.notes)
+    alone = converted("--recompute-method", "block", "--recompute-num-layers", "2")
+    assert alone.get("learner.gradient_checkpointing") is None
+    assert "--recompute-method block" in dict(alone.not_mapped)

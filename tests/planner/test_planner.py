@@ -322,3 +322,35 @@ def test_a_packed_micro_batch_is_planned_at_the_token_budget_as_a_padded_one():
 
     assert activations(True, 4000) == activations(False, 4000) < activations(False, 4096)
     assert activations(True, 4000, "torch") == activations(False, 4000, "torch")
+
+
+def test_recomputing_some_layers_plans_activations_between_none_and_every_layer():
+    """learner.megatron.recompute_layers = k of a stage's L: k layers keep their input, the
+    other L - k their whole activations; k = L is full recompute, and the key changes the plan
+    only with gradient checkpointing on (the config refuses it otherwise)."""
+    from streamrl.config import ConfigError
+    from streamrl.planner.plan import learner_usage
+
+    shape = shape_of("random:qwen3-4b")
+
+    def activations(recompute: bool, layers: int = 0) -> int:
+        cfg = _config(
+            model={"path": "random:qwen3-4b"},
+            learner={
+                "backend": "megatron", "micro_batch_tokens": 4096,
+                "gradient_checkpointing": recompute, "megatron": {"recompute_layers": layers},
+            },
+        )  # fmt: skip
+        return learner_usage(shape, cfg, None).terms["activations"]
+
+    every, none = activations(True), activations(False)
+    half = activations(True, shape.num_layers // 2)
+    assert every < half < none
+    assert activations(True, shape.num_layers) == every
+    setup = learner_setup(shape, _config(learner={"backend": "megatron"}), tokens=4096)
+    full = terms.layer_activation_bytes_per_token(shape, setup)
+    layer_input = terms.layer_input_bytes_per_token(shape, setup)
+    k = shape.num_layers // 2  # k layers more keep all (one did already), k fewer their input
+    assert half - every == pytest.approx(4096 * ((k - 1) * full - k * layer_input), rel=1e-6)
+    with pytest.raises(ConfigError, match=r"learner.megatron.recompute_layers = 4 needs"):
+        _config(learner={"backend": "megatron", "megatron": {"recompute_layers": 4}})

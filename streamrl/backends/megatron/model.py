@@ -79,6 +79,7 @@ def build_transformer_config(
     dtype: torch.dtype,
     sequence_parallel: bool = False,
     gradient_checkpointing: bool = False,
+    recompute_layers: int = 0,
     ep_size: int = 1,
     options: Any = None,
     hf_config: Any = None,
@@ -97,9 +98,7 @@ def build_transformer_config(
     on_cpu = not torch.cuda.is_available()
     recompute = {}
     if gradient_checkpointing:
-        recompute = dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
+        recompute = _recompute_kwargs(recompute_layers, shape.num_layers // pp_size)
     config_class, extra = TransformerConfig, {}
     if shape.mla is not None:
         config_class, extra = (
@@ -150,6 +149,21 @@ def build_transformer_config(
         **extra,
         **recompute,
     )
+
+
+def _recompute_kwargs(layers: int, stage_layers: int) -> dict:
+    """Megatron's full recompute: every layer (`uniform`, one a group), or the first `layers`
+    of each stage (`block`; learner.megatron.recompute_layers)."""
+    if layers > stage_layers:
+        raise ValueError(
+            f"learner.megatron.recompute_layers = {layers} is more than the {stage_layers} "
+            f"layers of a pipeline stage; 0 recomputes every layer"
+        )
+    if layers in (0, stage_layers):
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
 
 
 _NORM_SLOTS = ("input_layernorm", "pre_mlp_layernorm")
@@ -279,6 +293,7 @@ def build_gpt_model(
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         gradient_checkpointing=gradient_checkpointing,
+        recompute_layers=getattr(options, "recompute_layers", 0),
         ep_size=ep_size,
         options=options,
         hf_config=hf_config,

@@ -40,7 +40,8 @@ SPECIAL = frozenset(
         "--eval-max-response-len", "--eval-temperature", "--eval-top-p", "--eval-top-k",
         "--debug-rollout-only", "--debug-train-only", "--save-debug-rollout-data",
         "--load-debug-rollout-data", "--hf-checkpoint", "--async-buffer-size", "--optimizer",
-        "--recompute-granularity", "--num-gpus-per-node", "--update-weights-interval",
+        "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+        "--num-gpus-per-node", "--update-weights-interval",
     }
 )  # fmt: skip
 
@@ -181,9 +182,34 @@ def _algorithm(out: Conversion, given: dict[str, list[str]]) -> None:
         out.skip("--optimizer", optimizer, "AdamW is the one optimizer")
     elif optimizer:
         out.sources.setdefault("learner.lr", []).append("--optimizer adam (AdamW)")
-    if "--recompute-granularity" in given:
-        out.set("learner.gradient_checkpointing", True, text_of("--recompute-granularity",
-                given["--recompute-granularity"]))  # fmt: skip
+    _recompute(out, given)
+
+
+def _recompute(out: Conversion, given: dict[str, list[str]]) -> None:
+    """Megatron's full recompute: `block` with N layers recomputes the first N of each stage
+    (learner.megatron.recompute_layers); `uniform` recomputes every layer, one at a time."""
+    if "--recompute-granularity" not in given:
+        for flag in ("--recompute-method", "--recompute-num-layers"):
+            if flag in given:
+                out.skip(flag, given[flag], "Megatron takes it only with --recompute-granularity")
+        return
+    granularity = table.one(given["--recompute-granularity"])
+    out.set("learner.gradient_checkpointing", True,
+            text_of("--recompute-granularity", given["--recompute-granularity"]))  # fmt: skip
+    if granularity != "full":
+        out.notes.append(
+            f"--recompute-granularity {granularity}: streamrl recomputes whole layers (full)"
+        )
+    method = table.one(given.get("--recompute-method", []))
+    layers = given.get("--recompute-num-layers")
+    if method == "block" and layers:
+        out.set("learner.megatron.recompute_layers", table.integer(layers),
+                "--recompute-method block --recompute-num-layers")  # fmt: skip
+    elif method == "uniform" and layers and table.integer(layers) > 1:
+        out.notes.append(
+            f"--recompute-method uniform --recompute-num-layers {table.integer(layers)}: "
+            f"streamrl recomputes every layer alone (the same work, each layer's input kept)"
+        )
 
 
 def _functions(out: Conversion, given: dict[str, list[str]]) -> None:

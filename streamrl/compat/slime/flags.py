@@ -214,8 +214,6 @@ NOT_MAPPED: dict[str, str] = {
     "--attention-softmax-in-fp32": "softmax runs in float32 in SDPA",
     "--attention-backend": "learner.megatron.attention picks sdpa or local",
     "--use-flash-attn": _PERF,
-    "--recompute-method": "learner.gradient_checkpointing = true recomputes whole layers",
-    "--recompute-num-layers": "learner.gradient_checkpointing = true recomputes every layer",
     "--moe-permute-fusion": _PERF,
     "--overlap-grad-reduce": _PERF,
     "--overlap-param-gather": _PERF,

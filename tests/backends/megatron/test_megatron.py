@@ -109,6 +109,7 @@ def _worker_single(out: Path, dirs_json: str) -> None:
             for variant, kwargs in {
                 "local_attention": {"attention": "local"},
                 "recompute": {"gradient_checkpointing": True},
+                "partial_recompute": {"gradient_checkpointing": True, "recompute_layers": 1},
                 "compiled": {"compile": "on"},
             }.items()
         }
@@ -138,18 +139,25 @@ def _background_checkpoint(backend, micro_batches, directory: Path):
 
 
 def _first_steps(
-    path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False, compile="off"
-):
-    """Two training steps with Megatron's unfused attention, full activation recompute or the
-    torch.compile'd kernels (CUDA's default: log-softmax and SwiGLU)."""
+    path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False,
+    recompute_layers=0, compile="off",
+):  # fmt: skip
+    """Two training steps with Megatron's unfused attention, activation recompute (every
+    layer, or the first of the model's two) or the torch.compile'd kernels (CUDA's default:
+    log-softmax and SwiGLU)."""
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
 
     config = LearnerConfig(
         backend="megatron", lr=1e-3, grad_clip=1.0, gradient_checkpointing=gradient_checkpointing,
-        megatron=MegatronConfig(attention=attention, compile=compile),
+        megatron=MegatronConfig(
+            attention=attention, compile=compile, recompute_layers=recompute_layers
+        ),
     )  # fmt: skip
     backend = MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
+    if recompute_layers:  # the first layer recomputed alone, the second keeping its activations
+        assert (backend.model.config.recompute_method, backend.model.config.recompute_num_layers) \
+            == ("block", recompute_layers)  # fmt: skip
     return [
         backend.train_mini_batch(micro_batches, nll_loss, temperature=1.0, need_entropy=True)
         for _ in range(2)
@@ -348,7 +356,9 @@ def test_reference_model_stays_frozen_while_the_policy_trains(runs):
         assert (trained - initial).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("variant", ["local_attention", "recompute", "compiled"])
+@pytest.mark.parametrize(
+    "variant", ["local_attention", "recompute", "partial_recompute", "compiled"]
+)
 def test_unfused_attention_recompute_and_compiled_kernels_train_like_the_default(runs, variant):
     result = runs("single")
     expected = [step["nll"] for step in result["steps"][:2]]

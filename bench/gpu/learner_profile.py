@@ -1,0 +1,263 @@
+"""Where the Megatron learner's step goes at full size: one step's samples as the Qwen3-4B run
+trains them (bench/configs/gpu_fullsize_async4b.toml), timed and profiled per recompute
+setting (issue 27's MFU line).
+
+Run from the repository root on one GPU, with a model directory drawn beforehand (about 4-6
+minutes on one H200 for the 4B shape):
+
+    python bench/gpu/learner_profile.py --model /tmp/qwen3-4b --out OUT/learner_profile.json
+
+`--cpu-smoke` runs it on a tiny random shape on the CPU (checks the script, not the GPU).
+
+The samples: `--samples` (16) of prompts 64..511 and responses uniform in 256..8,192
+tokens, packed into rows of `--budget` (16,384) tokens (`learner.pack_sequences`), one
+optimizer step over all of them, as the run's step makes it (no proximal pass: one optimizer
+step a step). Each recompute variant (`--variants`):
+
+    full   learner.gradient_checkpointing: every layer recomputed (the run's setting)
+    half   learner.megatron.recompute_layers = half the layers (Megatron's `block` method)
+    none   no recompute (the step runs out of memory beside SGLang; alone it may fit)
+
+The variants share one backend: Megatron's TransformerBlock reads `recompute_granularity`,
+`recompute_method` and `recompute_num_layers` from its config at every forward, so each
+variant sets them there (the values `build_transformer_config` gives for that setting).
+Per variant: a warm-up step, `--steps` (2) timed ones with CUDA events around the
+optimizer step, the allocator's peak, and one more step under torch.profiler whose CUDA
+kernel time is summed by kind (matmul, attention, compiled elementwise, other elementwise,
+reductions and norms, optimizer, copies) with the top kernels by time. MFU against the
+989e12 dense bf16 peak, trained tokens only:
+
+    mfu_6n        6 N tokens / step time (the issue's formula and the run's report)
+    mfu_work      (6 N + 2 N x the share of layers recomputed) tokens plus attention's causal
+                  score and value matmuls per sample (x 3 for training, x 4 with the
+                  recompute's forward, scaled the same way) / step time: the work the GPU did
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import megatron_check as base  # noqa: E402  (it also puts the repository on sys.path)
+import packing_check as packing  # noqa: E402
+
+VARIANTS = ("full", "half", "none")
+KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "sm80_xmma", "cublas", "wgrad", "dgrad")),
+    ("compiled", ("triton",)),
+    ("reduction_or_norm", ("reduce", "norm", "softmax", "cross_entropy", "scan", "sort")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, words in KINDS if any(w in name for w in words)), "other")
+
+
+def set_recompute(model, variant: str) -> dict:
+    """The variant's recompute fields on the model's (shared) TransformerConfig."""
+    config = model.config
+    layers = config.num_layers
+    fields = {
+        "full": ("full", "uniform", 1),
+        "half": ("full", "block", layers // 2),
+        "none": (None, None, None),
+    }[variant]
+    config.recompute_granularity, config.recompute_method, config.recompute_num_layers = fields
+    recomputed = {"full": layers, "half": layers // 2, "none": 0}[variant]
+    return {"recompute": fields, "recomputed_share": recomputed / layers}
+
+
+def work_flops(flops: dict, recomputed_share: float) -> float:
+    extra = recomputed_share * (flops["old_logprob_2n"] + flops["attention_old_logprob"])
+    return flops["train_6n"] + flops["attention_train"] + extra
+
+
+def profile_step(step) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if base.PLAN.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    base.synchronize()
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        base.synchronize()
+    wall_s = time.perf_counter() - started
+    by_kind: dict[str, float] = {}
+    kernels = []
+    for event in prof.key_averages():
+        device_us = (  # on the CPU (--cpu-smoke) the operators' own CPU time stands in
+            event.self_device_time_total
+            if base.PLAN.device == "cuda"
+            else event.self_cpu_time_total
+        )
+        if device_us <= 0:
+            continue
+        kernels.append((device_us, event.key, event.count))
+        kind = kind_of(event.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + device_us / 1e6
+    kernels.sort(reverse=True)
+    busy = sum(by_kind.values())
+    return {
+        "wall_s": round(wall_s, 4),
+        "kernel_s": round(busy, 4),
+        "kernel_share_of_wall": round(busy / wall_s, 4) if wall_s else None,
+        "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": name[:160], "s": round(us / 1e6, 4), "calls": count}
+            for us, name, count in kernels[:25]
+        ],
+    }
+
+
+def measure_variant(
+    backend, optimizer_step, batches, flops: dict, variant: str, steps: int
+) -> dict:
+    from megatron_ranks import nll_loss
+
+    result = set_recompute(backend.model, variant)
+    clock = base.StepClock()
+    backend.optimizer.step = optimizer_step  # unmarked (a previous variant's clock)
+    base.timed_optimizer(backend, clock)  # marks the optimizer step's start and end
+
+    def step() -> None:
+        clock.mark("between_steps_s")
+        backend.train_mini_batch(batches, nll_loss, temperature=1.0, need_entropy=True)
+        clock.mark("metrics_s")
+
+    base.reset_peak_memory()
+    try:
+        started = time.perf_counter()
+        step()  # warm-up: compilation, allocations
+        base.synchronize()
+        result["first_step_s"] = round(time.perf_counter() - started, 2)
+        clock.phases_s()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        base.synchronize()
+    except torch.OutOfMemoryError as exc:
+        result.update(out_of_memory=True, error=str(exc).split("\n")[0][:300])
+        result["peak_memory_gib"] = base.peak_memory_gib()
+        return result
+    step_s = (time.perf_counter() - started) / steps
+    phases = {name: round(s / steps, 4) for name, s in clock.phases_s().items()}
+    mfu = flops["train_6n"] / step_s / base.PEAK_BF16_FLOPS
+    result.update(
+        out_of_memory=False, step_s=round(step_s, 4), phases_s=phases,
+        tokens_per_s=round(flops["tokens"] / step_s, 1), mfu_6n=round(mfu, 4),
+        mfu_work=round(work_flops(flops, result["recomputed_share"]) / step_s
+                       / base.PEAK_BF16_FLOPS, 4),
+        peak_memory_gib=base.peak_memory_gib(),
+    )  # fmt: skip
+    result["profile"] = profile_step(step)
+    clock.phases_s()
+    return result
+
+
+def run(model_dir: Path, out_path: Path, *, samples: int, budget: int, steps: int,
+        variants: tuple[str, ...]) -> dict:  # fmt: skip
+    import warnings
+
+    from transformers import AutoConfig
+
+    from streamrl.backends.batching import token_counts
+    from streamrl.backends.megatron.backend import MegatronBackend
+    from streamrl.backends.megatron.model import shape_from_hf
+    from streamrl.config import LearnerConfig, MegatronConfig
+
+    warnings.filterwarnings("ignore")
+    packing.PLAN = packing.Plan(
+        device=base.PLAN.device, dtype=base.PLAN.dtype, budget=budget,
+        **({"prompt": (4, 32), "response": (8, 256)} if base.PLAN.device == "cpu" else {}),
+    )  # fmt: skip
+    report: dict = {
+        "environment": base.environment(), "model": str(model_dir), "samples": samples,
+        "budget": budget, "steps": steps, "variants": {},
+    }  # fmt: skip
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(report, indent=2))
+
+    base.init_single_rank()
+    shape = shape_from_hf(AutoConfig.from_pretrained(model_dir))
+    batch_samples = packing.spread_samples(
+        samples, prompt=packing.PLAN.prompt, response=packing.PLAN.response,
+        vocab=shape.vocab_size,
+    )  # fmt: skip
+    batches = packing.layout_batches(batch_samples, packed=True)
+    real, computed = token_counts(batches)
+    config = LearnerConfig(
+        backend="megatron", lr=1e-6, micro_batch_tokens=budget, pack_sequences=True,
+        gradient_checkpointing=True, megatron=MegatronConfig(use_distributed_optimizer=True),
+    )  # fmt: skip
+    started = time.perf_counter()
+    backend = MegatronBackend(
+        str(model_dir), config, device=base.PLAN.device, dtype=base.PLAN.dtype, seed=0
+    )
+    optimizer_step = backend.optimizer.step
+    num_params = sum(p.numel() for p in backend.model.parameters())
+    flops = packing.sample_flops(shape, num_params, batch_samples)
+    report.update(
+        build_s=round(time.perf_counter() - started, 1), num_params=num_params,
+        micro_batches=len(batches), tokens=real, token_efficiency=round(real / computed, 4),
+        compiled=backend.compiled, flops=flops,
+    )  # fmt: skip
+    save()
+    for variant in variants:
+        try:
+            report["variants"][variant] = measure_variant(
+                backend, optimizer_step, batches, flops, variant, steps
+            )
+        except Exception:
+            report["variants"][variant] = {"error": traceback.format_exc()}
+        print(f"[learner_profile] {variant}: {json.dumps(report['variants'][variant])[:1500]}",
+              flush=True)  # fmt: skip
+        base.free_cuda()
+        save()
+    print(json.dumps({k: v for k, v in report.items() if k != "variants"}))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="a Hugging Face directory (random weights)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=16384, help="learner.micro_batch_tokens")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU")
+    args = parser.parse_args()
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if unknown := sorted(set(variants) - set(VARIANTS)):
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    model = args.model
+    if args.cpu_smoke:
+        base.PLAN = base.SMOKE
+        model = model or base.save_random_hf(
+            "qwen3-tiny", args.out.parent / "learner-profile-qwen3-tiny"
+        )
+        args.budget = min(args.budget, 512)
+    if model is None:
+        parser.error("--model is required (or --cpu-smoke)")
+    run(model, args.out, samples=args.samples, budget=args.budget, steps=args.steps,
+        variants=variants)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
