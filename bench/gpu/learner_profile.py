@@ -98,12 +98,13 @@ def profile_step(step) -> dict:
     wall_s = time.perf_counter() - started
     by_kind: dict[str, float] = {}
     kernels = []
+    on_gpu = base.PLAN.device == "cuda"
     for event in prof.key_averages():
-        device_us = (  # on the CPU (--cpu-smoke) the operators' own CPU time stands in
-            event.self_device_time_total
-            if base.PLAN.device == "cuda"
-            else event.self_cpu_time_total
-        )
+        # The kernels themselves (an operator's row repeats its kernels' time); on the CPU
+        # (--cpu-smoke) the operators' own CPU time stands in.
+        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        device_us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
         if device_us <= 0:
             continue
         kernels.append((device_us, event.key, event.count))

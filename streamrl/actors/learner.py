@@ -213,6 +213,7 @@ class LearnerLoop:
             self.checkpoints.collect()
             if self.handoff is None and self._is_checkpoint_due():
                 await self.start_checkpoint()
+            await self._reserve_checkpoint_staging()
         await self.checkpoints.wait()
         if self.publisher is not None:
             if self.published_version != self.version:  # the engines end on the last version
@@ -362,13 +363,33 @@ class LearnerLoop:
         )
         return checkpoint.checkpoint_dir(self.run_dir) / f"step_{state.step:06d}"
 
-    def _stage_checkpoint(self, partial: Path) -> Callable[[], None]:
+    def _stage_checkpoint(self, partial: Path, staging: str = "") -> Callable[[], None]:
         """The backend's copy of its state, in a worker thread (bound to the learner's GPU)."""
         if self.backend.device.type == "cuda":
             import torch
 
             torch.cuda.set_device(self.backend.device)
-        return self.backend.stage_checkpoint(partial, staging=self.cfg.train.checkpoint_staging)
+        return self.backend.stage_checkpoint(
+            partial, staging=staging or self.cfg.train.checkpoint_staging
+        )
+
+    async def _reserve_checkpoint_staging(self) -> None:
+        """After the first step, with checkpoints every `train.save_interval` steps staged in
+        pinned host memory from a GPU: have the backend's staging pool allocate their buffers
+        in a thread while training goes on, instead of at the first checkpoint
+        (`streamrl.backends.staging`, `reserve`)."""
+        train = self.cfg.train
+        if (
+            self.state.step != 1
+            or self.backend is None
+            or self.handoff is not None  # colocated: the state moves between host and GPU
+            or train.save_interval < 2  # (1: the first checkpoint has just been taken)
+            or train.checkpoint_staging != "host"
+            or self.backend.device.type != "cuda"
+        ):
+            return
+        path = checkpoint.checkpoint_dir(self.run_dir) / "reserve"  # written by nobody
+        await anyio.to_thread.run_sync(self._stage_checkpoint, path, "reserve")
 
     def _staging_bytes(self) -> tuple[int, int]:
         """Bytes of host buffers this rank's last checkpoint copy reused and allocated

@@ -165,7 +165,9 @@ class LearnerBackend(Protocol):
         may run in another thread while training goes on (`save` is both at once).
 
         On ranks > 0 the write runs in a thread of theirs; rank 0's returns once every
-        rank's files are written."""
+        rank's files are written. `staging = "reserve"` (every rank) only takes the host
+        buffers of a `host` copy into the backend's staging pool, ahead of the first
+        checkpoint; its function writes nothing."""
         ...
 
     def load(self, path: Path) -> None:

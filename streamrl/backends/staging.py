@@ -12,6 +12,13 @@ background thread writes the copy. Where the copy lives is `train.checkpoint_sta
 
 On a CPU learner both are one copy in memory.
 
+`reserve` is not a place for a copy but a dry run of `host`: it notes the host buffers a
+`host` copy would take (pinned for GPU tensors), copies nothing, and the pool allocates
+them in a thread of its own while training goes on, so that the first checkpoint finds
+them ready instead of page-locking them itself (18 s for the 21.6 GB of a 1.5B learner on
+the H200, against 0.4 s for the copy into them); a backend's write function for it writes
+nothing. The learner reserves once, after its first step (Adam's moments exist only then).
+
 The host buffers are kept from one checkpoint to the next in a `StagingPool` (one per
 backend): page-locking tens of GB of new memory is what makes a host copy slow, not the
 copy. A checkpoint's buffers go back to the pool when its write is done with them (the
@@ -26,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,10 +43,14 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 
 class Staging(enum.StrEnum):
     HOST = "host"
     DEVICE = "device"
+    RESERVE = "reserve"
+    """`host`'s buffers taken into the pool, nothing copied (the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +76,40 @@ class StagingPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[str, list[torch.Tensor]] = {}
+        self._reserving: dict[str, threading.Thread] = {}
         self.last_copy: dict[str, Reuse] = {}
         """Each part's latest copy: bytes reused and allocated."""
+        self.reserved: dict[str, tuple[int, float]] = {}
+        """Each part's reservation once allocated: bytes, seconds."""
 
     def take(self, part: str) -> list[torch.Tensor]:
-        """`part`'s buffers, in the order the last copy used them (empty: none are free)."""
+        """`part`'s buffers, in the order the last copy used them (empty: none are free); waits
+        for a reservation of `part` still being allocated."""
+        reserving = self._reserving.pop(part, None)
+        if reserving is not None:
+            reserving.join()
         with self._lock:
             return self._free.pop(part, [])
+
+    def reserve(self, part: str, specs: list[tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
+        """Allocate buffers of `specs` (shape, dtype, pinned), in order, in a thread of the
+        pool's, and keep them for `part`'s next copy."""
+
+        def allocate() -> None:
+            started = time.perf_counter()
+            buffers = [
+                torch.empty(shape, dtype=dtype, pin_memory=pinned) for shape, dtype, pinned in specs
+            ]
+            self.give_back(part, buffers)
+            self.reserved[part] = (sum(b.nbytes for b in buffers), time.perf_counter() - started)
+            log.info(
+                "checkpoint staging (%s): %.2f GB of host buffers allocated in %.1f s, ahead of "
+                "the first checkpoint", part, self.reserved[part][0] / 1e9, self.reserved[part][1],
+            )  # fmt: skip
+
+        thread = threading.Thread(target=allocate, name=f"reserve-{part}", daemon=True)
+        self._reserving[part] = thread
+        thread.start()
 
     def give_back(self, part: str, buffers: list[torch.Tensor]) -> None:
         """Keep `buffers` for `part`'s next copy (replacing any set kept before)."""
@@ -143,10 +183,13 @@ class Stager:
         self._pool, self._part = pool, part
         self._spare: defaultdict[tuple, deque[torch.Tensor]] = defaultdict(deque)
         """The pool's buffers not yet reused, by `_buffer_key`, in their old order."""
-        for buffer in pool.take(part) if pool is not None else []:
+        taken = pool.take(part) if pool is not None and self.to is not Staging.RESERVE else []
+        for buffer in taken:
             self._spare[_buffer_key(buffer, buffer.is_pinned())].append(buffer)
         self._buffers: list[torch.Tensor] = []
         """The host buffers of this copy, in order (the pool's next set)."""
+        self._specs: list[tuple[tuple[int, ...], torch.dtype, bool]] = []
+        """`reserve`: the buffers a host copy would take, in order."""
         self._reuse = Reuse()
 
     def copy(self, tree: Any) -> Any:
@@ -159,6 +202,10 @@ class Stager:
         of any later kernel. Buffers of the pool's set that this copy did not use are let
         go."""
         self._spare.clear()
+        if self.to is Staging.RESERVE:
+            if self._pool is not None:
+                self._pool.reserve(self._part, self._specs)
+            return Staged(None, None, None, lambda: None)
         if self._pool is not None:
             self._pool.last_copy[self._part] = self._reuse
         release = self._release
@@ -183,6 +230,9 @@ class Stager:
             self.gpu = self.gpu or tensor.device
             if self.to is Staging.DEVICE:
                 return tensor.clone()
+        if self.to is Staging.RESERVE:  # nothing copied, nothing kept
+            self._specs.append(_buffer_key(tensor, is_cuda))
+            return None
         return self._host_buffer(tensor, pinned=is_cuda).copy_(tensor, non_blocking=is_cuda)
 
     def _host_buffer(self, tensor: torch.Tensor, *, pinned: bool) -> torch.Tensor:

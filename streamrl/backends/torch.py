@@ -284,6 +284,8 @@ class TorchBackend:
             write_critic = self.critic.stage_checkpoint(
                 path / CRITIC_DIR, staging=staging, pool=self.staging_pool
             )
+        if staging == staging_.Staging.RESERVE:  # the buffers are in the pool: nothing to write
+            return lambda: None
 
         def write() -> None:
             from transformers.utils import logging as hf_logging

@@ -98,3 +98,36 @@ def test_the_log_says_what_the_copy_reused_and_allocated():
     assert _describe_buffers(60_100_000_000, 0) == ", reused 60.10 GB of staging buffers"
     assert _describe_buffers(0, 2_000_000_000) == ", allocated 2.00 GB of staging buffers"
     assert _describe_buffers(0, 0) == ""
+
+
+def test_a_reservation_allocates_a_copys_buffers_in_the_background_and_copies_nothing():
+    pool, state = staging.StagingPool(), _state()
+    staged = staging.stage(state, to="reserve", pool=pool)
+    with staged.host() as nothing:
+        assert nothing is None
+    assert pool.reuse() == staging.Reuse()  # a reservation is not a copy
+    with staging.stage(state, to="host", pool=pool).host() as copy:  # waits for the thread
+        assert torch.equal(copy["weight"], state["weight"])
+    assert pool.reuse() == staging.Reuse(reused_bytes=(12 + 5) * 4)
+    assert pool.reserved["policy"][0] == (12 + 5) * 4
+
+
+def test_a_backend_reserves_its_first_checkpoints_buffers_and_writes_nothing(
+    tiny_model_dir, tmp_path
+):
+    cfg = _config(tiny_model_dir)
+    backend = TorchBackend(
+        tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.float32
+    )
+    backend.train_mini_batch(_micro_batches(), make_loss_fn(cfg), temperature=1.0,
+                             need_entropy=False)  # fmt: skip
+    backend.stage_checkpoint(tmp_path / "reserve", staging="reserve")()
+    assert not (tmp_path / "reserve").exists()
+    write = backend.stage_checkpoint(tmp_path / "first")
+    reuse = backend.staging_pool.reuse()
+    assert (
+        reuse.allocated_bytes == 0
+        and reuse.reused_bytes == backend.staging_pool.reserved["policy"][0] > 0
+    )
+    write()
+    assert (tmp_path / "first" / "optimizer.pt").exists()

@@ -96,6 +96,8 @@ def stage_policy(backend: MegatronBackend, path: Path, *, staging: str) -> Calla
     critic_parts = []
     if backend.critic is not None:
         critic_parts.append(stage_critic(backend.critic, path / CRITIC_DIR, staging=staging))
+    if staging == staging_.Staging.RESERVE:  # the buffers are in the pool: nothing to write
+        return lambda: None
 
     def finish() -> None:
         if layout.rank == 0:
@@ -248,7 +250,7 @@ def _stage_files(
     stage's publisher its stage's weights (every rank takes part in the gathers), every rank
     its optimizer state. Every rank calls it; the function returned writes them (no
     collectives) and gives the buffers back to `pool`."""
-    if layout.rank == 0:
+    if layout.rank == 0 and staging != staging_.Staging.RESERVE:
         (path / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
     stager = staging_.Stager(staging, pool=pool, part=part)

@@ -100,7 +100,13 @@ def _worker_single(out: Path, dirs_json: str) -> None:
         results["reference_logprobs"] = backend.compute_logprobs(
             micro_batches, temperature=1.0, reference=True
         )
+        backend.stage_checkpoint(out.parent / "reserved", staging="reserve")()
         backend.save(out.parent / "checkpoint")
+        results["reserve"] = (
+            (out.parent / "reserved").exists(),
+            backend.staging_pool.reserved["policy"][0],
+            backend.staging_pool.reuse(),
+        )
         after_save = _train(backend, micro_batches)
         backend.load(out.parent / "checkpoint")
         results["resume"] = (after_save, _train(backend, micro_batches))
@@ -365,6 +371,12 @@ def test_unfused_attention_recompute_and_compiled_kernels_train_like_the_default
     assert [step["nll"] for step in result["variants"][variant]] == pytest.approx(
         expected, rel=1e-5
     )
+
+
+def test_a_reserved_staging_is_what_the_first_checkpoints_copy_takes(runs):
+    written, reserved, reuse = runs("single")["reserve"]
+    assert not written
+    assert reuse.allocated_bytes == 0 and reuse.reused_bytes == reserved > 0
 
 
 def test_loading_a_checkpoint_resumes_training_exactly(runs):
