@@ -153,7 +153,7 @@ class LearnerLoop:
             await self.handoff.start()
         while self.state.step < self.cfg.train.steps:
             wait_started = time.perf_counter()
-            groups = await self._take(batch_size)
+            groups = await self._take_reserving(batch_size)
             groups.sort(key=lambda group: group.prompt_seq)  # rows in one order, run after run
             idle_s = time.perf_counter() - wait_started
             if self.writer is not None:
@@ -273,6 +273,26 @@ class LearnerLoop:
         self.published_version = self.version
         return record
 
+    async def _take_reserving(self, num_groups: int) -> list[Group]:
+        """`_take`, with the checkpoint staging's reserved buffers allocated meanwhile, a
+        quarter of a second at a time, until the batch is there
+        (`_reserve_checkpoint_staging`)."""
+        pool = self._staging_pool()
+        if pool is None or not pool.pending:
+            return await self._take(num_groups)
+        batch_taken = anyio.Event()
+
+        async def allocate() -> None:
+            while pool.pending and not batch_taken.is_set():
+                await anyio.to_thread.run_sync(pool.allocate_pending, 0.25)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(allocate)
+            try:
+                return await self._take(num_groups)
+            finally:
+                batch_taken.set()
+
     async def _take(self, num_groups: int) -> list[Group]:
         """The next step's batch; while the wait lasts past `train.stall_warning_s`, the
         terminal says why, again every as many seconds (`streamrl.actors.stall`)."""
@@ -375,9 +395,10 @@ class LearnerLoop:
 
     async def _reserve_checkpoint_staging(self) -> None:
         """After the first step, with checkpoints every `train.save_interval` steps staged in
-        pinned host memory from a GPU: have the backend's staging pool allocate their buffers
-        in a thread while training goes on, instead of at the first checkpoint
-        (`streamrl.backends.staging`, `reserve`)."""
+        host memory (pinned, from a GPU): reserve their buffers in the backend's staging pool,
+        to be allocated while the learner waits for its batches (`_take_reserving`) instead
+        of at the first checkpoint (`streamrl.backends.staging`, `reserve`). Ranks > 0 of a
+        Megatron learner allocate theirs at their first checkpoint."""
         train = self.cfg.train
         if (
             self.state.step != 1
@@ -385,17 +406,21 @@ class LearnerLoop:
             or self.handoff is not None  # colocated: the state moves between host and GPU
             or train.save_interval < 2  # (1: the first checkpoint has just been taken)
             or train.checkpoint_staging != "host"
-            or self.backend.device.type != "cuda"
         ):
             return
         path = checkpoint.checkpoint_dir(self.run_dir) / "reserve"  # written by nobody
         await anyio.to_thread.run_sync(self._stage_checkpoint, path, "reserve")
 
+    def _staging_pool(self):
+        """Rank 0's checkpoint staging pool (`streamrl.backends.staging.StagingPool`; None for
+        a backend without one)."""
+        inner = getattr(self.backend, "backend", self.backend)  # rank 0's under a `Leader`
+        return getattr(inner, "staging_pool", None)
+
     def _staging_bytes(self) -> tuple[int, int]:
         """Bytes of host buffers this rank's last checkpoint copy reused and allocated
         (`streamrl.backends.staging.StagingPool`; 0, 0 for a backend without one)."""
-        inner = getattr(self.backend, "backend", self.backend)  # rank 0's under a `Leader`
-        pool = getattr(inner, "staging_pool", None)
+        pool = self._staging_pool()
         if pool is None:
             return 0, 0
         reuse = pool.reuse()

@@ -13,11 +13,13 @@ background thread writes the copy. Where the copy lives is `train.checkpoint_sta
 On a CPU learner both are one copy in memory.
 
 `reserve` is not a place for a copy but a dry run of `host`: it notes the host buffers a
-`host` copy would take (pinned for GPU tensors), copies nothing, and the pool allocates
-them in a thread of its own while training goes on, so that the first checkpoint finds
-them ready instead of page-locking them itself (18 s for the 21.6 GB of a 1.5B learner on
-the H200, against 0.4 s for the copy into them); a backend's write function for it writes
-nothing. The learner reserves once, after its first step (Adam's moments exist only then).
+`host` copy would take (pinned for GPU tensors) and copies nothing; the pool allocates them
+when told (`StagingPool.allocate_pending`), so that the first checkpoint finds them ready
+instead of page-locking them itself (18 s for the 21.6 GB of a 1.5B learner on the H200,
+against 0.4 s for the copy into them); a backend's write function for it writes nothing.
+The learner reserves once, after its first step (Adam's moments exist only then), and
+allocates while it waits for a batch: allocated in a thread while it trained, the 21.6 GB
+held up the step beside them by 17 s on the H200.
 
 The host buffers are kept from one checkpoint to the next in a `StagingPool` (one per
 backend): page-locking tens of GB of new memory is what makes a host copy slow, not the
@@ -68,6 +70,10 @@ class Reuse:
         )
 
 
+Spec = tuple[tuple[int, ...], torch.dtype, bool]
+"""A host buffer to be: shape, dtype, pinned."""
+
+
 class StagingPool:
     """The host buffers of each part of a checkpoint (`policy`, `critic`: one set each), kept
     between one checkpoint's write and the next checkpoint's copy. A set is out of the pool
@@ -76,40 +82,68 @@ class StagingPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[str, list[torch.Tensor]] = {}
-        self._reserving: dict[str, threading.Thread] = {}
+        self._pending: dict[str, tuple[list[Spec], list[torch.Tensor]]] = {}
+        """Reservations not yet allocated: each part's specs to go and buffers so far."""
         self.last_copy: dict[str, Reuse] = {}
         """Each part's latest copy: bytes reused and allocated."""
         self.reserved: dict[str, tuple[int, float]] = {}
-        """Each part's reservation once allocated: bytes, seconds."""
+        """Each part's reservation once allocated: bytes, seconds spent allocating."""
+        self._reserve_s: dict[str, float] = {}
 
     def take(self, part: str) -> list[torch.Tensor]:
-        """`part`'s buffers, in the order the last copy used them (empty: none are free); waits
-        for a reservation of `part` still being allocated."""
-        reserving = self._reserving.pop(part, None)
-        if reserving is not None:
-            reserving.join()
+        """`part`'s buffers, in the order the last copy used them (empty: none are free); the
+        rest of a reservation of `part` is allocated first."""
+        while self._allocate_one(part):
+            pass
         with self._lock:
             return self._free.pop(part, [])
 
-    def reserve(self, part: str, specs: list[tuple[tuple[int, ...], torch.dtype, bool]]) -> None:
-        """Allocate buffers of `specs` (shape, dtype, pinned), in order, in a thread of the
-        pool's, and keep them for `part`'s next copy."""
+    def reserve(self, part: str, specs: list[Spec]) -> None:
+        """Buffers of `specs` (shape, dtype, pinned), in order, for `part`'s next copy: to be
+        allocated by `allocate_pending` (or by the copy's `take`)."""
+        with self._lock:
+            self._pending[part] = (list(specs), [])
+            self._reserve_s[part] = 0.0
 
-        def allocate() -> None:
-            started = time.perf_counter()
-            buffers = [
-                torch.empty(shape, dtype=dtype, pin_memory=pinned) for shape, dtype, pinned in specs
-            ]
+    @property
+    def pending(self) -> bool:
+        """Whether a reservation is still to be allocated."""
+        return bool(self._pending)
+
+    def allocate_pending(self, seconds: float) -> None:
+        """Allocate reserved buffers, one at a time, for about `seconds` (each buffer whole:
+        page-locking one takes about a second per GB; the learner runs this while it waits
+        for a batch, as it slows a training step beside it by as much)."""
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            part = next(iter(self._pending), None)
+            if part is None or not self._allocate_one(part):
+                return
+
+    def _allocate_one(self, part: str) -> bool:
+        """Allocate `part`'s next reserved buffer; False when none is left."""
+        with self._lock:
+            if part not in self._pending:
+                return False
+            specs, buffers = self._pending[part]
+            if not specs:
+                del self._pending[part]
+                return False
+            shape, dtype, pinned = specs.pop(0)
+        started = time.perf_counter()
+        buffers.append(torch.empty(shape, dtype=dtype, pin_memory=pinned))
+        self._reserve_s[part] += time.perf_counter() - started
+        if not specs:
+            with self._lock:
+                self._pending.pop(part, None)
             self.give_back(part, buffers)
-            self.reserved[part] = (sum(b.nbytes for b in buffers), time.perf_counter() - started)
+            self.reserved[part] = (sum(b.nbytes for b in buffers), self._reserve_s[part])
             log.info(
-                "checkpoint staging (%s): %.2f GB of host buffers allocated in %.1f s, ahead of "
-                "the first checkpoint", part, self.reserved[part][0] / 1e9, self.reserved[part][1],
+                "checkpoint staging (%s): %.2f GB of host buffers allocated ahead of the first "
+                "checkpoint (%.1f s of allocation)", part, self.reserved[part][0] / 1e9,
+                self.reserved[part][1],
             )  # fmt: skip
-
-        thread = threading.Thread(target=allocate, name=f"reserve-{part}", daemon=True)
-        self._reserving[part] = thread
-        thread.start()
+        return True
 
     def give_back(self, part: str, buffers: list[torch.Tensor]) -> None:
         """Keep `buffers` for `part`'s next copy (replacing any set kept before)."""
@@ -188,7 +222,7 @@ class Stager:
             self._spare[_buffer_key(buffer, buffer.is_pinned())].append(buffer)
         self._buffers: list[torch.Tensor] = []
         """The host buffers of this copy, in order (the pool's next set)."""
-        self._specs: list[tuple[tuple[int, ...], torch.dtype, bool]] = []
+        self._specs: list[Spec] = []
         """`reserve`: the buffers a host copy would take, in order."""
         self._reuse = Reuse()
 

@@ -100,16 +100,28 @@ def test_the_log_says_what_the_copy_reused_and_allocated():
     assert _describe_buffers(0, 0) == ""
 
 
-def test_a_reservation_allocates_a_copys_buffers_in_the_background_and_copies_nothing():
+def test_a_reservation_notes_a_copys_buffers_and_copies_nothing_until_they_are_allocated():
     pool, state = staging.StagingPool(), _state()
     staged = staging.stage(state, to="reserve", pool=pool)
     with staged.host() as nothing:
         assert nothing is None
-    assert pool.reuse() == staging.Reuse()  # a reservation is not a copy
-    with staging.stage(state, to="host", pool=pool).host() as copy:  # waits for the thread
+    assert pool.pending and pool.reuse() == staging.Reuse()  # a reservation is not a copy
+    pool.allocate_pending(60.0)
+    assert not pool.pending and pool.reserved["policy"][0] == (12 + 5) * 4
+    with staging.stage(state, to="host", pool=pool).host() as copy:
         assert torch.equal(copy["weight"], state["weight"])
     assert pool.reuse() == staging.Reuse(reused_bytes=(12 + 5) * 4)
-    assert pool.reserved["policy"][0] == (12 + 5) * 4
+
+
+def test_a_copy_allocates_the_rest_of_its_reservation_itself():
+    pool, state = staging.StagingPool(), _state()
+    staging.stage(state, to="reserve", pool=pool)
+    pool.allocate_pending(0.0)  # no time: nothing allocated
+    assert pool.pending and "policy" not in pool.reserved
+    with staging.stage(state, to="host", pool=pool).host() as copy:
+        assert torch.equal(copy["weight"], state["weight"])
+    assert not pool.pending
+    assert pool.reuse() == staging.Reuse(reused_bytes=(12 + 5) * 4)
 
 
 def test_a_backend_reserves_its_first_checkpoints_buffers_and_writes_nothing(
@@ -123,6 +135,7 @@ def test_a_backend_reserves_its_first_checkpoints_buffers_and_writes_nothing(
                              need_entropy=False)  # fmt: skip
     backend.stage_checkpoint(tmp_path / "reserve", staging="reserve")()
     assert not (tmp_path / "reserve").exists()
+    backend.staging_pool.allocate_pending(60.0)
     write = backend.stage_checkpoint(tmp_path / "first")
     reuse = backend.staging_pool.reuse()
     assert (

@@ -101,6 +101,7 @@ def _worker_single(out: Path, dirs_json: str) -> None:
             micro_batches, temperature=1.0, reference=True
         )
         backend.stage_checkpoint(out.parent / "reserved", staging="reserve")()
+        backend.staging_pool.allocate_pending(60.0)
         backend.save(out.parent / "checkpoint")
         results["reserve"] = (
             (out.parent / "reserved").exists(),
