@@ -14,8 +14,11 @@
 #                        machine, then the steps)
 #   checkpoint OUT       carry .router-whl: keep the router's wheel in /tmp for `router`, then
 #                        `streamrl bench checkpoint` at the Qwen2-1.5B shape (a 4B checkpoint,
-#                        52 GB, does not fit the machine's disk; 8 steps without and with a
-#                        checkpoint every 4; the bundle and wheels stay from async4b)
+#                        52 GB, does not fit the machine's disk; 11 steps without and with a
+#                        checkpoint every 5: each write of 21.6 GB takes 20-30 s, about 5
+#                        steps, and a checkpoint due while one is written waits for it; the
+#                        bundle and wheels stay from async4b; about 8 minutes on a fresh
+#                        machine, carrying .sgl .whl instead)
 #   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
 #                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
 #                        read every 2 s
@@ -26,7 +29,9 @@
 #   colocated8b OUT      carry .sgl .whl (a fresh machine is fine): `streamrl check` of the
 #                        Llama-3-8B shape colocated (the planner refuses it on one H200: its
 #                        figures are kept), then the Qwen3-4B shape colocated with SGLang,
-#                        >= 5 steps with release / resume / offload / reload times
+#                        >= 5 steps with release / resume / offload / reload times, rows
+#                        packed where the checkout has the key (PACK=0: padded): the learner
+#                        has the GPU to itself while it trains, so its MFU is the step's own
 #
 # Packing (learner.pack_sequences) is switched on in async4b where this checkout has the key;
 # PACK=0 runs the padded path for the comparison the issue asks for.
@@ -132,8 +137,8 @@ checkpoint)
   sglang_env
   draw qwen2-1.5b /tmp/qwen2-1.5b
   timeout "${CHECKPOINT_TIMEOUT_S:-540}" python3 -m streamrl bench checkpoint \
-    bench/configs/gpu_fullsize_checkpoint.toml --steps "${CHECKPOINT_STEPS:-8}" \
-    --every "${CHECKPOINT_EVERY:-4}" --work-dir /tmp/bench-checkpoint --run-log-level info \
+    bench/configs/gpu_fullsize_checkpoint.toml --steps "${CHECKPOINT_STEPS:-11}" \
+    --every "${CHECKPOINT_EVERY:-5}" --work-dir /tmp/bench-checkpoint --run-log-level info \
     --json "$OUT/fullsize_checkpoint_h200x1.json"
   status=$?
   for name in without with; do
@@ -188,8 +193,12 @@ colocated8b)
     --set cluster.gpu_memory_gb=150.8 >"$OUT/fullsize_colocated8b_check.txt" 2>&1
   echo "llama3-8b colocated check: rc $? (2 = refused)" | tee -a "$OUT/fullsize_colocated8b_check.txt"
   draw qwen3-4b /tmp/qwen3-4b
+  pack=()
+  if [ "${PACK:-1}" = 1 ] && has_key LearnerConfig pack_sequences; then
+    pack=(--set learner.pack_sequences=true)
+  fi
   run_and_report fullsize_colocated4b_h200x1 bench/configs/gpu_fullsize_async4b.toml \
-    "${COLOCATED_TIMEOUT_S:-480}" --set 'model.path="/tmp/qwen3-4b"' \
+    "${COLOCATED_TIMEOUT_S:-480}" "${pack[@]}" --set 'model.path="/tmp/qwen3-4b"' \
     --set 'train.mode="sync"' --set train.steps=5 --set cluster.colocate=true \
     --set 'learner.offload="all"' --set engine.mem_fraction_static=0.6 \
     --set 'rollout.generate_kwargs={reward="confidence", response_tokens=[256, 2048]}' \
