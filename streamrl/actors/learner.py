@@ -335,6 +335,10 @@ class LearnerLoop:
         background (`streamrl.actors.checkpoints`). Returns the directory it will have."""
         started = time.perf_counter()
         wait_previous_s = await self.checkpoints.wait()
+        if warning := _describe_checkpoint_wait(
+            self.state.step, wait_previous_s, self.cfg.train.save_interval
+        ):
+            log.warning("%s", warning)
         cut = await self.source.cut(self.state.step, timeout_s=CUT_TIMEOUT_S)
         position = position_after(self.source.done_seqs, since=self.start_position)
         self.state.next_seq, self.state.skip = position.next_seq, list(position.skip)
@@ -425,6 +429,23 @@ class LearnerLoop:
             return 0, 0
         reuse = pool.reuse()
         return reuse.reused_bytes, reuse.allocated_bytes
+
+
+CHECKPOINT_WAIT_WARNING_S = 1.0
+"""A checkpoint that waits longer than this for the previous one's write says so."""
+
+
+def _describe_checkpoint_wait(step: int, waited_s: float, interval: int) -> str | None:
+    """The log's warning for a checkpoint that waited for the previous one's write (None
+    when it hardly did): the learner stood still meanwhile."""
+    if waited_s <= CHECKPOINT_WAIT_WARNING_S:
+        return None
+    return (
+        f"the checkpoint of step {step} waited {waited_s:.1f} s for the previous checkpoint's "
+        f"write, with the learner standing still: the writes take longer than "
+        f"train.save_interval = {interval} steps; raise it, or write to faster storage "
+        f"(checkpoint/wait_previous_s, checkpoint/write_s)"
+    )
 
 
 def _describe_buffers(reused_bytes: int, allocated_bytes: int) -> str:

@@ -145,3 +145,11 @@ async def test_a_second_checkpoint_cannot_start_while_one_is_written(tmp_path):
     release.set()
     await checkpoints.wait()
     assert not checkpoints.is_writing
+
+
+def test_a_checkpoint_that_waited_for_the_previous_write_names_the_interval_to_raise():
+    from streamrl.actors.learner import _describe_checkpoint_wait
+
+    assert _describe_checkpoint_wait(6, 0.4, 3) is None
+    warning = _describe_checkpoint_wait(6, 7.7, 3)
+    assert "step 6 waited 7.7 s" in warning and "train.save_interval = 3" in warning
