@@ -5,7 +5,8 @@
 #
 #   bench/gpu/sglang_h200.sh conformance OUT   carry .sgl .whl: the conformance suite against
 #                                              SGLang on a tiny random Qwen3, then
-#                                              `streamrl bench pause` (in_place, abort, retract)
+#                                              `streamrl bench pause` (in_place, abort, retract,
+#                                              retract_abort)
 #   bench/gpu/sglang_h200.sh checkpoint OUT   carry .sgl .whl: `streamrl bench checkpoint` with
 #                                              SGLang + Megatron on a random Qwen2-0.5B shape
 #   bench/gpu/sglang_h200.sh engine OUT        carry .sgl .whl: `streamrl bench engine` (issue 21):
@@ -74,7 +75,7 @@ conformance)
     python3 -m pytest tests/conformance -k "not router" -v -p no:cacheprovider 2>&1 |
     tee "$OUT/conformance_sglang_h200x1.txt" | tail -40
   timeout 150 python3 -m streamrl --log-level warning bench pause --url http://127.0.0.1:30000 \
-    --model /tmp/tiny --modes in_place,abort,retract --requests 64 --prompt-tokens 128 \
+    --model /tmp/tiny --modes in_place,abort,retract,retract_abort --requests 64 --prompt-tokens 128 \
     --max-new-tokens 3500 --updates 5 --interval-s 0.3 --json "$OUT/sglang_pause_h200x1.json"
   curl -sf http://127.0.0.1:30000/health >/dev/null && echo "sglang still healthy"
   kill "$server"

@@ -174,7 +174,12 @@ def _pause(commands) -> None:
     )
     parser.add_argument("--url", required=True, help="the engine (SGLang or embedded)")
     parser.add_argument("--model", default="", help="(recorded) the served model's directory")
-    parser.add_argument("--modes", default="in_place,abort", help="comma-separated pause modes")
+    parser.add_argument(
+        "--modes",
+        default="in_place,abort",
+        help="comma-separated pause modes: in_place, abort, retract, retract_abort (retract, then "
+        "abort every request: streamrl.bench.pause)",
+    )
     parser.add_argument("--requests", type=int, default=64, help="requests decoding at once")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=1024)

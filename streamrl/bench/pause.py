@@ -17,6 +17,15 @@ are held fails, and SGLang asserts on it), continue. Reported per mode:
 - inexact samples: requests whose tokens' versions are only bounded
   (`VersionRule`): SGLang sends one version per response, exact in `abort` mode;
 - tokens/s of the whole phase, updates included.
+
+Besides SGLang's modes, `retract_abort` pauses with `retract` (requests go back to the
+queue at once) and then aborts every request (`/abort_request` with `abort_all`), so that
+each returns its partial output as in `abort` without `abort`'s wait: SGLang 0.5.17's
+`abort` pause re-sends its abort and sleeps a second at a time while any request still
+holds the update lock (`TokenizerManager.pause_generation`), and a request aborted from
+the waiting queue answers with its output ids and log-probabilities
+(`TokenizerManager._handle_abort_req`). Its cost and whether the cache flush then succeeds
+are what this bench is for; the publisher does not use it.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ async def _one_mode(args, engine, mode: str, model_path: str) -> dict[str, Any]:
 
     version = parse_version((await engine.model_info())["weight_version"])
     floor = {"version": version}
+    aborts = mode in ("abort", "retract_abort")  # requests leave: one version each, flushable
     prompts = [
         [1 + (7 * i + j) % 500 for j in range(args.prompt_tokens)] for i in range(args.requests)
     ]
@@ -84,9 +94,7 @@ async def _one_mode(args, engine, mode: str, model_path: str) -> dict[str, Any]:
             engines=engines,
             tokenizer=None,
             sampling_params=params,
-            version_rule=VersionRule(
-                single_version=mode == "abort", floor=lambda: floor["version"]
-            ),
+            version_rule=VersionRule(single_version=aborts, floor=lambda: floor["version"]),
         )
 
         async def one(prompt: list[int]) -> None:
@@ -98,12 +106,12 @@ async def _one_mode(args, engine, mode: str, model_path: str) -> dict[str, Any]:
             await anyio.sleep(args.interval_s)
             version += 1
             calls = {
-                "pause_s": lambda: engine.pause(mode),
+                "pause_s": functools.partial(_pause, engine, mode),
                 "update_s": functools.partial(
                     engine.update_weights_from_disk,
                     model_path,
                     weight_version=version,
-                    flush_cache=mode == "abort",
+                    flush_cache=aborts,
                 ),
                 "continue_s": engine.continue_generation,
             }
@@ -125,6 +133,14 @@ async def _one_mode(args, engine, mode: str, model_path: str) -> dict[str, Any]:
         "wall_s": wall_s,
         "tokens_per_s": tokens / wall_s,
     }
+
+
+async def _pause(engine, mode: str) -> None:
+    if mode == "retract_abort":
+        await engine.pause("retract")
+        await engine.abort(abort_all=True)
+    else:
+        await engine.pause(mode)
 
 
 def plot_pause(result: dict[str, Any], axes) -> None:
