@@ -23,9 +23,11 @@ queue at once) and then aborts every request (`/abort_request` with `abort_all`)
 each returns its partial output as in `abort` without `abort`'s wait: SGLang 0.5.17's
 `abort` pause re-sends its abort and sleeps a second at a time while any request still
 holds the update lock (`TokenizerManager.pause_generation`), and a request aborted from
-the waiting queue answers with its output ids and log-probabilities
-(`TokenizerManager._handle_abort_req`). Its cost and whether the cache flush then succeeds
-are what this bench is for; the publisher does not use it.
+the waiting queue answers with the output ids and log-probabilities its tokenizer manager
+had received (`TokenizerManager._handle_abort_req`): a request that does not stream
+reports every 50 tokens (`SGLANG_FORCE_STREAM_INTERVAL`), so up to 49 generated tokens are
+dropped and generated again. Its cost and whether the cache flush then succeeds are what
+this bench is for; the publisher does not use it.
 """
 
 from __future__ import annotations
