@@ -109,6 +109,8 @@ class LearnerLoop:
         self.stall = StallWatch(stall_s) if stall_s else None
         """Times the wait for each batch (None: `train.stall_warning_s = 0`, no report)."""
         self._trained_tokens = 0
+        self._staging_reserved = False
+        """Whether this process's checkpoint staging buffers are reserved or allocated."""
         self.checkpoints = BackgroundCheckpoints(
             run_dir, keep=cfg.train.keep_checkpoints, metrics=metrics
         )
@@ -334,6 +336,7 @@ class LearnerLoop:
         the previous write, the cut and the copy of its state; the write runs in the
         background (`streamrl.actors.checkpoints`). Returns the directory it will have."""
         started = time.perf_counter()
+        self._staging_reserved = True  # this copy allocates what a reservation would
         wait_previous_s = await self.checkpoints.wait()
         if warning := _describe_checkpoint_wait(
             self.state.step, wait_previous_s, self.cfg.train.save_interval
@@ -398,20 +401,22 @@ class LearnerLoop:
         )
 
     async def _reserve_checkpoint_staging(self) -> None:
-        """After the first step, with checkpoints every `train.save_interval` steps staged in
-        host memory (pinned, from a GPU): reserve their buffers in the backend's staging pool,
-        to be allocated while the learner waits for its batches (`_take_reserving`) instead
-        of at the first checkpoint (`streamrl.backends.staging`, `reserve`). Ranks > 0 of a
-        Megatron learner allocate theirs at their first checkpoint."""
+        """After this process's first step (a resumed run's too), with checkpoints every
+        `train.save_interval` steps staged in host memory (pinned, from a GPU): reserve their
+        buffers in the backend's staging pool, to be allocated while the learner waits for
+        its batches (`_take_reserving`) instead of at the first checkpoint
+        (`streamrl.backends.staging`, `reserve`). Ranks > 0 of a Megatron learner allocate
+        theirs at their first checkpoint."""
         train = self.cfg.train
         if (
-            self.state.step != 1
+            self._staging_reserved
             or self.backend is None
             or self.handoff is not None  # colocated: the state moves between host and GPU
-            or train.save_interval < 2  # (1: the first checkpoint has just been taken)
+            or train.save_interval < 2  # (1: the first checkpoint is taken at once)
             or train.checkpoint_staging != "host"
         ):
             return
+        self._staging_reserved = True
         path = checkpoint.checkpoint_dir(self.run_dir) / "reserve"  # written by nobody
         await anyio.to_thread.run_sync(self._stage_checkpoint, path, "reserve")
 
