@@ -469,6 +469,7 @@ def stop_reason(exc: BaseException) -> str:
     """summary.json's `error` for a run that stopped before `train.steps`: a rollout's fatal
     error as it was sent, an interrupt (Ctrl-C, SIGTERM, a timeout's kill) as such, else
     the exception."""
+    interrupts = (KeyboardInterrupt, anyio.get_cancelled_exc_class())
     if isinstance(exc, BaseExceptionGroup):
         fatal, _ = exc.split(RolloutFatal)
         if fatal is not None:
@@ -476,11 +477,17 @@ def stop_reason(exc: BaseException) -> str:
             while isinstance(leaf, BaseExceptionGroup):
                 leaf = leaf.exceptions[0]
             return str(leaf)
+        _, others = exc.split(interrupts)
+        if others is None:  # an interrupt that reached the run inside a task group
+            return INTERRUPTED
     if isinstance(exc, RolloutFatal):
         return str(exc)
-    if isinstance(exc, KeyboardInterrupt | anyio.get_cancelled_exc_class()):
-        return "interrupted (Ctrl-C, SIGTERM or a timeout) before train.steps"
+    if isinstance(exc, interrupts):
+        return INTERRUPTED
     return f"{type(exc).__name__}: {exc}"
+
+
+INTERRUPTED = "interrupted (Ctrl-C, SIGTERM or a timeout) before train.steps"
 
 
 async def _final_resync(publisher, supervisor) -> None:

@@ -110,3 +110,25 @@ def test_a_run_whose_stop_hangs_after_sigterm_is_ended_by_the_watchdog_with_its_
     assert "threading.py" in stderr  # the dumped stacks
     assert "children stopped" in stderr
     assert "interrupted; every process stopped (by the watchdog)" in stderr
+
+
+def test_an_interrupt_wrapped_in_a_task_groups_exception_group_reads_as_an_interrupt():
+    """Ctrl-C lands wherever the run is: inside a task group it arrives as an exception group,
+    and summary.json must still say the run was interrupted (fresh52 wrote the group's name)."""
+    import anyio
+
+    from streamrl.mains.trainer import INTERRUPTED, stop_reason
+
+    async def reasons() -> list[str]:  # as the run reads them: inside its event loop
+        cancelled = anyio.get_cancelled_exc_class()
+        nested = BaseExceptionGroup("outer", [BaseExceptionGroup("inner", [cancelled()])])
+        return [
+            stop_reason(KeyboardInterrupt()),
+            stop_reason(BaseExceptionGroup("tg", [KeyboardInterrupt()])),
+            stop_reason(nested),
+            stop_reason(BaseExceptionGroup("tg", [KeyboardInterrupt(), ValueError("bad")])),
+        ]
+
+    *interrupted, mixed = anyio.run(reasons)
+    assert interrupted == [INTERRUPTED] * 3
+    assert mixed.startswith("BaseExceptionGroup")
