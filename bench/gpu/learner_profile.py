@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import megatron_check as base  # noqa: E402  (it also puts the repository on sys.path)
-import packing_check as packing  # noqa: E402
+import megatron_check as base  # (it also puts the repository on sys.path)
+import packing_check as packing
 
 VARIANTS = ("full", "half", "none")
 KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
@@ -66,16 +66,18 @@ def kind_of(kernel: str) -> str:
 
 
 def set_recompute(model, variant: str) -> dict:
-    """The variant's recompute fields on the model's (shared) TransformerConfig."""
+    """The variant's recompute fields on the model's (shared) TransformerConfig, as
+    `build_transformer_config` sets them for that learner config."""
+    from streamrl.backends.megatron.model import _recompute_kwargs
+
     config = model.config
     layers = config.num_layers
-    fields = {
-        "full": ("full", "uniform", 1),
-        "half": ("full", "block", layers // 2),
-        "none": (None, None, None),
-    }[variant]
-    config.recompute_granularity, config.recompute_method, config.recompute_num_layers = fields
     recomputed = {"full": layers, "half": layers // 2, "none": 0}[variant]
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    kwargs = _recompute_kwargs(recomputed, layers) if recomputed else dict.fromkeys(names)
+    for name in names:
+        setattr(config, name, kwargs[name])
+    fields = tuple(kwargs[name] for name in names)
     return {"recompute": fields, "recomputed_share": recomputed / layers}
 
 
