@@ -18,7 +18,8 @@
 #                        checkpoint every 5: each write of 21.6 GB takes 20-30 s, about 5
 #                        steps, and a checkpoint due while one is written waits for it; the
 #                        bundle and wheels stay from async4b; about 8 minutes on a fresh
-#                        machine, carrying .sgl .whl instead)
+#                        machine, carrying .sgl .whl instead; CHECKPOINT_RESPONSE_TOKENS=N
+#                        gives every response N tokens, the same tokens in every step)
 #   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
 #                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
 #                        read every 2 s
@@ -136,10 +137,17 @@ async4b)
 checkpoint)
   sglang_env
   draw qwen2-1.5b /tmp/qwen2-1.5b
+  lengths=() # CHECKPOINT_RESPONSE_TOKENS=N: every response N tokens, so that every step of
+  # both runs trains the same tokens and only the time per step differs between them
+  if [ -n "${CHECKPOINT_RESPONSE_TOKENS:-}" ]; then
+    n=$CHECKPOINT_RESPONSE_TOKENS
+    lengths=(--set "rollout.generate_kwargs={reward=\"confidence\", response_tokens=[$n, $n]}"
+      --set "rollout.sampling.max_new_tokens=$n")
+  fi
   timeout "${CHECKPOINT_TIMEOUT_S:-540}" python3 -m streamrl bench checkpoint \
     bench/configs/gpu_fullsize_checkpoint.toml --steps "${CHECKPOINT_STEPS:-11}" \
     --every "${CHECKPOINT_EVERY:-5}" --work-dir /tmp/bench-checkpoint --run-log-level info \
-    --json "$OUT/fullsize_checkpoint_h200x1.json"
+    --json "$OUT/fullsize_checkpoint_h200x1.json" "${lengths[@]}"
   status=$?
   for name in without with; do
     tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/fullsize_checkpoint_h200x1_$name.log.txt" 2>/dev/null
