@@ -136,6 +136,10 @@ async4b)
   ;;
 checkpoint)
   sglang_env
+  # two 21.6 GB checkpoints stand on the 64 GiB disk while the newer is written: the other
+  # sections' models and runs go first (a full disk failed a write: "unexpected pos")
+  rm -rf /tmp/qwen3-4b /tmp/run-* /tmp/bench-checkpoint
+  df -h /tmp | tail -1 | tee -a "$OUT/versions.txt"
   draw qwen2-1.5b /tmp/qwen2-1.5b
   lengths=() # CHECKPOINT_RESPONSE_TOKENS=N: every response N tokens, so that every step of
   # both runs trains the same tokens and only the time per step differs between them
@@ -150,7 +154,7 @@ checkpoint)
     --json "$OUT/fullsize_checkpoint_h200x1.json" "${lengths[@]}"
   status=$?
   for name in without with; do
-    tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/fullsize_checkpoint_h200x1_$name.log.txt" 2>/dev/null
+    grep -v "^	decoder\." "/tmp/bench-checkpoint/$name.log" | gzip >"$OUT/fullsize_checkpoint_h200x1_$name.log.gz"
     cp "/tmp/bench-checkpoint/$name/metrics.jsonl" \
       "$OUT/fullsize_checkpoint_h200x1_${name}_metrics.jsonl" 2>/dev/null
   done
