@@ -57,7 +57,9 @@ class EngineClient:
         self.paused = False
         """Whether this client paused the engine (`pause`) and has not let it go on since
         (`continue_generation`). SGLang's `/health_generate` waits at the pause's gate, so
-        the fleet's health check then asks `/health` instead (`streamrl.fleet.supervisor`)."""
+        the fleet's health check then asks `/health` instead (`streamrl.fleet.supervisor`),
+        which SGLang answers without generating when started with
+        `streamrl.fleet.sglang.LIVENESS_ENV`."""
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),

@@ -4,7 +4,8 @@
 (through `EngineSupervisor`), unless `engine.urls` attaches to servers that already
 run; then nothing is launched and nothing here needs SGLang installed.
 
-    engine i:  CUDA_VISIBLE_DEVICES = its tp_size devices (`layout.engine_gpu_ids`)
+    engine i:  CUDA_VISIBLE_DEVICES = its tp_size devices (`layout.engine_gpu_ids`),
+               SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = false (`LIVENESS_ENV`)
                python -m sglang.launch_server --model-path M --host H --port P
                    --tp-size T --mem-fraction-static F --weight-version V
                    --random-seed S [--tokenizer-path K] [--dtype D]
@@ -33,6 +34,14 @@ from streamrl.config import ConfigError, RunConfig
 from streamrl.fleet.client import adapter_name
 from streamrl.placement import engine_gpu_ids
 from streamrl.process import ServerArgv
+
+LIVENESS_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+"""SGLang 0.5.17 answers `/health` as it answers `/health_generate`, with a one-token
+generation, unless this is false: then `/health` says only that the server is up. A paused
+engine generates nothing, so the fleet asks a paused engine `/health`
+(`streamrl.fleet.supervisor`), and that must not wait at the pause's gate (the colocated 4B
+run on the H200 had its paused engine restarted as hung when it did). sglang-router's own
+checks of its workers ask `/health` too. `/health_generate` still generates."""
 
 INSTALL_HINT = 'pip install "sglang[all]"  (SGLang\'s own install guide lists the CUDA builds)'
 ROUTER_INSTALL_HINT = "pip install sglang-router  (or pip install 'streamrl[router]')"
@@ -217,7 +226,7 @@ def sglang_argv_factory(
                 lora.rank, lora.target_modules, start_adapter=lora_adapter, version=version
             )
         args += list(engine.extra_args)
-        return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[index]))}
+        return args, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[index])), **LIVENESS_ENV}
 
     return argv
 

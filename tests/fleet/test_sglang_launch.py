@@ -11,6 +11,7 @@ import torch
 
 from streamrl.config import ConfigError, RunConfig, config_from_dict
 from streamrl.fleet.sglang import (
+    LIVENESS_ENV,
     SGLangUnavailable,
     check_sglang_backend,
     sglang_argv_factory,
@@ -60,7 +61,14 @@ def test_one_engine_with_tp_1_gets_gpu_0_and_the_plain_command():
     factory = sglang_argv_factory(sglang_config(num_engines=1, tp_size=1), MODEL, 0)
     argv, env = factory(0, "127.0.0.1", 30001)
     assert argv == launch_argv("1", 30001, "0", "10")
-    assert env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert env == {"CUDA_VISIBLE_DEVICES": "0", **LIVENESS_ENV}
+
+
+def test_a_launched_sglang_answers_health_without_generating():
+    """A paused engine is asked /health (the supervisor); SGLang 0.5.17 generates a token
+    there unless this variable is false, which waits at the pause's gate."""
+    _, env = sglang_argv_factory(sglang_config(), MODEL, 0)(0, "127.0.0.1", 30001)
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
 
 
 def test_three_engines_with_tp_1_get_one_gpu_each_and_their_own_port_and_seed():
@@ -76,7 +84,7 @@ def test_one_engine_with_tp_2_sees_two_gpus():
     factory = sglang_argv_factory(sglang_config(tp_size=2), MODEL, 0)
     argv, env = factory(0, "127.0.0.1", 30001)
     assert argv == launch_argv("2", 30001, "0", "10")
-    assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1", **LIVENESS_ENV}
 
 
 def test_three_engines_with_tp_2_take_consecutive_pairs_of_the_listed_gpus_and_extra_args_last():
@@ -92,9 +100,9 @@ def test_three_engines_with_tp_2_take_consecutive_pairs_of_the_listed_gpus_and_e
     factory = sglang_argv_factory(cfg, MODEL, 12)
     launches = [factory(i, "10.0.0.5", 31000 + i) for i in range(3)]
     assert [env for _, env in launches] == [
-        {"CUDA_VISIBLE_DEVICES": "2,3"},
-        {"CUDA_VISIBLE_DEVICES": "4,5"},
-        {"CUDA_VISIBLE_DEVICES": "6,7"},
+        {"CUDA_VISIBLE_DEVICES": "2,3", **LIVENESS_ENV},
+        {"CUDA_VISIBLE_DEVICES": "4,5", **LIVENESS_ENV},
+        {"CUDA_VISIBLE_DEVICES": "6,7", **LIVENESS_ENV},
     ]
     assert launches[2][0] == [
         sys.executable, "-m", "sglang.launch_server",
@@ -163,7 +171,7 @@ def test_two_sglang_engines_can_share_one_gpu_each_with_its_memory_share():
     factory = sglang_argv_factory(cfg, MODEL, 0)
     for index in range(2):
         argv, env = factory(index, "127.0.0.1", 30001 + index)
-        assert env == {"CUDA_VISIBLE_DEVICES": "0"}
+        assert env == {"CUDA_VISIBLE_DEVICES": "0", **LIVENESS_ENV}
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.35"
     assert cfg.engine_gpu_ids == {0} and cfg.weight_transport("cuda") == "ipc"
 
