@@ -32,6 +32,12 @@ COLLECT_TIMEOUT_S = 60.0
 """A collection whose calls have not all parked by then reports no partial samples (their
 groups are then generated again on resume)."""
 
+REABORT_S = 0.1
+"""While calls are still out, the engines' requests are aborted again this often: a call
+that had passed the hold when it closed reaches its engine after the abort, and would
+otherwise decode to the end of its budget (2.8 s of a 1.5B checkpoint's cut on the H200,
+with responses of 1,024 tokens)."""
+
 
 @dataclass
 class _GroupState:
@@ -64,20 +70,18 @@ class InFlight:
 
     async def collect(self, engines, num_samples: int) -> tuple[list[PartialGroup], dict]:
         """Stop every call at its tokens, read them, let them go on. Returns the groups and
-        what it cost (`seconds`, `complete`: every call parked in time)."""
+        what it cost (`seconds`, `complete`: every call parked in time, `aborts`: how many
+        times the engines' requests were aborted, `REABORT_S` apart)."""
         started = time.perf_counter()
+        aborts = 0
         self.hold.close()
         try:
             with anyio.move_on_after(COLLECT_TIMEOUT_S) as timeout:
-                try:
-                    await engines.abort_all()
-                except EngineSetError as exc:
-                    # An engine that is down or still loading holds no call to stop: the
-                    # calls it had fail, are retried, and park at the closed hold too.
-                    log.warning(
-                        "collecting the groups in flight: %s; waiting for their calls to park", exc
-                    )
-                await self.hold.wait_parked()
+                while aborts == 0 or not self.hold.all_parked:
+                    await self._abort(engines, first=aborts == 0)
+                    aborts += 1
+                    with anyio.move_on_after(REABORT_S):
+                        await self.hold.wait_parked()
             complete = not timeout.cancelled_caught
             groups = [
                 PartialGroup(prompt_seq=seq, samples=self._samples(state, num_samples))
@@ -87,7 +91,24 @@ class InFlight:
             ]
         finally:
             self.hold.release()
-        return groups, {"seconds": time.perf_counter() - started, "complete": complete}
+        return groups, {
+            "seconds": time.perf_counter() - started,
+            "complete": complete,
+            "aborts": aborts,
+        }
+
+    @staticmethod
+    async def _abort(engines, *, first: bool) -> None:
+        try:
+            await engines.abort_all()
+        except EngineSetError as exc:
+            # An engine that is down or still loading holds no call to stop: the calls it
+            # had fail, are retried, and park at the closed hold too.
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "collecting the groups in flight: %s; waiting for their calls to park",
+                exc,
+            )
 
     def _samples(self, state: _GroupState, num_samples: int) -> list[PartialSample]:
         if None in state.contexts:  # one context for the group: its completions in order

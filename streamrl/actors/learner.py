@@ -362,6 +362,7 @@ class LearnerLoop:
             "time": self.metrics.elapsed_s,
             "checkpoint/snapshot_s": cut.cut_s,  # the cut's time, under its first name
             "checkpoint/rollout_pause_s": cut.rollout_pause_s,
+            "checkpoint/rollout_aborts": cut.rollout_aborts,
             "checkpoint/wait_previous_s": wait_previous_s,
             "checkpoint/staging_s": staging_s,
             "checkpoint/staging_reused_bytes": reused_bytes,

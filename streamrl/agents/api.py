@@ -202,8 +202,13 @@ class Hold:
         if self._open.is_set():
             self._open = anyio.Event()
 
+    @property
+    def all_parked(self) -> bool:
+        """Whether every active call has parked."""
+        return self.active <= self.parked
+
     async def wait_parked(self) -> None:
-        while not self.active <= self.parked:
+        while not self.all_parked:
             changed = self._changed
             await changed.wait()
 

@@ -92,6 +92,9 @@ class IntakeState(msgspec.Struct, kw_only=True):
     rollout_pause_s: float = 0.0
     """How long the rollout held its generation for the cut (`rollout_pause_s` <= `cut_s`):
     every engine request aborted, every call parked, the tokens read."""
+    rollout_aborts: int = 0
+    """How many times the rollout aborted the engines' requests for the cut (more than one:
+    a call reached its engine after an abort; `streamrl.actors.in_flight.REABORT_S`)."""
 
 
 class Intake:
@@ -316,6 +319,7 @@ class Intake:
             complete = bool(payload.get("complete", False))
             cut = self._state_at_cut(in_flight, is_complete=complete)
             cut.rollout_pause_s = float(payload.get("seconds", 0.0))
+            cut.rollout_aborts = int(payload.get("aborts", 0))
             self._cuts[int(payload["step"])] = cut
             self._cut_arrived.set()
             self._cut_arrived = anyio.Event()

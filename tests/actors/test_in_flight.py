@@ -133,3 +133,46 @@ async def test_a_snapshot_goes_on_when_an_engine_is_restarting():
     in_flight.started(3)
     groups, cost = await in_flight.collect(_OneEngineLoading(), 2)
     assert [group.prompt_seq for group in groups] == [3] and cost["complete"]
+
+
+class _CallArrivingAfterTheAbort:
+    """One engine call that reaches its engine just after the first abort, so only a later
+    abort stops it (a fake engine set: the test is of InFlight)."""
+
+    def __init__(self, hold) -> None:
+        self.hold = hold
+        self.aborts = 0
+        self._at_engine = False
+        self._aborted = anyio.Event()
+
+    async def abort_all(self) -> None:
+        self.aborts += 1
+        if self._at_engine:
+            self._aborted.set()
+
+    async def call(self) -> None:
+        completion = object()
+        self.hold.begin(completion)
+        while self.aborts == 0:  # it passed the hold before it closed, and is on its way
+            await anyio.sleep(0.01)
+        self._at_engine = True
+        await self._aborted.wait()  # it decodes until an abort reaches it
+        await self.hold.checkpoint(completion)
+        self.hold.end(completion)
+
+
+async def test_a_call_that_reaches_its_engine_after_the_abort_is_aborted_again():
+    """Without a second abort such a call decodes to the end of its budget while generation
+    is held (2.8 s of a checkpoint's cut on the H200): the collection aborts again until
+    every call has parked."""
+    in_flight = InFlight(resumable=True)
+    in_flight.started(3)
+    engines = _CallArrivingAfterTheAbort(in_flight.hold)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engines.call)
+        while not in_flight.hold.active:
+            await anyio.sleep(0.01)
+        with anyio.fail_after(20):
+            groups, cost = await in_flight.collect(engines, 2)
+    assert cost["complete"] and [group.prompt_seq for group in groups] == [3]
+    assert cost["aborts"] == engines.aborts >= 2
