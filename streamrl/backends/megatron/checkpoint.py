@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -254,12 +255,24 @@ def _stage_files(
         (path / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
     stager = staging_.Stager(staging, pool=pool, part=part)
+    started = time.perf_counter()
     # each tensor copied as it comes (a stream may reuse its buffers); only publishers keep them
     weights = {name: stager.copy(tensor) for name, tensor in stage_tensors() if is_publisher}
+    weights_s = time.perf_counter() - started
     with context():
-        optimizer_state = stager.copy(optimizer_state_dict(optimizer))
+        state_dict = optimizer_state_dict(optimizer)
+        state_dict_s = time.perf_counter() - started - weights_s
+        optimizer_state = stager.copy(state_dict)
+    queued_s = time.perf_counter() - started
     staged = stager.done({"weights": weights, "optimizer": optimizer_state})
-    del weights, optimizer_state
+    del weights, optimizer_state, state_dict
+    if staging != staging_.Staging.RESERVE:
+        log.info(
+            "%s checkpoint copy (%s) on rank %d: weights %.2f s, optimizer state dict %.2f s, "
+            "its copies queued %.2f s, waited for the copies %.2f s", part, staging, layout.rank,
+            weights_s, state_dict_s, queued_s - weights_s - state_dict_s,
+            time.perf_counter() - started - queued_s,
+        )  # fmt: skip
 
     def write() -> None:
         with staged.host() as state:
