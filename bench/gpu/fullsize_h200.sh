@@ -19,7 +19,9 @@
 #                        steps, and a checkpoint due while one is written waits for it; the
 #                        bundle and wheels stay from async4b; about 8 minutes on a fresh
 #                        machine, carrying .sgl .whl instead; CHECKPOINT_RESPONSE_TOKENS=N
-#                        gives every response N tokens, the same tokens in every step)
+#                        gives every response N tokens, the same tokens in every step;
+#                        PAUSED_HEALTH=1 first asks a paused SGLang /health:
+#                        bench/gpu/paused_health.py)
 #   router OUT           carry nothing: two SGLang servers on GPU 0 behind sglang-router, 5
 #                        steps (bench/configs/gpu_fullsize_router.toml), each engine's version
 #                        read every 2 s
@@ -141,6 +143,10 @@ checkpoint)
   rm -rf /tmp/qwen3-4b /tmp/run-* /tmp/bench-checkpoint
   df -h /tmp | tail -1 | tee -a "$OUT/versions.txt"
   draw qwen2-1.5b /tmp/qwen2-1.5b
+  if [ "${PAUSED_HEALTH:-0}" = 1 ]; then # a paused SGLang's /health, as the fleet starts it
+    timeout 240 python3 bench/gpu/paused_health.py bench/configs/gpu_fullsize_checkpoint.toml \
+      --model /tmp/qwen2-1.5b --json "$OUT/paused_health_h200x1.json" 2>&1 | tail -8
+  fi
   lengths=() # CHECKPOINT_RESPONSE_TOKENS=N: every response N tokens, so that every step of
   # both runs trains the same tokens and only the time per step differs between them
   if [ -n "${CHECKPOINT_RESPONSE_TOKENS:-}" ]; then
