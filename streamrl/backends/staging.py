@@ -89,12 +89,17 @@ class StagingPool:
         self.reserved: dict[str, tuple[int, float]] = {}
         """Each part's reservation once allocated: bytes, seconds spent allocating."""
         self._reserve_s: dict[str, float] = {}
+        self.allocated_by_take: dict[str, int] = {}
+        """Bytes of a reservation that each part's latest `take` had to allocate itself (the
+        learner had not waited long enough for `allocate_pending` to finish them)."""
 
     def take(self, part: str) -> list[torch.Tensor]:
         """`part`'s buffers, in the order the last copy used them (empty: none are free); the
-        rest of a reservation of `part` is allocated first."""
-        while self._allocate_one(part):
-            pass
+        rest of a reservation of `part` is allocated first (`allocated_by_take`)."""
+        allocated = 0
+        while (nbytes := self._allocate_one(part)) is not None:
+            allocated += nbytes
+        self.allocated_by_take[part] = allocated
         with self._lock:
             return self._free.pop(part, [])
 
@@ -117,18 +122,19 @@ class StagingPool:
         started = time.perf_counter()
         while time.perf_counter() - started < seconds:
             part = next(iter(self._pending), None)
-            if part is None or not self._allocate_one(part):
+            if part is None or self._allocate_one(part) is None:
                 return
 
-    def _allocate_one(self, part: str) -> bool:
-        """Allocate `part`'s next reserved buffer; False when none is left."""
+    def _allocate_one(self, part: str) -> int | None:
+        """Allocate `part`'s next reserved buffer and return its bytes; None when none is
+        left."""
         with self._lock:
             if part not in self._pending:
-                return False
+                return None
             specs, buffers = self._pending[part]
             if not specs:
                 del self._pending[part]
-                return False
+                return None
             shape, dtype, pinned = specs.pop(0)
         started = time.perf_counter()
         buffers.append(torch.empty(shape, dtype=dtype, pin_memory=pinned))
@@ -143,7 +149,7 @@ class StagingPool:
                 "checkpoint (%.1f s of allocation)", part, self.reserved[part][0] / 1e9,
                 self.reserved[part][1],
             )  # fmt: skip
-        return True
+        return buffers[-1].nbytes
 
     def give_back(self, part: str, buffers: list[torch.Tensor]) -> None:
         """Keep `buffers` for `part`'s next copy (replacing any set kept before)."""
@@ -218,6 +224,8 @@ class Stager:
         self._spare: defaultdict[tuple, deque[torch.Tensor]] = defaultdict(deque)
         """The pool's buffers not yet reused, by `_buffer_key`, in their old order."""
         taken = pool.take(part) if pool is not None and self.to is not Staging.RESERVE else []
+        self._allocated_by_take = pool.allocated_by_take.get(part, 0) if taken else 0
+        """Bytes among `taken` that the take allocated: counted as allocated, not reused."""
         for buffer in taken:
             self._spare[_buffer_key(buffer, buffer.is_pinned())].append(buffer)
         self._buffers: list[torch.Tensor] = []
@@ -241,7 +249,10 @@ class Stager:
                 self._pool.reserve(self._part, self._specs)
             return Staged(None, None, None, lambda: None)
         if self._pool is not None:
-            self._pool.last_copy[self._part] = self._reuse
+            late = min(self._allocated_by_take, self._reuse.reused_bytes)
+            self._pool.last_copy[self._part] = self._reuse + Reuse(
+                reused_bytes=-late, allocated_bytes=late
+            )
         release = self._release
         if self.gpu is None:
             return Staged(tree, None, None, release)
