@@ -13,11 +13,17 @@ stopped mid-write leaves only a temporary directory, which the next checkpoint r
 
 Each write's record (`kind = "checkpoint"`) is written to the metrics when it is found
 complete: after the step that follows its end, or when the learner waits for it.
+
+A checkpoint needs its own size free on the disk of the run directory while it is written
+(the one it replaces is removed only after). When the last checkpoint's size (or, for the
+first, the bytes the learner staged on the host) exceeds the space free, the start says so
+on the terminal, naming the keys that change it; a write that fails says what was free.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +60,8 @@ class BackgroundCheckpoints:
         self.keep = keep
         self.metrics = metrics
         self._write: _Write | None = None
+        self._last_bytes = 0
+        """The size of the last checkpoint written (0: none yet)."""
 
     @property
     def is_writing(self) -> bool:
@@ -71,6 +79,8 @@ class BackgroundCheckpoints:
         rename `partial` into place. The previous write must be over (`wait`)."""
         if self._write is not None:
             raise RuntimeError("a checkpoint write is still in flight")
+        if short := self._describe_disk(record):
+            log.warning("checkpoint of step %d: %s", state.step, short)
         write = _Write(state=state, record=record)
 
         def run() -> None:
@@ -101,6 +111,26 @@ class BackgroundCheckpoints:
         self._finish()
         return waited_s
 
+    def _describe_disk(self, record: dict[str, Any], *, always: bool = False) -> str | None:
+        """What the disk holds for a checkpoint of about the last one's size (the first:
+        the bytes staged for it): a warning when that is more than is free, else None
+        (`always`: the figures regardless)."""
+        needed = self._last_bytes or (
+            record.get("checkpoint/staging_reused_bytes", 0)
+            + record.get("checkpoint/staging_allocated_bytes", 0)
+        )
+        free = shutil.disk_usage(self.run_dir).free
+        figures = f"{free / 1e9:.1f} GB free under {self.run_dir}"
+        if needed:
+            figures += f", about {needed / 1e9:.1f} GB to write"
+        if needed > free:
+            return (
+                f"{figures}: the write will run out of space. Free the disk, lower "
+                f"train.keep_checkpoints (now {self.keep}) or train.save_interval, or set "
+                "train.output_dir on a larger disk"
+            )
+        return figures if always else None
+
     def collect(self) -> None:
         """Record the write in flight if it has ended (without waiting); raise its error."""
         if self._write is not None and self._write.done.is_set():
@@ -110,11 +140,17 @@ class BackgroundCheckpoints:
     def _finish(self) -> None:
         write, self._write = self._write, None
         if write.error is not None:
-            raise RuntimeError(f"checkpoint of step {write.state.step} failed") from write.error
+            error = write.error
+            disk = self._describe_disk(write.record, always=True)
+            raise RuntimeError(
+                f"checkpoint of step {write.state.step} failed: {type(error).__name__}: "
+                f"{str(error).strip()[:500]} ({disk})"
+            ) from error
         record = write.record | {
             "checkpoint/write_s": write.write_s,
             "checkpoint/bytes": checkpoint.size_bytes(write.path),
         }
+        self._last_bytes = record["checkpoint/bytes"]
         self.metrics.write(record, step=write.state.step)
         log.info(
             "checkpoint %s (version %d): learner stalled %.2f s, written in %.2f s",

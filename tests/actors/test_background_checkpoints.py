@@ -126,8 +126,9 @@ async def test_a_failed_write_leaves_the_previous_checkpoint_newest_and_stops_th
 
     partial = checkpoint.begin(tmp_path, 4)
     checkpoints.start(_state(4), partial, fail, {}, {"checkpoint/stall_s": 0.0})
-    with pytest.raises(RuntimeError, match="checkpoint of step 4 failed"):
+    with pytest.raises(RuntimeError, match="checkpoint of step 4 failed") as failed:
         await checkpoints.wait()
+    assert "OSError: disk full" in str(failed.value) and "GB free under" in str(failed.value)
     assert checkpoint.latest(tmp_path).name == "step_000002"
     checkpoint.begin(tmp_path, 6)  # the next one clears what the failed one left
     assert not (checkpoint.checkpoint_dir(tmp_path) / ".partial_step_000004").exists()
@@ -153,3 +154,35 @@ def test_a_checkpoint_that_waited_for_the_previous_write_names_the_interval_to_r
     assert _describe_checkpoint_wait(6, 0.4, 3) is None
     warning = _describe_checkpoint_wait(6, 7.7, 3)
     assert "step 6 waited 7.7 s" in warning and "train.save_interval = 3" in warning
+
+
+async def test_a_checkpoint_larger_than_the_free_disk_says_so_when_it_starts(
+    tmp_path, monkeypatch, caplog
+):
+    """The H200 run's second 21.6 GB write failed on a full disk with "unexpected pos
+    15109177216 vs 15109177116" after the run had trained on; now its start warns."""
+    import collections
+
+    from streamrl.actors import checkpoints as checkpoints_module
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoints_module.shutil, "disk_usage", lambda _: usage(100, 90, 10))
+    checkpoints = BackgroundCheckpoints(
+        tmp_path, keep=1, metrics=MetricsWriter(tmp_path, tensorboard=False)
+    )
+    partial = checkpoint.begin(tmp_path, 5)
+    record = {"checkpoint/stall_s": 0.0, "checkpoint/staging_reused_bytes": 60}
+    with caplog.at_level("WARNING", logger="streamrl.actors.checkpoints"):
+        checkpoints.start(_state(5), partial, lambda: None, {}, record)
+        await checkpoints.wait()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "checkpoint of step 5" in warning and "the write will run out of space" in warning
+    assert "train.keep_checkpoints (now 1)" in warning
+
+    caplog.clear()  # room for the staged bytes: nothing said
+    monkeypatch.setattr(checkpoints_module.shutil, "disk_usage", lambda _: usage(10**12, 0, 10**12))
+    partial = checkpoint.begin(tmp_path, 6)
+    with caplog.at_level("WARNING", logger="streamrl.actors.checkpoints"):
+        checkpoints.start(_state(6), partial, lambda: None, {}, record)
+        await checkpoints.wait()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
