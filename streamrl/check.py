@@ -285,12 +285,17 @@ def _check_model(path: str) -> None:
 
 def _layout_problems(cfg: RunConfig) -> list[str]:
     """How the model splits over the learner's and the SGLang engines' GPUs
-    (`streamrl.backends.megatron.memory.layout_problems`), or the Megatron learner's refusal
-    of the model's family; nothing when the model's config does not load (reported under
+    (`streamrl.backends.megatron.memory.layout_problems`), `learner.megatron.recompute_layers`
+    beyond a pipeline stage's layers, or the Megatron learner's refusal of the model's
+    family; nothing when the model's config does not load (reported under
     model.path) or is SmolLM2's (one GPU)."""
     from streamrl import models
     from streamrl.backends.megatron.families import shape_from_hf
-    from streamrl.backends.megatron.memory import Parallelism, layout_problems
+    from streamrl.backends.megatron.memory import (
+        Parallelism,
+        layout_problems,
+        recompute_layers_problem,
+    )
 
     if cfg.model.path == models.SMOLLM2_NAME:
         return []
@@ -312,7 +317,12 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
         ep=megatron.expert_model_parallel_size if cfg.learner.backend == "megatron" else 1,
     )
     engine_tp = cfg.engine.tp_size if cfg.engine.backend == "sglang" else 1
-    return layout_problems(shape, layout, engine_tp_size=engine_tp)
+    problems = layout_problems(shape, layout, engine_tp_size=engine_tp)
+    if cfg.learner.backend == "megatron" and cfg.learner.gradient_checkpointing:
+        stage_layers = shape.num_layers // layout.pp
+        if problem := recompute_layers_problem(megatron.recompute_layers, stage_layers):
+            problems.append(problem)
+    return problems
 
 
 def _memory_problems(cfg: RunConfig) -> list[str]:
@@ -327,7 +337,10 @@ def _critic_layout_problems(cfg: RunConfig) -> list[str]:
     it); nothing when its config does not load (reported by the model check)."""
     from streamrl import models
     from streamrl.backends.megatron.families import shape_from_hf
-    from streamrl.backends.megatron.memory import Parallelism, layout_problems
+    from streamrl.backends.megatron.memory import (
+        Parallelism,
+        layout_problems,
+    )
 
     path = cfg.learner.critic.path
     key = f"learner.critic.path = {path!r}"

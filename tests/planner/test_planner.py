@@ -354,3 +354,27 @@ def test_recomputing_some_layers_plans_activations_between_none_and_every_layer(
     assert half - every == pytest.approx(4096 * ((k - 1) * full - k * layer_input), rel=1e-6)
     with pytest.raises(ConfigError, match=r"learner.megatron.recompute_layers = 4 needs"):
         _config(learner={"backend": "megatron", "megatron": {"recompute_layers": 4}})
+
+
+def test_check_refuses_recomputing_more_layers_than_a_pipeline_stage_has():
+    """The layer count comes from the model, so the config alone cannot refuse it; before,
+    only the backend's build did, after the engines had started."""
+    from streamrl.check import find_problems
+
+    def problems(layers: int) -> list[str]:
+        cfg = _config(
+            model={"path": "random:qwen3-4b"},
+            learner={
+                "backend": "megatron", "gradient_checkpointing": True, "num_gpus": 2,
+                "megatron": {"recompute_layers": layers, "pipeline_parallel_size": 2},
+            },
+            cluster={"learner_gpus": [0, 1], "engine_gpus": [2]},
+        )  # fmt: skip
+        return [p for p in find_problems(cfg) if "recompute_layers" in p]
+
+    stage_layers = shape_of("random:qwen3-4b").num_layers // 2
+    assert problems(stage_layers) == []
+    assert problems(stage_layers + 1) == [
+        f"learner.megatron.recompute_layers = {stage_layers + 1} is more than the "
+        f"{stage_layers} layers of a pipeline stage; 0 recomputes every layer"
+    ]

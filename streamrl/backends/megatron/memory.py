@@ -35,6 +35,17 @@ def expert_parameters(shape: ModelShape) -> int:
     return shape.moe.num_moe_layers * shape.moe.num_experts * per_expert
 
 
+def recompute_layers_problem(layers: int, stage_layers: int) -> str | None:
+    """Why `learner.megatron.recompute_layers = layers` cannot apply to pipeline stages of
+    `stage_layers` layers (None: it can)."""
+    if layers > stage_layers:
+        return (
+            f"learner.megatron.recompute_layers = {layers} is more than the {stage_layers} "
+            f"layers of a pipeline stage; 0 recomputes every layer"
+        )
+    return None
+
+
 def layout_problems(shape: ModelShape, layout: Parallelism, *, engine_tp_size: int) -> list[str]:
     """Why the Megatron learner or SGLang cannot split `shape` this way, by config key."""
     problems = []

@@ -38,6 +38,7 @@ from streamrl.backends.megatron.layers import (
     ValueHead,
     post_norm_linear,
 )
+from streamrl.backends.megatron.memory import recompute_layers_problem
 from streamrl.backends.megatron.shapes import ModelShape
 
 
@@ -154,11 +155,8 @@ def build_transformer_config(
 def _recompute_kwargs(layers: int, stage_layers: int) -> dict:
     """Megatron's full recompute: every layer (`uniform`, one a group), or the first `layers`
     of each stage (`block`; learner.megatron.recompute_layers)."""
-    if layers > stage_layers:
-        raise ValueError(
-            f"learner.megatron.recompute_layers = {layers} is more than the {stage_layers} "
-            f"layers of a pipeline stage; 0 recomputes every layer"
-        )
+    if problem := recompute_layers_problem(layers, stage_layers):
+        raise ValueError(problem)
     if layers in (0, stage_layers):
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
