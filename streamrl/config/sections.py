@@ -196,7 +196,8 @@ class EngineConfig(_Section):
     health_interval_s: PositiveFloat = 5.0
     """Seconds between health checks of each engine."""
     health_timeout_s: PositiveFloat = 20.0
-    """An engine whose `/health_generate` takes longer is declared hung."""
+    """An engine whose `/health_generate` takes longer is declared hung (while the run holds
+    it paused, whose `/health` does: a paused engine generates nothing)."""
     max_restarts: NonNegInt = 3
     """Restarts per engine before the run fails; 0 turns restarting off."""
 
