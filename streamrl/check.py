@@ -337,10 +337,7 @@ def _critic_layout_problems(cfg: RunConfig) -> list[str]:
     it); nothing when its config does not load (reported by the model check)."""
     from streamrl import models
     from streamrl.backends.megatron.families import shape_from_hf
-    from streamrl.backends.megatron.memory import (
-        Parallelism,
-        layout_problems,
-    )
+    from streamrl.backends.megatron.memory import Parallelism, layout_problems
 
     path = cfg.learner.critic.path
     key = f"learner.critic.path = {path!r}"
