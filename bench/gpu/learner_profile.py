@@ -18,6 +18,14 @@ step a step). Each recompute variant (`--variants`):
     half   learner.megatron.recompute_layers = half the layers (Megatron's `block` method)
     none   no recompute (the step runs out of memory beside SGLang; alone it may fit)
 
+A variant may also name the attention kernels and the RoPE: `RECOMPUTE[/ATTENTION[/ROPE]]`,
+ATTENTION `torch` (torch's FlashAttention-2) or `fa4` (FlashAttention-4,
+`learner.flash_attention`), ROPE `compiled` (`learner.megatron.compile`'s RoPE) or `eager`
+(megatron-core's unfused one); by default what the learner config gives (`auto`: FA4 where it
+imports, the compiled RoPE with compile on). `full/torch/eager` is the step before either
+existed. Both are switched between variants in the one process (`flash.choose`,
+`speed.compiled_rope`).
+
 The variants share one backend: Megatron's TransformerBlock reads `recompute_granularity`,
 `recompute_method` and `recompute_num_layers` from its config at every forward, so each
 variant sets them there (the values `build_transformer_config` gives for that setting).
@@ -49,6 +57,8 @@ import megatron_check as base  # (it also puts the repository on sys.path)
 import packing_check as packing
 
 VARIANTS = ("full", "half", "none")
+ATTENTIONS = ("torch", "fa4")
+ROPES = ("compiled", "eager")
 KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
     ("attention", ("flash", "fmha", "attention")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
@@ -126,12 +136,39 @@ def profile_step(step) -> dict:
     }
 
 
+def parse_variant(text: str) -> tuple[str, str | None, str | None]:
+    """`RECOMPUTE[/ATTENTION[/ROPE]]` (the module docstring) -> its three parts, None unset."""
+    recompute, attention, rope = [*text.split("/"), None, None][:3]
+    if recompute not in VARIANTS or attention not in (None, *ATTENTIONS) or rope not in (
+        None, *ROPES
+    ):  # fmt: skip
+        raise ValueError(
+            f"variant {text!r}: RECOMPUTE[/ATTENTION[/ROPE]] with RECOMPUTE one of {VARIANTS}, "
+            f"ATTENTION one of {ATTENTIONS}, ROPE one of {ROPES}"
+        )
+    return recompute, attention, rope
+
+
+def set_kernels(backend, attention: str | None, rope: str | None) -> dict:
+    """Switch the process's attention kernels and RoPE for a variant; returns what runs."""
+    from streamrl.backends import flash
+    from streamrl.backends.megatron import speed
+
+    if attention is not None:
+        flash.choose(attention, backend.device)
+    if rope is not None:
+        speed.compiled_rope(rope == "compiled")
+    return {"attention": flash.kernel(), "rope": "compiled" if speed._ROPE["on"] else "eager"}
+
+
 def measure_variant(
     backend, optimizer_step, batches, flops: dict, variant: str, steps: int
 ) -> dict:
     from megatron_ranks import nll_loss
 
-    result = set_recompute(backend.model, variant)
+    recompute, attention, rope = parse_variant(variant)
+    kernels = set_kernels(backend, attention, rope)
+    result = set_recompute(backend.model, recompute) | kernels
     clock = base.StepClock()
     backend.optimizer.step = optimizer_step  # unmarked (a previous variant's clock)
     base.timed_optimizer(backend, clock)  # marks the optimizer step's start and end
@@ -243,12 +280,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--budget", type=int, default=16384, help="learner.micro_batch_tokens")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="RECOMPUTE[/ATTENTION[/ROPE]], comma-separated",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU")
     args = parser.parse_args()
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if unknown := sorted(set(variants) - set(VARIANTS)):
-        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    for variant in variants:
+        try:
+            parse_variant(variant)
+        except ValueError as exc:
+            parser.error(str(exc))
     model = args.model
     if args.cpu_smoke:
         base.PLAN = base.SMOKE

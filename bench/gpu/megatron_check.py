@@ -19,9 +19,11 @@ shape of the throughput sections), and printed at the end:
     micro-batch with log-probabilities and entropy, then the optimizer) for
     Qwen2-0.5B and Qwen2-1.5B shapes, 4 micro-batches of 2 x 4096 tokens, timed over
     3 steps after a warm-up (which compiles), with the time of each phase (CUDA
-    events, no extra synchronisation). Two Megatron variants: the default
+    events, no extra synchronisation). Megatron variants: the default
     (`learner.megatron.compile = "auto"`: compiled kernels, fused Adam on CUDA) and
-    `compile_off` (compile off, torch's foreach Adam as Megatron builds it); and, for
+    `compile_off` (compile off, torch's foreach Adam as Megatron builds it); where the
+    default chose FlashAttention-4 (`learner.flash_attention = "auto"` with `flash-attn-4`
+    installed), `megatron_torch_attention` (the default with torch's kernels); and, for
     reference, a plain PyTorch HF training step (AdamW, bf16, SDPA; no old-logprob
     pass). MFU figures (`step_flops`, all against the 989e12 dense bf16 peak, N =
     parameters with tied embeddings counted once):
@@ -96,14 +98,16 @@ PLAN = Plan()
 
 
 def learner_config(
-    tp: int = 1, *, lr: float = 1e-6, compile: str = "auto", recompute: bool = False
-):
+    tp: int = 1, *, lr: float = 1e-6, compile: str = "auto", recompute: bool = False,
+    flash_attention: str = "auto",
+):  # fmt: skip
     from streamrl.config import LearnerConfig, MegatronConfig
 
     return LearnerConfig(
         backend="megatron",
         lr=lr,
         gradient_checkpointing=recompute,
+        flash_attention=flash_attention,
         megatron=MegatronConfig(
             tensor_parallel_size=tp, use_distributed_optimizer=True, compile=compile
         ),
@@ -387,6 +391,7 @@ def throughput_megatron(model_dir: Path, batch, flops: dict, backend=None, **con
     reset_peak_memory()
     result = time_rl_steps(backend, batch, flops)
     result["compiled"] = backend.compiled
+    result["flash_attention"] = backend.flash_attention
     return result
 
 
@@ -476,6 +481,11 @@ def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, 
         backend = state.pop("backend", None) if shape_name == PLAN.small_shape else None
         measure(entry, "megatron", save, throughput_megatron, model_dir, batch, flops, backend)
         backend = None
+        if "fa4" in {entry.get("megatron", {}).get("flash_attention")}:
+            measure(
+                entry, "megatron_torch_attention", save, throughput_megatron, model_dir, batch,
+                flops, flash_attention="torch",
+            )  # fmt: skip
         measure(
             entry, "megatron_compile_off", save, throughput_megatron, model_dir, batch, flops,
             compile="off",
@@ -586,6 +596,17 @@ def environment() -> dict:
             info[module] = __import__(module, fromlist=["__version__"]).__version__
         except Exception as exc:
             info[module] = f"unavailable ({type(exc).__name__})"
+    from importlib import metadata
+
+    from streamrl.backends import flash
+
+    for package in ("flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = "not installed"
+    if torch.cuda.is_available():
+        info["flash_attention_4"] = flash.fa4_problem(torch.device("cuda", 0)) or "usable"
     return info
 
 

@@ -9,8 +9,9 @@ its samples' squares and every sample is computed as in a row of its own:
 
 - on CUDA (bf16 or fp16, one head size for query, key and value, no dropout), one
   variable-length flash-attention call over every span of the micro-batch
-  (`torch.nn.attention.varlen`): no mask, no compile, one kernel per layer whatever the
-  number of samples;
+  (`torch.nn.attention.varlen`, or FlashAttention-4 where `learner.flash_attention` chose
+  it: `flash.py`): no mask, no compile, one kernel per layer whatever the number of
+  samples;
 - elsewhere (the CPU, float32, MLA's narrower value heads), SDPA on each span, one call per
   sample and layer.
 
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from streamrl.backends import flash
 from streamrl.backends.base import MicroBatch
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,9 @@ def _attend_varlen(
         return tensor.transpose(1, 2).reshape(batch * width, tensor.shape[1], tensor.shape[3])
 
     key, value = tokens(key), tokens(value)
+    if flash.fa4_serves(query, value):
+        context = flash.fa4_varlen(tokens(query), key, value, cumulative, longest, scale=scale)
+        return context.reshape(batch, width, heads, -1).transpose(1, 2)
     gqa = key.shape[1] != heads
     options = dict(_VARLEN["causal"])
     if gqa and _VARLEN["gqa"]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from streamrl import algorithms
-from streamrl.backends import peft_adapters
+from streamrl.backends import flash, peft_adapters
 from streamrl.backends.base import CRITIC_DIR, LossFn, MicroBatch
 from streamrl.backends.documents import model_inputs, use_document_attention
 from streamrl.backends.offload import HostOffload, optimizer_tensors
@@ -76,6 +76,7 @@ class TorchBackend:
         )
         self.model.config.use_cache = False
         if cfg.pack_sequences:
+            flash.choose(cfg.flash_attention, device)
             use_document_attention(self.model)
         if self.lora is not None:
             self.model = peft_adapters.add_adapters(self.model, self.lora)

@@ -391,8 +391,8 @@ class MegatronConfig(_Section):
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile the learner's elementwise work: the fp32 log-softmax over the vocabulary
     of every log-probability and entropy (one fused pass over the logits instead of about ten
-    fp32 passes per chunk) and the MLP's SwiGLU (Megatron's `bias_activation_fusion`, which it
-    compiles itself). `auto`: on with CUDA when a probe compilation works there, off on CPU;
+    fp32 passes per chunk), the MLP's SwiGLU (Megatron's `bias_activation_fusion`, which it
+    compiles itself) and RoPE (one kernel each way instead of about six). `auto`: on with CUDA when a probe compilation works there, off on CPU;
     `on` insists (also on CPU, where compiling costs more than it saves on small models)."""
 
 
@@ -507,6 +507,13 @@ class LearnerConfig(_Section):
     refuses it for attention with a sliding window or soft-capping, Megatron for latent
     attention (MLA) with recompute under pipeline parallelism, and the torch backend's CUDA
     path is not yet measured (`bench/gpu/packing_check.py`)."""
+    flash_attention: Literal["auto", "torch", "fa4"] = "auto"
+    """The flash-attention kernels of the learner's causal attention on CUDA: the Megatron
+    learner's core attention and packed rows' attention in both backends
+    (streamrl/backends/flash.py). `auto`: FlashAttention-4 (the `flash-attn-4` package) where
+    it imports and the GPU is Hopper or Blackwell (SM 9.0, 10.x), torch's bundled
+    FlashAttention-2 otherwise; `torch`: torch's always; `fa4`: FlashAttention-4, refused at
+    start where it cannot run. On the CPU neither runs (SDPA)."""
     gradient_checkpointing: bool = False
     num_threads: NonNegInt = 0
     """torch threads of a CPU learner; 0 leaves torch's default."""

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from streamrl.backends import flash
 from streamrl.backends.base import LossFn, MicroBatch
 from streamrl.backends.megatron import (
     checkpoint,
@@ -118,7 +119,10 @@ class MegatronBackend:
         self.dtype = dtype
         mcfg = cfg.megatron
         self.compiled = speed.use_compile(mcfg.compile, self.device)
-        """torch.compile'd log-softmax and SwiGLU kernels (`learner.megatron.compile`)."""
+        """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`)."""
+        speed.compiled_rope(self.compiled)
+        self.flash_attention = flash.choose(cfg.flash_attention, self.device)
+        """`torch` or `fa4`: the kernels of the core attention (`learner.flash_attention`)."""
         self.layout = parallel.initialize_parallel(
             tp_size=mcfg.tensor_parallel_size,
             pp_size=mcfg.pipeline_parallel_size,

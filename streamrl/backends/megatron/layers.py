@@ -10,9 +10,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from streamrl.backends import flash
+
 
 class SdpaAttention(torch.nn.Module):
-    """Megatron core attention through torch SDPA: causal, GQA via `enable_gqa`.
+    """Megatron core attention through torch SDPA: causal, GQA via `enable_gqa`; through
+    FlashAttention-4 where `learner.flash_attention` chose it (`streamrl.backends.flash`).
 
     query [sq, b, heads, d], key/value [sk, b, groups, d] -> [sq, b, heads * d].
     The attention mask argument is None for right-padded rows (padding is on the right
@@ -55,12 +58,19 @@ class SdpaAttention(torch.nn.Module):
         seq_len, batch, num_heads, _ = query.shape
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
+        dropout = self.dropout if self.training else 0.0
+        if flash.fa4_serves(query, value, dropout):
+            context = flash.fa4_causal(
+                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                scale=self.softmax_scale,
+            )  # fmt: skip
+            return context.transpose(0, 1).reshape(seq_len, batch, num_heads * value.shape[-1])
         context = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3),
             key.permute(1, 2, 0, 3),
             value.permute(1, 2, 0, 3),
             is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout,
             scale=self.softmax_scale,
             enable_gqa=key.shape[2] != num_heads,
         )

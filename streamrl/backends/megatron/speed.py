@@ -5,7 +5,8 @@ cost time at every step; each replacement here computes the same values:
 
 - `learner.megatron.compile` (`use_compile`): torch.compile'd kernels for the
   elementwise work (the vocabulary log-softmax in `logprobs.py`, the SwiGLU through
-  Megatron's `bias_activation_fusion`, which Megatron compiles with torch.compile).
+  Megatron's `bias_activation_fusion`, which Megatron compiles with torch.compile, and
+  RoPE through `compiled_rope`).
 - `use_fused_adam`: Megatron builds `torch.optim.AdamW` with torch's default, the
   foreach implementation (about ten passes over every fp32 state tensor); the fused
   one makes one.
@@ -96,3 +97,29 @@ def install_foreach_grad_norm() -> bool:
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _foreach_scale
     return clip_grads.l2_norm_impl is _foreach_l2_norm
+
+
+_ROPE: dict[str, object] = {"on": False}
+
+
+def compiled_rope(on: bool) -> None:
+    """Megatron's unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which its attention
+    calls for every query and key: a cos, a sin, a rotate-half `cat`, two products and a sum,
+    each its own kernel, and as many in the backward) run torch.compile'd, as one kernel each
+    way, while `on`; Transformer Engine's fused RoPE does the same work. The function is
+    module-wide in megatron-core, so the replacement dispatches on the latest learner built in
+    this process: each backend calls this with its own `learner.megatron.compile`."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    _ROPE["on"] = on
+    if "eager" in _ROPE:
+        return
+    eager = rope_utils._apply_rotary_pos_emb_bshd
+    compiled = torch.compile(eager, dynamic=True)
+
+    @functools.wraps(eager)
+    def apply(*args, **kwargs):
+        return (compiled if _ROPE["on"] else eager)(*args, **kwargs)
+
+    _ROPE["eager"] = eager
+    rope_utils._apply_rotary_pos_emb_bshd = apply

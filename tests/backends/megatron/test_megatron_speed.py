@@ -90,3 +90,39 @@ def test_compile_is_on_with_cuda_and_off_on_cpu_unless_asked():
     assert not speed.use_compile("auto", cpu)
     assert speed.use_compile("on", cpu)
     assert not speed.use_compile("off", torch.device("cuda", 0))
+
+
+def test_compiled_rope_rotates_queries_and_their_gradients_as_megatrons_own():
+    """`compiled_rope(True)` routes megatron-core's RoPE through torch.compile: the same
+    values and gradients (float32 on the CPU, a half rotary dimension and a pass-through
+    part included) as the eager function, and `compiled_rope(False)` routes back to it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    generator = torch.Generator().manual_seed(0)
+    # [seq, batch, heads, head dim]; RoPE covers 16 of the 24 dims, the rest passes through.
+    queries = torch.randn(11, 2, 3, 24, generator=generator)
+    freqs = torch.randn(11, 1, 1, 16, generator=generator)
+    upstream = torch.randn(11, 2, 3, 24, generator=generator)
+    assert queries.abs().max() < 5 and upstream.abs().max() < 5  # the bound below assumes it
+
+    def rotated(compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        speed.compiled_rope(compiled)
+        assert rope_utils._apply_rotary_pos_emb_bshd is not speed._ROPE["eager"]  # the router
+        leaf = queries.clone().requires_grad_(True)
+        out = rope_utils._apply_rotary_pos_emb_bshd(leaf, freqs, rotary_interleaved=False)
+        (out * upstream).sum().backward()
+        return out.detach(), leaf.grad
+
+    try:
+        eager_out, eager_grad = rotated(False)
+        compiled_out, compiled_grad = rotated(True)
+    finally:
+        speed.compiled_rope(False)
+    assert speed._ROPE["on"] is False
+    assert not torch.equal(eager_out[..., :16], queries[..., :16])  # it rotated something
+    assert torch.equal(eager_out[..., 16:], queries[..., 16:])
+    # Each output is x cos + rotated(x) sin (and each gradient
+    # likewise of the upstream gradient) with |x| < 5: the two compilers' cos and sin may
+    # differ by an ulp, then two products and a sum round: a few roundings of 4.
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=8 * U * 4)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=8 * U * 4)
