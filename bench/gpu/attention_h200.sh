@@ -5,11 +5,12 @@
 # machine, one section a call (each <= 10 minutes), in this order:
 #
 #   fetch                (CPU machine, not a device call) the flash-attn-4 wheel and its CuTe
-#                        DSL wheels for Python 3.12 into .fa4/: the 88 MB cu13 library wheel
-#                        split in two, .fa4/a and .fa4/b, since a call carries 64 MiB at most
-#   stage OUT            carry .fa4/a .whl (bench/results moved aside): its part waits in
-#                        /tmp/fa4-parts; draws the Qwen3-4B shape into /tmp/qwen3-4b meanwhile
-#   kernels OUT          carry .fa4/b: joins the parts, installs into /tmp/fa4-site, then
+#                        DSL wheels for Python 3.12 (106 MiB) as one tar split in three,
+#                        .fa4/1 .fa4/2 .fa4/3, since a call carries 64 MiB at most
+#   stage OUT            carry .fa4/1 .whl (bench/results moved aside), then (a second call)
+#                        .fa4/2: each part waits in /tmp/fa4-parts; the first draws the
+#                        Qwen3-4B shape into /tmp/qwen3-4b meanwhile
+#   kernels OUT          carry .fa4/3: joins the parts, installs into /tmp/fa4-site, then
 #                        bench/gpu/flash_check.py (accuracy against float32 and speed of both
 #                        kernels on the 4B packed, 0.5B and 1.5B row shapes), then the 4B
 #                        learner's step per kernel and RoPE (bench/gpu/learner_profile.py,
@@ -27,22 +28,32 @@ FA4_VERSION=4.0.0b40
 CUTLASS_DSL_VERSION=4.8.1
 
 if [ "$PART" = fetch ]; then
-  rm -rf .fa4 && mkdir -p .fa4/a .fa4/b /tmp/fa4-fetch || exit 1
+  rm -rf .fa4 /tmp/fa4-fetch && mkdir -p .fa4/1 .fa4/2 .fa4/3 /tmp/fa4-fetch/wheels || exit 1
   download() {
-    python3 -m pip download -q --no-deps --pre --only-binary=:all: --python-version 3.12 \
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d /tmp/fa4-fetch "$@"
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d /tmp/fa4-fetch/wheels "$@"
   }
-  download "flash-attn-4==$FA4_VERSION" "quack-kernels==0.6.5" "apache-tvm-ffi==0.1.15.post2" \
+  download --pre "flash-attn-4==$FA4_VERSION" "quack-kernels==0.6.5" "apache-tvm-ffi==0.1.15.post2" \
     "torch-c-dlpack-ext==0.1.5" "einops==0.8.1" "nvidia-cutlass-dsl==$CUTLASS_DSL_VERSION" \
     "nvidia-cutlass-dsl-libs-base==$CUTLASS_DSL_VERSION" \
+    "nvidia-cutlass-dsl-libs-core==$CUTLASS_DSL_VERSION" \
     "nvidia-cutlass-dsl-libs-cu13==$CUTLASS_DSL_VERSION" || exit 1
-  big=$(ls /tmp/fa4-fetch/nvidia_cutlass_dsl_libs_cu13-*.whl)
-  split -b 45M "$big" ".fa4/a/$(basename "$big").part-" || exit 1
-  mv ".fa4/a/$(basename "$big").part-ab" .fa4/b/ || exit 1
-  find /tmp/fa4-fetch -name '*.whl' ! -name 'nvidia_cutlass_dsl_libs_cu13-*' -exec cp {} .fa4/b/ \;
-  sha256sum "$big" | sed "s|$big|$(basename "$big")|" > .fa4/b/joined.sha256
-  du -sh .fa4/a .fa4/b && ls .fa4/a .fa4/b
+  # the CuTe DSL's own dependencies, installed only where the machine lacks them
+  mkdir -p /tmp/fa4-fetch/wheels/fallback &&
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d /tmp/fa4-fetch/wheels/fallback "cuda-bindings==13.0.3" "cuda-pathfinder==1.9.1" \
+      "protobuf==6.33.6" || exit 1
+  tar cf /tmp/fa4-fetch/fa4-wheels.tar -C /tmp/fa4-fetch wheels || exit 1
+  size=$(stat -c %s /tmp/fa4-fetch/fa4-wheels.tar)
+  split -b $(((size + 2) / 3)) /tmp/fa4-fetch/fa4-wheels.tar /tmp/fa4-fetch/fa4-wheels.tar.part- &&
+    mv /tmp/fa4-fetch/fa4-wheels.tar.part-aa .fa4/1/ && mv /tmp/fa4-fetch/fa4-wheels.tar.part-ab .fa4/2/ &&
+    mv /tmp/fa4-fetch/fa4-wheels.tar.part-ac .fa4/3/ || exit 1
+  (cd /tmp/fa4-fetch && sha256sum fa4-wheels.tar) | tee .fa4/1/joined.sha256 .fa4/2/joined.sha256 \
+    .fa4/3/joined.sha256
+  du -sh .fa4/*
   exit 0
 fi
 
@@ -56,20 +67,25 @@ if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then # megatron-core, msgspec, 
     touch /tmp/site/.installed
 fi
 mkdir -p /tmp/fa4-parts
-for part in .fa4/a .fa4/b; do
+for part in .fa4/1 .fa4/2 .fa4/3; do
   [ -d "$part" ] && cp "$part"/* /tmp/fa4-parts/
 done
-if [ ! -f /tmp/fa4-site/.installed ] && [ -f /tmp/fa4-parts/joined.sha256 ] &&
-  compgen -G "/tmp/fa4-parts/*.part-aa" > /dev/null; then
+if [ ! -f /tmp/fa4-site/.installed ] && [ -f /tmp/fa4-parts/fa4-wheels.tar.part-ac ] &&
+  [ -f /tmp/fa4-parts/fa4-wheels.tar.part-aa ] && [ -f /tmp/fa4-parts/fa4-wheels.tar.part-ab ]; then
   (
     cd /tmp/fa4-parts || exit 1
-    joined=$(cut -d' ' -f3 joined.sha256)
-    cat "$joined".part-* > "$joined" && sha256sum -c joined.sha256 || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4-site ./*.whl
+    cat fa4-wheels.tar.part-* > fa4-wheels.tar && sha256sum -c joined.sha256 &&
+      tar xf fa4-wheels.tar || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4-site wheels/*.whl &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4-fallback \
+        wheels/fallback/*.whl
   ) && touch /tmp/fa4-site/.installed
 fi
-# `--target` installs skip the cutlass-dsl wheel's .pth line, which puts dsl_packages on the path
-export PYTHONPATH="/tmp/site:/tmp/fa4-site:/tmp/fa4-site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# `--target` installs skip the cutlass-dsl wheel's .pth line, which puts dsl_packages on the
+# path; the fallback (cuda-bindings, protobuf) only where the machine has none of its own
+FA4_PATH=/tmp/fa4-site:/tmp/fa4-site/nvidia_cutlass_dsl/dsl_packages
+python3 -c "import cuda.bindings.driver, google.protobuf" 2> /dev/null || FA4_PATH=$FA4_PATH:/tmp/fa4-fallback
+export PYTHONPATH="/tmp/site:$FA4_PATH:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
   python3 -c "from streamrl.backends import flash; import torch; \
