@@ -21,9 +21,12 @@ shape of the throughput sections), and printed at the end:
     3 steps after a warm-up (which compiles), with the time of each phase (CUDA
     events, no extra synchronisation). Megatron variants: the default
     (`learner.megatron.compile = "auto"`: compiled kernels, fused Adam on CUDA) and
-    `compile_off` (compile off, torch's foreach Adam as Megatron builds it); where the
-    default chose FlashAttention-4 (`learner.flash_attention = "auto"` with `flash-attn-4`
-    installed), `megatron_torch_attention` (the default with torch's kernels); and, for
+    `compile_off` (compile off, torch's foreach Adam as Megatron builds it); where
+    FlashAttention-4 can run (`flash-attn-4` installed, a Hopper or Blackwell GPU),
+    `megatron_fa4` (`learner.flash_attention = "fa4"`: its kernels for these right-padded
+    rows, which `auto` leaves to torch's; bench/results/gpu/attention has a run made when
+    `auto` gave them FlashAttention-4: there `megatron` is FlashAttention-4 and
+    `megatron_torch_attention` torch's); and, for
     reference, a plain PyTorch HF training step (AdamW, bf16, SDPA; no old-logprob
     pass). MFU figures (`step_flops`, all against the 989e12 dense bf16 peak, N =
     parameters with tied embeddings counted once):
@@ -457,6 +460,7 @@ def measure(entry: dict, key: str, save, run, *args, **kwargs) -> None:
 def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, save) -> None:
     from transformers import AutoConfig
 
+    from streamrl.backends import flash
     from streamrl.backends.megatron.model import shape_from_hf
 
     for shape_name in (PLAN.small_shape, PLAN.large_shape):
@@ -481,10 +485,10 @@ def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, 
         backend = state.pop("backend", None) if shape_name == PLAN.small_shape else None
         measure(entry, "megatron", save, throughput_megatron, model_dir, batch, flops, backend)
         backend = None
-        if "fa4" in {entry.get("megatron", {}).get("flash_attention")}:
+        if flash.fa4_problem(torch.device(PLAN.device)) is None:
             measure(
-                entry, "megatron_torch_attention", save, throughput_megatron, model_dir, batch,
-                flops, flash_attention="torch",
+                entry, "megatron_fa4", save, throughput_megatron, model_dir, batch, flops,
+                flash_attention="fa4",
             )  # fmt: skip
         measure(
             entry, "megatron_compile_off", save, throughput_megatron, model_dir, batch, flops,

@@ -161,7 +161,7 @@ def _attend_varlen(
         return tensor.transpose(1, 2).reshape(batch * width, tensor.shape[1], tensor.shape[3])
 
     key, value = tokens(key), tokens(value)
-    if flash.fa4_serves(query, value):
+    if flash.fa4_serves(query, value, packed=True):
         context = flash.fa4_varlen(tokens(query), key, value, cumulative, longest, scale=scale)
         return context.reshape(batch, width, heads, -1).transpose(1, 2)
     gqa = key.shape[1] != heads

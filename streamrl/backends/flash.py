@@ -1,22 +1,28 @@
 """Which flash-attention kernels the learner's own attention runs on CUDA.
 
-torch bundles FlashAttention-2 kernels, which on an H200 ran a Qwen3-4B learner's causal
-attention at 217-290 TFLOP/s, 29% of its step (bench/results/gpu/fullsize_profile). On
-Hopper (SM 9.0) and Blackwell (SM 10.x) the `flash-attn-4` package's kernels (CuTe DSL,
-compiled on first use and cached) are written for the tensor cores those GPUs have.
-`learner.flash_attention` picks, once per learner process (`choose`):
+torch bundles FlashAttention-2 kernels. On Hopper (SM 9.0) and Blackwell (SM 10.x) the
+`flash-attn-4` package's kernels (CuTe DSL, compiled on first use and cached) are written
+for the tensor cores those GPUs have. Measured on one H200 (bench/results/gpu/attention):
+on a packed Qwen3-4B micro-batch (16 samples of 866..8,403 tokens, 32 heads, 8 key/value
+groups) FlashAttention-4 ran causal attention forward and backward at 490 TFLOP/s against
+torch's 289 (1.69x) and the 4B learner's step took 13% less time; on rows of 4,096 tokens
+at 0.5B and 1.5B its calls were slower (0.78x, 0.74x: each call's host-side dispatch is
+longer than the kernel's time there), and the RL step 6% slower at 0.5B, 2% faster at 1.5B.
+Both are as accurate as each other against float32 attention. `learner.flash_attention`
+picks, once per learner process (`choose`):
 
-- `auto`: FlashAttention-4 where `flash_attn.cute` imports and the GPU is SM 9.0 or 10.x,
-  torch's kernels otherwise;
+- `auto`: FlashAttention-4 for packed rows' variable-length attention where `flash_attn.cute`
+  imports and the GPU is SM 9.0 or 10.x, torch's kernels for everything else;
 - `torch`: torch's kernels always;
-- `fa4`: FlashAttention-4, refused at start where it cannot run.
+- `fa4`: FlashAttention-4 for both attentions below, refused at start where it cannot run.
 
-Two attentions call it: the Megatron learner's core attention on right-padded rows
-(`megatron/layers.py`) and the variable-length attention of packed rows in both backends
-(`documents.py`). Both are causal, bf16 or fp16, one head size for query, key and value, no
-dropout; anything else keeps torch's path. FlashAttention-4 takes grouped key/value heads
-as they are (no repeat) and the same token-major layout as torch's variable-length kernel.
-The Hugging Face models of the torch backend keep their own attention on right-padded rows.
+Two attentions call it: the variable-length attention of packed rows in both backends
+(`documents.py`) and the Megatron learner's core attention on right-padded rows
+(`megatron/layers.py`). Both are causal, bf16 or fp16, one head size for query, key and
+value, no dropout; anything else keeps torch's path. FlashAttention-4 takes grouped
+key/value heads as they are (no repeat) and the same token-major layout as torch's
+variable-length kernel. The Hugging Face models of the torch backend keep their own
+attention on right-padded rows.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ FA4_MODULE = "flash_attn.cute"
 FA4_ARCHS = (9, 10)
 """Compute capability majors FlashAttention-4 has kernels for (Hopper, Blackwell)."""
 
-_STATE: dict[str, Any] = {"kernel": "torch", "module": None}
+_STATE: dict[str, Any] = {"packed": False, "rows": False, "module": None}
+"""Where FlashAttention-4 runs in this process (packed rows, right-padded rows), and its
+module."""
 
 
 def fa4_problem(device: torch.device) -> str | None:
@@ -57,35 +65,39 @@ def fa4_problem(device: torch.device) -> str | None:
 
 def choose(setting: str, device: torch.device) -> str:
     """Pick this process's kernels for `learner.flash_attention = setting` on `device` and
-    return the choice (`torch` or `fa4`); `fa4` where it cannot run is a ValueError naming
-    the key."""
+    say which (`kernel`); `fa4` where it cannot run is a ValueError naming the key."""
     if setting not in SETTINGS:
         raise ValueError(f"learner.flash_attention = {setting!r} is not one of {SETTINGS}")
     problem = None if setting == "torch" else fa4_problem(device)
     if setting == "fa4" and problem:
         raise ValueError(f"learner.flash_attention = 'fa4', but FlashAttention-4 {problem}")
-    kernel = "fa4" if setting != "torch" and problem is None else "torch"
-    _STATE["kernel"] = kernel
-    _STATE["module"] = importlib.import_module(FA4_MODULE) if kernel == "fa4" else None
+    usable = setting != "torch" and problem is None
+    _STATE.update(
+        packed=usable,
+        rows=usable and setting == "fa4",
+        module=importlib.import_module(FA4_MODULE) if usable else None,
+    )
     if setting == "auto" and device.type == "cuda":
-        log.info(
-            "causal attention runs on %s",
-            "FlashAttention-4" if kernel == "fa4" else f"torch's kernels ({problem})",
-        )
-    return kernel
+        log.info("causal attention: %s", kernel() + (f" ({problem})" if problem else ""))
+    return kernel()
 
 
 def kernel() -> str:
-    """The kernels `choose` picked in this process (`torch` until it runs)."""
-    return _STATE["kernel"]
+    """The kernels `choose` picked in this process: `torch` (until it runs), `fa4` or
+    `fa4 for packed rows`."""
+    if _STATE["rows"]:
+        return "fa4"
+    return "fa4 for packed rows" if _STATE["packed"] else "torch"
 
 
-def fa4_serves(query: torch.Tensor, value: torch.Tensor, dropout: float = 0.0) -> bool:
-    """Whether FlashAttention-4 was chosen and takes these tensors (the module docstring's
-    conditions)."""
+def fa4_serves(
+    query: torch.Tensor, value: torch.Tensor, dropout: float = 0.0, *, packed: bool
+) -> bool:
+    """Whether FlashAttention-4 was chosen for this attention (`packed` rows' or right-padded
+    rows') and takes these tensors (the module docstring's conditions)."""
     head = query.shape[-1]
     return (
-        _STATE["kernel"] == "fa4"
+        _STATE["packed" if packed else "rows"]
         and query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and head == value.shape[-1]

@@ -49,9 +49,8 @@ def fa4_stand_in(monkeypatch):
     module = types.SimpleNamespace(
         flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func
     )
-    monkeypatch.setitem(flash._STATE, "kernel", "fa4")
-    monkeypatch.setitem(flash._STATE, "module", module)
-    monkeypatch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0: True)
+    monkeypatch.setattr(flash, "_STATE", {"packed": True, "rows": True, "module": module})
+    monkeypatch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0, *, packed: True)
     monkeypatch.setattr(documents, "_takes_varlen", lambda query, value: True)
     monkeypatch.setitem(documents._VARLEN, "function", object())  # torch's is not used
     return calls
@@ -65,7 +64,26 @@ def test_auto_keeps_torchs_kernels_on_the_cpu_and_fa4_there_is_refused_naming_th
         flash.choose("fa4", cpu)
     with pytest.raises(ValueError, match=r"learner\.flash_attention = 'fa3' is not one of"):
         flash.choose("fa3", cpu)
-    assert not flash.fa4_serves(torch.zeros(1, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 8))
+    query = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    assert not flash.fa4_serves(query, query, packed=True)
+
+
+def test_auto_gives_fa4_packed_rows_only_and_fa4_gives_it_every_row(monkeypatch):
+    """Where FlashAttention-4 can run, `auto` uses it for packed rows (where it was faster on
+    the H200) and `fa4` for right-padded rows too; `torch` for neither."""
+    module = types.SimpleNamespace(name="the FlashAttention-4 interface")
+    monkeypatch.setattr(flash, "_STATE", dict(flash._STATE))
+    monkeypatch.setattr(flash, "fa4_problem", lambda device: None)
+    monkeypatch.setattr(flash.importlib, "import_module", lambda name: module)
+    cuda = torch.device("cuda", 0)
+    chosen = {
+        setting: (flash.choose(setting, cuda), dict(flash._STATE)) for setting in flash.SETTINGS
+    }
+    assert chosen == {
+        "auto": ("fa4 for packed rows", {"packed": True, "rows": False, "module": module}),
+        "fa4": ("fa4", {"packed": True, "rows": True, "module": module}),
+        "torch": ("torch", {"packed": False, "rows": False, "module": None}),
+    }
 
 
 def test_the_config_key_takes_the_three_settings_and_refuses_others_naming_it():
@@ -97,9 +115,8 @@ def test_megatron_core_attention_hands_fa4_its_rows_and_takes_back_torchs_layout
     attention = SdpaAttention(config, 1, None, "self")
     query, key, value = _qkv(0, batch=3, seq=7, heads=4, groups=2, dim=8)
     through_fa4 = attention(query, key, value, None)
-    flash._STATE["kernel"] = "torch"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0: False)
+        patch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0, *, packed: False)
         through_torch = attention(query, key, value, None)
     assert fa4_stand_in == [("dense", (3, 7, 4, 8), (3, 7, 2, 8))]
     assert through_fa4.shape == through_torch.shape == (7, 3, 32)

@@ -122,7 +122,7 @@ class MegatronBackend:
         """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`)."""
         speed.compiled_rope(self.compiled)
         self.flash_attention = flash.choose(cfg.flash_attention, self.device)
-        """`torch` or `fa4`: the kernels of the core attention (`learner.flash_attention`)."""
+        """The attention kernels `learner.flash_attention` chose (`flash.kernel`)."""
         self.layout = parallel.initialize_parallel(
             tp_size=mcfg.tensor_parallel_size,
             pp_size=mcfg.pipeline_parallel_size,

@@ -59,7 +59,7 @@ class SdpaAttention(torch.nn.Module):
         if attention_mask is not None:
             return self._packed(query, key, value, attention_mask)
         dropout = self.dropout if self.training else 0.0
-        if flash.fa4_serves(query, value, dropout):
+        if flash.fa4_serves(query, value, dropout, packed=False):
             context = flash.fa4_causal(
                 query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                 scale=self.softmax_scale,
