@@ -82,9 +82,9 @@ class VersionRule:
 
     A response with `weight_versions` spans (the embedded engine) is exact token by token.
     SGLang sends one `weight_version` per response, the version when it finished. With
-    `weights.pause_mode = "abort"` every request in flight at an update is aborted and
-    resumed as a new request, so no response straddles an update: `single_version` says
-    so, and each response's version is exact. Otherwise a response is exact when it
+    `weights.pause_mode = "abort"` (or `retract_abort`) every request in flight at an update
+    is aborted and resumed as a new request, so no response straddles an update:
+    `single_version` says so, and each response's version is exact. Otherwise a response is exact when it
     finished at `floor()`, the version the engines were known to serve when it was sent
     (versions only grow); else its tokens are labelled with that floor, the oldest they
     can be, so the staleness bound stays safe (it overestimates staleness), and the

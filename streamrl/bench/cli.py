@@ -128,7 +128,9 @@ def _weight_sync(commands) -> None:
         help="one broadcast per tensor instead of one per flattened bucket",
     )
     parser.add_argument(
-        "--pause-mode", default="in_place", choices=["in_place", "abort", "retract"]
+        "--pause-mode",
+        default="in_place",
+        choices=["in_place", "abort", "retract", "retract_abort"],
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed publishes per count")
     parser.add_argument(

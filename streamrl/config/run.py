@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.config.sections import (
+    EMPTYING_PAUSES,
     AlgorithmConfig,
     BufferConfig,
     ClusterConfig,
@@ -196,7 +197,7 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
         problems.append("engine.backend = 'sglang' needs model.path to be a Hugging Face directory")
     if (
         cfg.engine.backend == "sglang"
-        and cfg.pause_mode != "abort"
+        and cfg.pause_mode not in EMPTYING_PAUSES
         and "--disable-radix-cache" not in cfg.engine.extra_args
     ):
         problems.append(
@@ -204,8 +205,8 @@ def _cross_field_problems(cfg: RunConfig) -> list[str]:
             f"keeps the KV of requests held across an update in its radix cache, computed "
             f"with the old weights, and new requests with the same prefix would reuse it "
             f"(the cache cannot be flushed while requests are held); use weights.pause_mode "
-            f"= 'abort' (the default for SGLang) or add '--disable-radix-cache' to "
-            f"engine.extra_args"
+            f"= 'abort' (the default for SGLang) or 'retract_abort', or add "
+            f"'--disable-radix-cache' to engine.extra_args"
         )
     if cfg.learner.backend == "torch" and cfg.learner.num_gpus > 1:
         problems.append("learner.num_gpus > 1 needs learner.backend = 'megatron'")

@@ -239,8 +239,15 @@ class EngineClient:
         await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def pause(self, mode: str = "abort") -> dict:
-        """Pause generation: `abort` | `retract` | `in_place` (keeps the KV cache)."""
+        """Pause generation: `abort` | `retract` | `in_place` (keeps the KV cache), or
+        `retract_abort`: `retract`, then `/abort_request` for all, which answers every
+        request taken back to the queue with its partial output at once (SGLang's `abort`
+        pause instead polls once a second until they have left: docs/sglang.md)."""
         self.paused = True  # before the call: SGLang's abort pause takes a second or more
+        if mode == "retract_abort":
+            answer = await self._json("POST", "/pause_generation", {"mode": "retract"})
+            await self.abort(abort_all=True)
+            return answer
         return await self._json("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict:

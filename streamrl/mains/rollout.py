@@ -37,6 +37,7 @@ import msgspec
 
 from streamrl import logs
 from streamrl.config import ConfigError, RunConfig, load_config
+from streamrl.config.sections import EMPTYING_PAUSES
 from streamrl.process import ProcessHandle, Spawner, streamrl_argv
 from streamrl.queues.accounting import DataPosition
 from streamrl.queues.protocol import Fatal
@@ -257,7 +258,7 @@ async def _serve(cfg: RunConfig, spec: RolloutSpec, sender, tokenizer) -> None:
         reward_timeout_s=cfg.rollout.reward_timeout_s,
         retry_timeout_s=cfg.rollout.retry_timeout_s,
         version_rule=VersionRule(
-            single_version=cfg.pause_mode == "abort", floor=lambda: sender.version
+            single_version=cfg.pause_mode in EMPTYING_PAUSES, floor=lambda: sender.version
         ),
         seed=cfg.train.seed if cfg.rollout.deterministic else None,
         resume=read_resume(spec),

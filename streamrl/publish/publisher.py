@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from streamrl.config.sections import EMPTYING_PAUSES
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.engine_set import each_engine
 from streamrl.publish.transport import Staged, WeightSource, WeightTransport
@@ -197,16 +198,21 @@ class WeightPublisher:
     @property
     def flushes_cache(self) -> bool:
         """Whether the update call that tags the new version asks the engines to flush their
-        prefix caches: only in `abort` mode, where the engines hold no request (SGLang
+        prefix caches: only in `abort` and `retract_abort` modes, where the engines hold no
+        request then (SGLang
         asserts that a flush it was asked for succeeds, and it cannot while requests are
         held; a cache left unflushed would serve new requests prefixes computed with the
         old weights)."""
-        return self.pause_mode == "abort"
+        return self.pause_mode in EMPTYING_PAUSES
 
     async def _send(self, staged: Staged, engines: list[EngineClient], record: PublishRecord):
         await self.transport.prepare(engines, staged)  # the engines do not wait for it
         record.staging_s = self.transport.staging_s
-        paused = [e for e in engines if self.pause_mode == "abort" or self.transport.needs_pause(e)]
+        paused = [
+            e
+            for e in engines
+            if self.pause_mode in EMPTYING_PAUSES or self.transport.needs_pause(e)
+        ]
         paused_at = time.perf_counter()
         try:
             await each_engine(paused, lambda e: e.pause(self.pause_mode), what="pause")

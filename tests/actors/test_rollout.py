@@ -110,7 +110,10 @@ async def test_a_rollout_worker_fills_the_buffer_within_admission_and_survives_f
     assert all(s.reward == 0.0 and "flaky reward" in s.metadata["reward_error"] for s in failed)
 
 
-async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_tokens(tiny_engine):
+@pytest.mark.parametrize("pause_mode", ["abort", "retract_abort"])
+async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_tokens(
+    tiny_engine, pause_mode
+):
     from engine_helpers import engine_load
 
     from streamrl.agents.api import GenerateContext
@@ -132,7 +135,7 @@ async def test_a_sample_aborted_by_a_weight_update_pause_is_continued_from_its_t
             while not engine_load(url)["num_running_reqs"]:
                 await anyio.sleep(0.01)
         client = engine_set.engines[0]
-        await client.pause("abort")  # what the publisher does with pause_mode = "abort"
+        await client.pause(pause_mode)  # what the publisher does with weights.pause_mode
         await client.continue_generation()
     completion = result["completion"]
     assert completion.num_resumes >= 1

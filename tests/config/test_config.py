@@ -257,3 +257,20 @@ def test_the_lr_schedule_decays_to_the_end_of_training_when_its_length_is_zero()
         {"data": {"path": "x"}, "rollout": {"batch_size": 2, "over_sampling_batch_size": 6}}
     )
     assert over.groups_started_per_step == 6 and over.buffer_capacity == (1 + 2) * 6
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract_abort", "in_place"])
+def test_sglang_takes_the_pause_modes_that_empty_it_and_refuses_the_others_with_its_radix_cache(
+    tmp_path, mode
+):
+    """SGLang's radix cache can be flushed at an update only when the pause leaves no request
+    in the engine (`abort`, `retract_abort`); a mode that keeps requests needs the cache off."""
+    model = tmp_path / "model"
+    model.mkdir()
+    text = f'[model]\npath = "{model}"\n[weights]\npause_mode = "{mode}"\n'
+    engine = '[engine]\nbackend = "sglang"\n'
+    if mode == "in_place":
+        with pytest.raises(ConfigError, match=r"weights\.pause_mode = 'in_place'.*radix cache"):
+            load_config(write(tmp_path, text + engine))
+        engine += 'extra_args = ["--disable-radix-cache"]\n'
+    assert load_config(write(tmp_path, text + engine)).pause_mode == mode

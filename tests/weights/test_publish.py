@@ -260,7 +260,7 @@ class StagingTransport(FakeTransport):
         return {"http://a": 30.0}  # longer than any window this test can take
 
 
-@pytest.mark.parametrize("pause_mode", ["in_place", "abort"])
+@pytest.mark.parametrize("pause_mode", ["in_place", "abort", "retract_abort"])
 async def test_an_engine_that_loads_a_staged_update_is_not_paused_and_reports_its_pause(
     pause_mode,
 ):
@@ -273,7 +273,8 @@ async def test_an_engine_that_loads_a_staged_update_is_not_paused_and_reports_it
         record = await publisher.publish(1)
         await publisher.wait_idle()
         tasks.cancel_scope.cancel()
-    paused = {"in_place": ["b"], "abort": ["a", "b"]}[pause_mode]
+    # the modes that empty the engines pause every engine, staged or not
+    paused = {"in_place": ["b"], "abort": ["a", "b"], "retract_abort": ["a", "b"]}[pause_mode]
     assert [line for line in log if line.startswith(("pause", "continue"))] == [
         *(f"pause http://{name} {pause_mode}" for name in paused),
         *(f"continue http://{name}" for name in paused),
@@ -282,15 +283,21 @@ async def test_an_engine_that_loads_a_staged_update_is_not_paused_and_reports_it
     assert record.gb_per_s == pytest.approx(24 / (0.25 + record.broadcast_s) / 1e9)
 
 
-async def test_only_abort_mode_asks_for_the_prefix_cache_flush():
+@pytest.mark.parametrize(
+    "pause_mode, flush", [("abort", True), ("retract_abort", True), ("in_place", False),
+                          ("retract", False)],
+)  # fmt: skip
+async def test_only_the_modes_that_empty_the_engines_ask_for_the_prefix_cache_flush(
+    pause_mode, flush
+):
     log: list[str] = []
-    publisher = fake_publisher(log, [FakeEngine("http://a", log)], [], pause_mode="abort")
+    publisher = fake_publisher(log, [FakeEngine("http://a", log)], [], pause_mode=pause_mode)
     async with anyio.create_task_group() as tasks:
         await tasks.start(publisher.run)
         await publisher.publish(1)
         await publisher.wait_idle()
         tasks.cancel_scope.cancel()
-    assert "pause http://a abort" in log and "send 1 flush=True" in log
+    assert f"pause http://a {pause_mode}" in log and f"send 1 flush={flush}" in log
 
 
 @pytest.mark.parametrize("failing", ["send", "pause", "continue"])
