@@ -9,6 +9,9 @@
 #                                              retract_abort)
 #   bench/gpu/sglang_h200.sh checkpoint OUT   carry .sgl .whl: `streamrl bench checkpoint` with
 #                                              SGLang + Megatron on a random Qwen2-0.5B shape
+#   bench/gpu/sglang_h200.sh pausemode OUT     carry .sgl .whl: one `streamrl run` of the
+#                                              checkpoint config with weights.pause_mode =
+#                                              PAUSE_MODE (retract_abort), PAUSEMODE_STEPS steps
 #   bench/gpu/sglang_h200.sh engine OUT        carry .sgl .whl: `streamrl bench engine` (issue 21):
 #                                              the embedded engine over HTTP, SGLang, and the
 #                                              embedded engine in-process, one after the other,
@@ -22,7 +25,7 @@
 #
 # Run from the repository root on the GPU machine. Everything it measures lands in OUT.
 set -uo pipefail
-PART=${1:?usage: sglang_h200.sh conformance|checkpoint|engine|stash|learn OUT}
+PART=${1:?usage: sglang_h200.sh conformance|checkpoint|pausemode|engine|stash|learn OUT}
 OUT=$(mkdir -p "${2:?usage: sglang_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 # Pass STREAMRL_COMMIT=$(git rev-parse HEAD) from this machine: the device copy's .git may be stale.
@@ -93,6 +96,23 @@ checkpoint)
     tail -30 "/tmp/bench-checkpoint/$name.log" >"$OUT/checkpoint_sglang_h200x1_$name.log.txt" 2>/dev/null
     cp "/tmp/bench-checkpoint/$name/metrics.jsonl" "$OUT/checkpoint_sglang_h200x1_${name}_metrics.jsonl" 2>/dev/null
   done
+  exit $status
+  ;;
+pausemode)
+  # One `streamrl run` of bench/configs/gpu_sglang_checkpoint.toml (SGLang + Megatron on GPU 0,
+  # random Qwen2-0.5B shape) with weights.pause_mode = PAUSE_MODE (retract_abort): its
+  # per-update engine pauses, resumes and inexact samples, against the committed abort run
+  # of that config (checkpoint_sglang_h200x1_without_metrics.jsonl)
+  sglang_env
+  mode=${PAUSE_MODE:-retract_abort}
+  [ -f /tmp/qwen2-0.5b/config.json ] ||
+    python3 -c "from streamrl.models import save_random_model; save_random_model('qwen2-0.5b', '/tmp/qwen2-0.5b')"
+  timeout "${PAUSEMODE_TIMEOUT_S:-300}" python3 -m streamrl run bench/configs/gpu_sglang_checkpoint.toml \
+    --set "weights.pause_mode=\"$mode\"" --set "train.steps=${PAUSEMODE_STEPS:-10}" \
+    --set train.save_final=false --set train.output_dir=\"/tmp/run-pausemode\" >"$OUT/pausemode_$mode.log" 2>&1
+  status=$?
+  cp /tmp/run-pausemode/metrics.jsonl "$OUT/pausemode_${mode}_h200x1_metrics.jsonl"
+  tail -30 "$OUT/pausemode_$mode.log"
   exit $status
   ;;
 engine)
