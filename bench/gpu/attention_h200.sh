@@ -14,7 +14,7 @@
 #                        bench/gpu/flash_check.py (accuracy against float32 and speed of both
 #                        kernels on the 4B packed, 0.5B and 1.5B row shapes), then the 4B
 #                        learner's step per kernel and RoPE (bench/gpu/learner_profile.py,
-#                        PROFILE_VARIANTS)
+#                        PROFILE_VARIANTS; PROFILE_BUDGET: micro-batch tokens, 16,384)
 #   megatron OUT         carry nothing: megatron_check.py's throughput at 0.5B and 1.5B, the
 #                        default (FlashAttention-4 and the compiled RoPE) beside torch's
 #                        attention and compile off, and its 32k-token micro-batches
@@ -66,26 +66,11 @@ if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then # megatron-core, msgspec, 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     touch /tmp/site/.installed
 fi
-mkdir -p /tmp/fa4-parts
-for part in .fa4/1 .fa4/2 .fa4/3; do
-  [ -d "$part" ] && cp "$part"/* /tmp/fa4-parts/
-done
-if [ ! -f /tmp/fa4-site/.installed ] && [ -f /tmp/fa4-parts/fa4-wheels.tar.part-ac ] &&
-  [ -f /tmp/fa4-parts/fa4-wheels.tar.part-aa ] && [ -f /tmp/fa4-parts/fa4-wheels.tar.part-ab ]; then
-  (
-    cd /tmp/fa4-parts || exit 1
-    cat fa4-wheels.tar.part-* > fa4-wheels.tar && sha256sum -c joined.sha256 &&
-      tar xf fa4-wheels.tar || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4-site wheels/*.whl &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4-fallback \
-        wheels/fallback/*.whl
-  ) && touch /tmp/fa4-site/.installed
-fi
-# `--target` installs skip the cutlass-dsl wheel's .pth line, which puts dsl_packages on the
-# path; the fallback (cuda-bindings, protobuf) only where the machine has none of its own
-FA4_PATH=/tmp/fa4-site:/tmp/fa4-site/nvidia_cutlass_dsl/dsl_packages
-python3 -c "import cuda.bindings.driver, google.protobuf" 2> /dev/null || FA4_PATH=$FA4_PATH:/tmp/fa4-fallback
-export PYTHONPATH="/tmp/site:$FA4_PATH:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=bench/gpu/fa4_env.sh
+source bench/gpu/fa4_env.sh
+fa4_stage
+FA4_PATH=$(fa4_pythonpath)
+export PYTHONPATH="/tmp/site${FA4_PATH:+:$FA4_PATH}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
   python3 -c "from streamrl.backends import flash; import torch; \
@@ -108,6 +93,7 @@ kernels)
   timeout "${PROFILE_TIMEOUT_S:-400}" python3 bench/gpu/learner_profile.py --model /tmp/qwen3-4b \
     --out "$OUT/learner_profile_qwen3-4b_h200x1.json" --steps 2 \
     --variants "${PROFILE_VARIANTS:-full/torch/eager,full/torch/compiled,full/fa4/compiled,half/fa4/compiled}" \
+    --budget "${PROFILE_BUDGET:-16384}" \
     2>&1 | tee "$OUT/learner_profile.log.txt" | grep -E "^\[learner_profile\]|Error" | cut -c1-1200
   ;;
 megatron)

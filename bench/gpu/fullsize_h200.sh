@@ -6,7 +6,9 @@
 #                        into .router-whl/ (30 MB: it cannot travel beside the 44 MiB SGLang
 #                        bundle, so a later call carries it alone) and torch_memory_saver's
 #                        into .whl/ (run bench/gpu/fetch_wheels.sh first)
-#   async4b OUT          carry .sgl .whl: draw the Qwen3-4B shape in bf16 on the GPU into
+#   async4b OUT          carry .sgl .whl (FlashAttention-4 too where attention_h200.sh staged it;
+#                        ASYNC4B_SETS / ASYNC4B_NAME: more --set overrides and a result name):
+#                        draw the Qwen3-4B shape in bf16 on the GPU into
 #                        /tmp/qwen3-4b, `streamrl run bench/configs/gpu_fullsize_async4b.toml`
 #                        (SGLang + Megatron on GPU 0, async, max_staleness 1, responses of
 #                        256..8,192 tokens, 10 steps), then the report and the planner next to
@@ -58,6 +60,8 @@ export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/nu
 export PYTHONUNBUFFERED=1
 export STREAMRL_CACHE_DIR=/tmp/streamrl-cache # drawn weights stay for the next call
 
+# shellcheck source=bench/gpu/fa4_env.sh
+source bench/gpu/fa4_env.sh
 if [ ! -f /tmp/site/.installed ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     touch /tmp/site/.installed
@@ -79,7 +83,10 @@ sglang_env() { # the bundle first on PYTHONPATH, then the router, the carried wh
     export PYTHONPATH="/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
     export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PATH="/usr/local/cuda/bin:$PATH"
   fi
-  export PYTHONPATH="$PYTHONPATH:/tmp/router-site:/tmp/site:$PWD"
+  fa4_stage # FlashAttention-4, where attention_h200.sh's parts reached this machine
+  local fa4
+  fa4=$(fa4_pythonpath)
+  export PYTHONPATH="$PYTHONPATH:/tmp/router-site:/tmp/site${fa4:+:$fa4}:$PWD"
 }
 
 draw() { # draw SHAPE DIR: the shape's random weights (bf16, drawn on the GPU), timed
@@ -133,8 +140,11 @@ async4b)
     pack=(--set learner.pack_sequences=true)
   fi
   echo "packing: ${pack[*]:-off}" | tee -a "$OUT/versions.txt"
-  run_and_report fullsize_async4b_h200x1 bench/configs/gpu_fullsize_async4b.toml \
-    "${ASYNC4B_TIMEOUT_S:-480}" "${pack[@]}"
+  sets=() # ASYNC4B_SETS="a.b=c d.e=f": more --set overrides (the micro-batch, recompute)
+  for item in ${ASYNC4B_SETS:-}; do sets+=(--set "$item"); done
+  echo "sets: ${sets[*]:-none}" | tee -a "$OUT/versions.txt"
+  run_and_report "fullsize_async4b_h200x1${ASYNC4B_NAME:+_$ASYNC4B_NAME}" \
+    bench/configs/gpu_fullsize_async4b.toml "${ASYNC4B_TIMEOUT_S:-480}" "${pack[@]}" "${sets[@]}"
   ;;
 checkpoint)
   sglang_env
