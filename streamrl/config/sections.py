@@ -197,7 +197,8 @@ class EngineConfig(_Section):
     """Seconds between health checks of each engine."""
     health_timeout_s: PositiveFloat = 20.0
     """An engine whose `/health_generate` takes longer is declared hung (while the run holds
-    it paused, whose `/health` does: a paused engine generates nothing)."""
+    it paused, whose `/health` does: a paused engine generates nothing), after up to as long
+    again (5 s at most) for its process to show it exited instead."""
     max_restarts: NonNegInt = 3
     """Restarts per engine before the run fails; 0 turns restarting off."""
 

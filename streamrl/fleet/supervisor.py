@@ -7,7 +7,8 @@ Each engine moves through
 A health check (`/health_generate` within `engine.health_timeout_s`, every
 `engine.health_interval_s`; `/health` while the run holds the engine paused, since a paused
 SGLang engine generates nothing) or a dead process moves a serving engine to
-`down`: it leaves the router, its process is killed (a hung one too) and
+`down` (reason `exited` when its process is gone within a few seconds of a failed check,
+`hung` otherwise): it leaves the router, its process is killed (a hung one too) and
 started again on the same port, the weight publisher brings it to the current
 version (`syncing`), and only then does it rejoin the router. Requests that
 were in flight on it fail at the client, which retries them elsewhere with the
@@ -39,6 +40,10 @@ from streamrl.process import (
 )
 
 log = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 5.0
+"""How long an engine that failed its health check may take to show its launcher that it
+exited (`_exits`; at most `engine.health_timeout_s`) before it counts as hung."""
 
 
 class EngineState(enum.StrEnum):
@@ -283,9 +288,19 @@ class EngineSupervisor:
             return None
         except (TimeoutError, EngineError) as exc:
             log.error("engine %s failed its health check: %s", engine.url, exc or "timeout")
-            if engine.process is not None and not engine.process.is_alive():
-                return "exited"
-            return "hung"
+            return "exited" if await self._exits(engine) else "hung"
+
+    async def _exits(self, engine: Engine) -> bool:
+        """Whether the process of an engine that failed its health check turns out to have
+        exited within EXIT_GRACE_S: a killed engine refuses connections at once, but its
+        launcher may see the exit a moment later (a Ray actor's answer, on a loaded machine)."""
+        if engine.process is None:
+            return False
+        with anyio.move_on_after(min(EXIT_GRACE_S, self.cfg.health_timeout_s)):
+            while engine.process.is_alive():
+                await anyio.sleep(0.1)
+            return True
+        return False
 
     async def wait_settled(self) -> None:
         """Return once no engine is being restarted or re-synced (at the end of a run, so

@@ -82,7 +82,8 @@ def test_a_hung_engine_is_detected_within_the_health_timeout_and_replaced(tmp_pa
         process.kill()
     down = [e for e in events(out) if e["event"] == "down" and e["engine"] == victim["url"]]
     assert down and down[0]["reason"] == "hung"
-    # Detected within one check interval plus the timeout (plus scheduling slack on 2 cores).
-    assert down[0]["time"] - stopped_at < 1.0 + timeout_s + 5.0
+    # Detected within one check interval plus the timeout, plus the grace in which a process
+    # may still show that it exited (at most the timeout), plus scheduling slack on 2 cores.
+    assert down[0]["time"] - stopped_at < 1.0 + 2 * timeout_s + 5.0
     assert summary["engine_restarts"][victim["url"]] == 1
     assert set(summary["engine_versions"].values()) == {steps}
