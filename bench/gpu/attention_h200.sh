@@ -14,7 +14,8 @@
 #                        bench/gpu/flash_check.py (accuracy against float32 and speed of both
 #                        kernels on the 4B packed, 0.5B and 1.5B row shapes), then the 4B
 #                        learner's step per kernel and RoPE (bench/gpu/learner_profile.py,
-#                        PROFILE_VARIANTS; PROFILE_BUDGET: micro-batch tokens, 16,384)
+#                        PROFILE_VARIANTS; PROFILE_BUDGET: micro-batch tokens, 16,384;
+#                        FLASH_CHECK=0 leaves flash_check.py out)
 #   megatron OUT         carry nothing: megatron_check.py's throughput at 0.5B and 1.5B, the
 #                        default (FlashAttention-4 and the compiled RoPE) beside torch's
 #                        attention and compile off, and its 32k-token micro-batches
@@ -86,9 +87,11 @@ stage)
   ;;
 kernels)
   [ -f /tmp/fa4-site/.installed ] || { echo "flash-attn-4 is not installed: run stage first"; exit 1; }
-  timeout "${FLASH_TIMEOUT_S:-150}" python3 bench/gpu/flash_check.py \
-    --out "$OUT/flash_check_h200x1.json" 2>&1 | tee "$OUT/flash_check.log.txt" |
-    grep -E "^\[flash_check\]|Error" | cut -c1-1500
+  if [ "${FLASH_CHECK:-1}" = 1 ]; then # FLASH_CHECK=0: the learner's profile alone
+    timeout "${FLASH_TIMEOUT_S:-150}" python3 bench/gpu/flash_check.py \
+      --out "$OUT/flash_check_h200x1.json" 2>&1 | tee "$OUT/flash_check.log.txt" |
+      grep -E "^\[flash_check\]|Error" | cut -c1-1500
+  fi
   # shellcheck disable=SC2086
   timeout "${PROFILE_TIMEOUT_S:-400}" python3 bench/gpu/learner_profile.py --model /tmp/qwen3-4b \
     --out "$OUT/learner_profile_qwen3-4b_h200x1.json" --steps 2 \
