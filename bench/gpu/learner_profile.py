@@ -158,7 +158,7 @@ def set_kernels(backend, attention: str | None, rope: str | None) -> dict:
         flash.choose(attention, backend.device)
     if rope is not None:
         speed.compiled_rope(rope == "compiled")
-    return {"attention": flash.kernel(), "rope": "compiled" if speed._ROPE["on"] else "eager"}
+    return {"attention": flash.kernel(), "rope": "compiled" if speed.rope_compiled() else "eager"}
 
 
 def measure_variant(

@@ -80,16 +80,23 @@ def attend_within_samples(
     (GQA: query head j reads group j // (heads / groups)) -> [B, heads, S, d_v]. One
     variable-length flash-attention call where it applies, else SDPA per span (the module
     docstring)."""
-    if dropout == 0.0 and _takes_varlen(query, value):
-        try:
-            return _attend_varlen(query, key, value, spans, scale=scale)
-        except (RuntimeError, TypeError) as exc:  # a torch whose kernel refuses this input
-            _VARLEN["broken"] = f"{type(exc).__name__}: {exc}"
-            log.warning(
-                "variable-length flash attention failed (%s); packed rows attend with SDPA "
-                "per sample from now on",
-                _VARLEN["broken"],
-            )
+    if dropout == 0.0:
+        for kernel in _varlen_kernels(query, value):
+            try:
+                context = _attend_varlen(query, key, value, spans, scale=scale, kernel=kernel)
+            except (RuntimeError, TypeError) as exc:  # a kernel that refuses this input
+                _BROKEN[kernel] = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "%s's variable-length attention failed (%s); packed rows do without it "
+                    "from now on",
+                    VARLEN_KERNELS[kernel],
+                    _BROKEN[kernel],
+                )
+                continue
+            if kernel not in _ANNOUNCED:
+                _ANNOUNCED.add(kernel)
+                log.info("packed rows attend through %s", VARLEN_KERNELS[kernel])
+            return context
     gqa = key.shape[1] != query.shape[1]
     rows = []
     for row, row_spans in enumerate(spans):
@@ -110,6 +117,9 @@ def attend_within_samples(
 
 
 _VARLEN: dict[str, Any] = {}
+VARLEN_KERNELS = {"fa4": "FlashAttention-4", "torch": "torch.nn.attention.varlen"}
+_BROKEN: dict[str, str] = {}  # kernel -> the failure that put it out of use
+_ANNOUNCED: set[str] = set()  # kernels whose first use is logged
 
 
 def _varlen_function() -> Any:
@@ -130,30 +140,41 @@ def _varlen_function() -> Any:
             _VARLEN["gqa"] = "enable_gqa" in parameters
             if not causal:
                 _VARLEN["function"] = None
-        log.info(
-            "packed rows attend %s",
-            "through variable-length flash attention (torch.nn.attention.varlen)"
-            if _VARLEN["function"] is not None
-            else "with SDPA per sample: this torch has no usable torch.nn.attention.varlen",
-        )
+        if _VARLEN["function"] is None:
+            log.info("this torch has no usable torch.nn.attention.varlen")
     return _VARLEN["function"]
 
 
-def _takes_varlen(query: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `_attend_varlen` serves these tensors (the module docstring's conditions)."""
+def _varlen_kernels(query: torch.Tensor, value: torch.Tensor) -> list[str]:
+    """The variable-length kernels that serve these tensors, in the order they are tried
+    (the module docstring's conditions): FlashAttention-4 where `learner.flash_attention`
+    chose it, then torch's; one that failed once is left out."""
+    serves = {
+        "fa4": flash.fa4_serves(query, value, packed=True),
+        "torch": _torch_varlen_serves(query, value),
+    }
+    return [kernel for kernel, ok in serves.items() if ok and kernel not in _BROKEN]
+
+
+def _torch_varlen_serves(query: torch.Tensor, value: torch.Tensor) -> bool:
     return (
         query.is_cuda
         and query.dtype in (torch.bfloat16, torch.float16)
         and query.shape[-1] == value.shape[-1] <= 256
-        and "broken" not in _VARLEN
         and _varlen_function() is not None
     )
 
 
 def _attend_varlen(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: Spans, *, scale
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: Spans,
+    *,
+    scale: float | None,
+    kernel: str,
 ) -> torch.Tensor:
-    """Every span of every row as one sequence of a variable-length flash attention."""
+    """Every span of every row as one sequence of `kernel`'s variable-length attention."""
     batch, heads, width, _ = query.shape
     cumulative, longest = _boundaries(spans, width, query.device)
 
@@ -161,7 +182,7 @@ def _attend_varlen(
         return tensor.transpose(1, 2).reshape(batch * width, tensor.shape[1], tensor.shape[3])
 
     key, value = tokens(key), tokens(value)
-    if flash.fa4_serves(query, value, packed=True):
+    if kernel == "fa4":
         context = flash.fa4_varlen(tokens(query), key, value, cumulative, longest, scale=scale)
         return context.reshape(batch, width, heads, -1).transpose(1, 2)
     gqa = key.shape[1] != heads

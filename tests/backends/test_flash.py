@@ -51,8 +51,6 @@ def fa4_stand_in(monkeypatch):
     )
     monkeypatch.setattr(flash, "_STATE", {"packed": True, "rows": True, "module": module})
     monkeypatch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0, *, packed: True)
-    monkeypatch.setattr(documents, "_takes_varlen", lambda query, value: True)
-    monkeypatch.setitem(documents._VARLEN, "function", object())  # torch's is not used
     return calls
 
 
@@ -127,7 +125,7 @@ def test_packed_rows_hand_fa4_every_sample_as_one_sequence(fa4_stand_in):
     query, key, value = (t.permute(1, 2, 0, 3) for t in _qkv(1, batch=2, seq=9, heads=4,
                                                              groups=2, dim=8))  # fmt: skip
     spans = [[(0, 4), (4, 9)], [(0, 2), (2, 3), (3, 9)]]
-    through_fa4 = documents._attend_varlen(query, key, value, spans, scale=0.3)
+    through_fa4 = documents.attend_within_samples(query, key, value, spans, scale=0.3)
     assert fa4_stand_in == [("varlen", (18, 4, 8), (18, 2, 8), [0, 4, 9, 11, 12, 18])]
     for row, row_spans in enumerate(spans):
         for start, end in row_spans:
@@ -136,3 +134,45 @@ def test_packed_rows_hand_fa4_every_sample_as_one_sequence(fa4_stand_in):
                 value[row : row + 1, :, start:end], is_causal=True, scale=0.3, enable_gqa=True,
             )  # fmt: skip
             torch.testing.assert_close(through_fa4[row : row + 1, :, start:end], alone)
+
+
+def test_a_varlen_kernel_that_fails_is_left_out_and_the_next_one_serves_packed_rows(monkeypatch):
+    """FlashAttention-4 raising on a packed micro-batch hands it to torch's variable-length
+    kernel (here a stand-in: causal SDPA per cumulative span), not to SDPA per sample, and
+    is not called again."""
+    fa4_calls, torch_calls = [], []
+
+    def failing_fa4(*args, **kwargs):
+        fa4_calls.append(1)
+        raise RuntimeError("this GPU's FlashAttention-4 refuses the input")
+
+    def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, **options):
+        torch_calls.append(cu_q.tolist())
+        out = torch.empty_like(q)
+        for start, end in itertools.pairwise(cu_q.tolist()):
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)  # fmt: skip
+        return out
+
+    monkeypatch.setattr(documents, "_BROKEN", {})
+    monkeypatch.setattr(flash, "fa4_serves", lambda query, value, dropout=0.0, *, packed: True)
+    monkeypatch.setattr(flash, "fa4_varlen", failing_fa4)
+    monkeypatch.setattr(documents, "_torch_varlen_serves", lambda query, value: True)
+    state = {"function": torch_varlen, "causal": {"window_size": (-1, 0)}, "gqa": True}
+    monkeypatch.setattr(documents, "_VARLEN", state)
+    query, key, value = (t.permute(1, 2, 0, 3) for t in _qkv(2, batch=2, seq=9, heads=4,
+                                                             groups=2, dim=8))  # fmt: skip
+    spans = [[(0, 4), (4, 9)], [(0, 9)]]
+    first = documents.attend_within_samples(query, key, value, spans, scale=0.3)
+    second = documents.attend_within_samples(query, key, value, spans, scale=0.3)
+    assert fa4_calls == [1] and torch_calls == [[0, 4, 9, 18]] * 2
+    assert documents._BROKEN == {
+        "fa4": "RuntimeError: this GPU's FlashAttention-4 refuses the input"
+    }
+    with monkeypatch.context() as patch:  # every kernel out: SDPA per sample
+        patch.setattr(documents, "_torch_varlen_serves", lambda query, value: False)
+        per_sample = documents.attend_within_samples(query, key, value, spans, scale=0.3)
+    torch.testing.assert_close(first, per_sample)
+    torch.testing.assert_close(second, per_sample)

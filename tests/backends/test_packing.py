@@ -229,7 +229,7 @@ def test_the_cuda_paths_one_varlen_call_attends_as_sdpa_on_each_sample(monkeypat
     for signature in ({"window_size": (-1, 0)}, {"is_causal": True}):
         state = {"function": reference, "causal": signature, "gqa": "window_size" in signature}
         monkeypatch.setattr(documents, "_VARLEN", state)
-        varlen = documents._attend_varlen(query, key, value, spans, scale=0.25)
+        varlen = documents._attend_varlen(query, key, value, spans, scale=0.25, kernel="torch")
         assert (varlen - by_sample).abs().max() < 1e-5, signature
     # the other row's tokens are not seen: the second row's first sample alone
     alone = torch.nn.functional.scaled_dot_product_attention(
@@ -244,8 +244,8 @@ def test_packed_attention_takes_the_varlen_kernel_only_where_flash_serves_it():
     from streamrl.backends import documents
 
     query = torch.zeros(1, 4, 8, 16)
-    assert not documents._takes_varlen(query, query)  # CPU
-    assert not documents._takes_varlen(query.bfloat16(), query.bfloat16())  # CPU, bf16
+    assert documents._varlen_kernels(query, query) == []  # CPU
+    assert documents._varlen_kernels(query.bfloat16(), query.bfloat16()) == []  # CPU, bf16
 
 
 def test_without_the_document_mask_a_packed_sample_would_see_the_one_before_it(tiny_model_dir):

@@ -123,3 +123,8 @@ def compiled_rope(on: bool) -> None:
 
     _ROPE["eager"] = eager
     rope_utils._apply_rotary_pos_emb_bshd = apply
+
+
+def rope_compiled() -> bool:
+    """Whether Megatron's RoPE runs compiled now (`compiled_rope`)."""
+    return bool(_ROPE["on"])

@@ -118,7 +118,7 @@ def test_compiled_rope_rotates_queries_and_their_gradients_as_megatrons_own():
         compiled_out, compiled_grad = rotated(True)
     finally:
         speed.compiled_rope(False)
-    assert speed._ROPE["on"] is False
+    assert not speed.rope_compiled()
     assert not torch.equal(eager_out[..., :16], queries[..., :16])  # it rotated something
     assert torch.equal(eager_out[..., 16:], queries[..., 16:])
     # Each output is x cos + rotated(x) sin (and each gradient
