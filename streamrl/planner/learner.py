@@ -88,6 +88,15 @@ def trained_parameters(shape: ModelShape, setup: LearnerSetup) -> float:
     return sum(local_parameters(shape, setup.layout))
 
 
+def weight_staging(shape: ModelShape, setup: LearnerSetup) -> int:
+    """The publisher's staging buffers on its GPU (`streamrl.weights.staging`), allocated at
+    the first push and reused: every tensor the engines receive from its pipeline stage, in
+    the compute dtype (the adapters alone with LoRA)."""
+    if setup.lora_rank:
+        return int(trained_parameters(shape, setup) * setup.layout.tp * setup.compute_bytes)
+    return int(shape.num_parameters() / setup.layout.pp * setup.compute_bytes)
+
+
 def optimizer_parameters(shape: ModelShape, setup: LearnerSetup) -> float:
     """Parameters whose optimizer state lives on one GPU. Megatron's distributed optimizer
     splits the dense ones over the DP ranks and the experts' over the expert-DP ranks

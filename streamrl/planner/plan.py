@@ -47,6 +47,7 @@ KEYS_FOR_TERM = {
     "reference_weights": ("algorithm.kl_loss_coef",),
     "critic_state": ("algorithm.advantage_estimator",),
     "weight_push_bucket": ("weights.bucket_bytes",),
+    "weight_staging": ("weights.transport", "learner.megatron.pipeline_parallel_size"),
     "kv_cache": ("engine.max_batch_size", "engine.max_seq_len"),
     "kv_pool": ("engine.mem_fraction_static",),
     "static_pool": ("engine.mem_fraction_static",),
@@ -198,21 +199,24 @@ def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usa
             getattr(learner_terms, name)(critic, setup) for name in STATE_TERMS[:-1]
         )
     if cfg.train.mode not in ("train_only", "rollout_only"):
-        terms["weight_push_bucket"] = cfg.weights.bucket_bytes
+        if stages_weights_on_gpu(cfg):
+            terms["weight_staging"] = learner_terms.weight_staging(shape, setup)
+        else:
+            terms["weight_push_bucket"] = cfg.weights.bucket_bytes
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
-    state = (*STATE_TERMS, "critic_state", "cuda_context")
+    # the staging buffers stay from the first push on (`streamrl.weights.staging`)
+    state = (*STATE_TERMS, "critic_state", "weight_staging", "cuda_context")
     phases = {
         "train": (*state, *TRAIN_TERMS),
         "optimizer step": (*state, "optimizer_step_temporaries"),
         "weight push": (*state, "weight_push_bucket"),
     }
     if cfg.cluster.colocate:  # the weights are on the device for the push after a resume
-        kept = {
-            "none": state,
-            "optimizer": ("weights", "reference_weights", "critic_state", "cuda_context"),
-            "all": ("weights", "reference_weights", "critic_state", "cuda_context"),
-        }[cfg.learner.offload]
-        phases[SERVING] = (*kept, "weight_push_bucket")
+        kept = ("weights", "reference_weights", "critic_state", "weight_staging", "cuda_context")
+        phases[SERVING] = (
+            *(state if cfg.learner.offload == "none" else kept),
+            "weight_push_bucket",
+        )
     layout = setup.layout
     parallel = (
         f"TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
@@ -226,6 +230,15 @@ def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usa
         f"{_recompute_words(setup)})"
     )
     return Usage("learner", description, terms, phases)
+
+
+def stages_weights_on_gpu(cfg: Any) -> bool:
+    """Whether a push stages the published tensors on the learner's GPU: NCCL and CUDA IPC
+    (`publish.factory`) carry tensors from there; gloo stages in host memory, and LoRA adapters
+    reach SGLang as files."""
+    if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
+        return False
+    return cfg.weight_transport("cuda") in ("nccl", "ipc")
 
 
 def _recompute_words(setup: learner_terms.LearnerSetup) -> str:
