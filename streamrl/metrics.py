@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 class MetricsWriter:
     """Appends records to `run_dir/metrics.jsonl` and mirrors numbers to TensorBoard."""
 
+    FILE = "metrics.jsonl"
+
     def __init__(
         self,
         run_dir: Path,
@@ -35,7 +37,7 @@ class MetricsWriter:
     ) -> None:
         """`wandb`: start a W&B run with these settings (`project`, `name`, `mode`, `config`;
         see `start_wandb`); None logs nothing to W&B."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / self.FILE
         self.progress = progress
         self.started_at = time.monotonic()
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()

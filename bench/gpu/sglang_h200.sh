@@ -107,6 +107,7 @@ pausemode)
   mode=${PAUSE_MODE:-retract_abort}
   [ -f /tmp/qwen2-0.5b/config.json ] ||
     python3 -c "from streamrl.models import save_random_model; save_random_model('qwen2-0.5b', '/tmp/qwen2-0.5b')"
+  rm -rf /tmp/run-pausemode # a new run refuses a directory holding another run's metrics
   timeout "${PAUSEMODE_TIMEOUT_S:-300}" python3 -m streamrl run bench/configs/gpu_sglang_checkpoint.toml \
     --set "weights.pause_mode=\"$mode\"" --set "train.steps=${PAUSEMODE_STEPS:-10}" \
     --set train.save_final=false --set train.output_dir=\"/tmp/run-pausemode\" >"$OUT/pausemode_$mode.log" 2>&1

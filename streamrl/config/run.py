@@ -128,10 +128,11 @@ class RunConfig(_Section):
 
     @property
     def pause_mode(self) -> str:
-        """`weights.pause_mode` resolved: `auto` is `abort` for SGLang, `in_place` otherwise."""
+        """`weights.pause_mode` resolved: `auto` is `retract_abort` for SGLang, `in_place`
+        otherwise."""
         if self.weights.pause_mode != "auto":
             return self.weights.pause_mode
-        return "abort" if self.engine.backend == "sglang" else "in_place"
+        return "retract_abort" if self.engine.backend == "sglang" else "in_place"
 
     def weight_transport(self, learner_device_type: str) -> str:
         """`weights.transport` resolved: `auto` becomes NCCL when learner and engines are on

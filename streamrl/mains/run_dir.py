@@ -7,7 +7,8 @@
                                      policy, the train state, the asynchronous state, the RNGs
     run_dir/metrics.jsonl            appended by `metrics_writer`
 
-A new run refuses a directory that holds checkpoints; `--resume` refuses one without. The
+A new run refuses a directory that holds checkpoints or another run's metrics.jsonl (its
+records would be mixed with the new run's); `--resume` refuses one without checkpoints. The
 user's code the buffer runs (filters) is imported here, before any process starts, so a
 mistake names its config key at once.
 """
@@ -51,6 +52,11 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool) -> RunStart:
         raise RunError(
             f"{run_dir} already holds checkpoints: pass --resume to continue, "
             f"or set train.output_dir to a new directory"
+        )
+    if not resume and (run_dir / MetricsWriter.FILE).exists():
+        raise RunError(
+            f"{run_dir} already holds a run's {MetricsWriter.FILE} (and no checkpoint to "
+            f"resume): set train.output_dir to a new directory, or remove that one"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
