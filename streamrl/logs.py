@@ -41,6 +41,8 @@ class _Window:
     written_at: float
     """Its wall time (`record.created`), for the message."""
     num_folded: int = 0
+    last_folded: str = ""
+    """The last folded record's message, for the count written at exit."""
 
 
 class RepeatFilter(logging.Filter):
@@ -70,6 +72,10 @@ class RepeatFilter(logging.Filter):
         window = self._windows.get(key)
         if window is not None and now - window.opened_at < self.window_s:
             window.num_folded += 1
+            try:
+                window.last_folded = record.getMessage()
+            except Exception:  # a bad format: the template alone
+                window.last_folded = str(record.msg)
             return False
         if window is not None and window.num_folded:
             since = time.strftime("%H:%M:%S", time.localtime(window.written_at))
@@ -90,13 +96,13 @@ class RepeatFilter(logging.Filter):
         return len(self._windows)
 
     def take_pending(self) -> list[tuple[str, int, str, int]]:
-        """(logger, level, template, count) of the records folded and not yet counted in a
-        later one; they count as reported from now on."""
+        """(logger, level, the last one's message, count) of the records folded and not yet
+        counted in a later one; they count as reported from now on."""
         pending = []
         with self._lock:
-            for (name, level, template), window in self._windows.items():
+            for (name, level, _), window in self._windows.items():
                 if window.num_folded:
-                    pending.append((name, level, template, window.num_folded))
+                    pending.append((name, level, window.last_folded, window.num_folded))
                     window.num_folded = 0
         return pending
 
@@ -123,11 +129,11 @@ def report_pending() -> None:
     handlers = logging.getLogger().handlers
     filters = [f for h in handlers for f in h.filters if isinstance(f, RepeatFilter)]
     pending = [entry for repeats in filters for entry in repeats.take_pending()]
-    for name, level, template, count in pending:
+    for name, level, last, count in pending:
         logging.getLogger(name).log(
             level,
-            "%s more like this since the last one written: %s",
+            "%s more like this since the last one written, the last: %s",
             f"{count:,}",
-            template,
+            last,
             extra={"is_repeat_count": True},
         )

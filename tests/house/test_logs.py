@@ -91,13 +91,13 @@ def test_a_repeat_after_a_quiet_window_is_written_without_a_count(logged):
 
 def test_counts_still_folded_at_exit_are_written_once_one_line_per_template(logged):
     logger = logged.logger
-    for _ in range(5):
-        logger.warning("a %d", 1)
-        logger.warning("b %d", 2)
+    for i in range(5):
+        logger.warning("a %d", i)
+        logger.warning("b %d", 10 + i)
     report_pending()
     assert logged.lines()[2:] == [
-        "WARNING tests.repeats: 4 more like this since the last one written: a %d",
-        "WARNING tests.repeats: 4 more like this since the last one written: b %d",
+        "WARNING tests.repeats: 4 more like this since the last one written, the last: a 4",
+        "WARNING tests.repeats: 4 more like this since the last one written, the last: b 14",
     ]
     report_pending()  # each count is written once
     assert len(logged.lines()) == 4
