@@ -5,7 +5,8 @@ A test file of this room that runs Megatron runs itself as a script in gloo proc
 `python FILE worker MODE OUT ARGS...`, whose entry is `worker_main`. The test side starts
 those processes with `RankRuns` (the `rank_runs` fixture of this room's conftest.py), all of
 a module's runs at once, and each test waits for the run it reads. Readiness is the
-torch.distributed rendezvous.
+torch.distributed rendezvous. The processes are forked from a server that has imported torch
+and Megatron (`forked_ranks.py`), not started anew, which spares each the imports.
 
 Nothing here imports pytest: `bench/gpu/megatron_check.py` builds its micro-batches with
 `seeded_micro_batches` and trains with `nll_loss`, from this file.
@@ -173,15 +174,20 @@ class RankRuns:
         self._loaded: dict[str, dict] = {}
 
     def start(self, mode: str, world_size: int, *args: str, timeout_s: float) -> None:
-        """Start `world_size` ranks of `python SCRIPT worker MODE OUT ARGS...`; this checkout's
+        """Start `world_size` ranks of `python SCRIPT worker MODE OUT ARGS...`, each forked
+        from a server that imported torch and Megatron once (`forked_ranks`); this checkout's
         streamrl leads their sys.path (after the script's own folder)."""
+        from forked_ranks import spawn
+
         from streamrl.backends.rendezvous import start_ranks
 
         out = self.out_dir(mode) / "result.pt"
         out.parent.mkdir(parents=True)
         argv = [sys.executable, str(self.script), "worker", mode, str(out), *args]
         env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-        group = start_ranks(argv, world_size=world_size, log_dir=out.parent, env=env)
+        group = start_ranks(
+            argv, world_size=world_size, log_dir=out.parent, env=env, spawn_fn=spawn
+        )
         self._started[mode] = (group, out, timeout_s)
 
     def __call__(self, mode: str) -> dict:

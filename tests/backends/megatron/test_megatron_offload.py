@@ -1,18 +1,18 @@
-"""The Megatron backend's host offload (colocated mode) on the CPU: one gloo rank, run as a
-script in a child process (`python this_file worker`; readiness is its own rendezvous)."""
+"""The Megatron backend's host offload (colocated mode) on the CPU: one gloo rank, this file
+run as a script (`megatron_ranks.worker_main`, started by the `rank_runs` fixture; readiness is
+its own rendezvous)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-ROOT = Path(__file__).resolve().parents[3]
+from megatron_ranks import worker_main
+
+RUN_TIMEOUT_S = 300.0
 
 
 def _steps(path: str, *, distributed_optimizer: bool, offload: bool) -> list[list]:
@@ -47,31 +47,34 @@ def _steps(path: str, *, distributed_optimizer: bool, offload: bool) -> list[lis
     return steps
 
 
-def _worker(model_dir: str) -> None:
-    import torch.distributed as dist
+def _worker(out: Path, model_dir: str) -> None:
+    """Three steps resident and three through offloads, with and without the distributed
+    optimizer."""
+    import torch
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    for distributed_optimizer in (True, False):
-        resident = _steps(model_dir, distributed_optimizer=distributed_optimizer, offload=False)
-        offloaded = _steps(model_dir, distributed_optimizer=distributed_optimizer, offload=True)
-        assert offloaded == resident, (distributed_optimizer, resident, offloaded)
-    print("offload ok")
+    results = {
+        distributed_optimizer: {
+            "resident": _steps(
+                model_dir, distributed_optimizer=distributed_optimizer, offload=False
+            ),
+            "offloaded": _steps(
+                model_dir, distributed_optimizer=distributed_optimizer, offload=True
+            ),
+        }
+        for distributed_optimizer in (True, False)
+    }
+    torch.save(results, out)
 
 
 def test_megatron_training_through_offloads_and_reloads_equals_training_resident(
-    tiny_model_dir, free_port
+    rank_runs, tiny_model_dir
 ):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)]
-    )
-    result = subprocess.run(
-        [sys.executable, __file__, "worker", tiny_model_dir],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "offload ok" in result.stdout
+    rank_runs.start("offload", 1, tiny_model_dir, timeout_s=RUN_TIMEOUT_S)
+    result = rank_runs("offload")
+    for distributed_optimizer in (True, False):
+        run = result[distributed_optimizer]
+        assert run["offloaded"] == run["resident"], (distributed_optimizer, run)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    _worker(sys.argv[2])
+if __name__ == "__main__":
+    worker_main(offload=_worker)
