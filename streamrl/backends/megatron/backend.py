@@ -121,6 +121,7 @@ class MegatronBackend:
         self.compiled = speed.use_compile(mcfg.compile, self.device)
         """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`)."""
         speed.compiled_rope(self.compiled)
+        speed.compiled_expert_bias(self.compiled)
         self.flash_attention = flash.choose(cfg.flash_attention, self.device)
         """The attention kernels `learner.flash_attention` chose (`flash.kernel`)."""
         self.layout = parallel.initialize_parallel(

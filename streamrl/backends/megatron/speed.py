@@ -6,7 +6,8 @@ cost time at every step; each replacement here computes the same values:
 - `learner.megatron.compile` (`use_compile`): torch.compile'd kernels for the
   elementwise work (the vocabulary log-softmax in `logprobs.py`, the SwiGLU through
   Megatron's `bias_activation_fusion`, which Megatron compiles with torch.compile, and
-  RoPE through `compiled_rope`).
+  RoPE through `compiled_rope`); off, Megatron's own torch.compile of the routers' expert
+  bias update runs eager too (`compiled_expert_bias`).
 - `use_fused_adam`: Megatron builds `torch.optim.AdamW` with torch's default, the
   foreach implementation (about ten passes over every fp32 state tensor); the fused
   one makes one.
@@ -128,3 +129,29 @@ def compiled_rope(on: bool) -> None:
 def rope_compiled() -> bool:
     """Whether Megatron's RoPE runs compiled now (`compiled_rope`)."""
     return bool(_ROPE["on"])
+
+
+_EXPERT_BIAS: dict[str, object] = {"on": False}
+
+
+def compiled_expert_bias(on: bool) -> None:
+    """megatron-core compiles the sigmoid routers' count of tokens per expert
+    (`TopKRouter._apply_expert_bias`, one in-place add) with torch.compile itself (its
+    `jit_fuser`). Compiled as a method, it is traced again for each router it meets (every MoE
+    layer's is another `self`) until dynamo's recompile limit, about a CPU-second each; while
+    not `on` the eager method runs instead, with the same counts. Module-wide like
+    `compiled_rope`: it dispatches on the latest learner built in this process."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    _EXPERT_BIAS["on"] = on
+    if "eager" in _EXPERT_BIAS:
+        return
+    compiled = TopKRouter._apply_expert_bias
+    eager = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+    @functools.wraps(eager)
+    def apply(self, *args, **kwargs):
+        return (compiled if _EXPERT_BIAS["on"] else eager)(self, *args, **kwargs)
+
+    _EXPERT_BIAS["eager"] = eager
+    TopKRouter._apply_expert_bias = apply

@@ -126,3 +126,27 @@ def test_compiled_rope_rotates_queries_and_their_gradients_as_megatrons_own():
     # differ by an ulp, then two products and a sum round: a few roundings of 4.
     torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=8 * U * 4)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=8 * U * 4)
+
+
+def test_without_compile_the_routers_expert_bias_counts_tokens_eagerly():
+    """`compiled_expert_bias(False)` (the CPU default) runs megatron-core's own torch.compile'd
+    `TopKRouter._apply_expert_bias` as the plain method: the unpadded tokens routed to each
+    expert are added up, and dynamo traces nothing."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch._dynamo.utils import counters
+
+    router = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
+    routing_map = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    padding = torch.tensor([[False], [False], [True]])  # the third token is padding
+    traced = counters["frames"]["total"]
+    speed.compiled_expert_bias(False)
+    TopKRouter._apply_expert_bias(router, routing_map)
+    TopKRouter._apply_expert_bias(router, routing_map, padding_mask=padding)
+    assert router.local_tokens_per_expert.tolist() == [2 + 1, 2 + 2, 1 + 1, 1 + 0]
+    with torch.no_grad():  # counted only while gradients are on (not in a recompute)
+        TopKRouter._apply_expert_bias(router, routing_map)
+    assert router.local_tokens_per_expert.tolist() == [3, 4, 2, 1]
+    assert counters["frames"]["total"] == traced
+    assert TopKRouter._apply_expert_bias.__wrapped__ is speed._EXPERT_BIAS["eager"]
