@@ -41,9 +41,11 @@ quickstart: setup
 # Two pytest-xdist workers: many tests wait on processes they started (engines, runs), and
 # the other worker uses the core meanwhile. tests/conftest.py keeps each module, and every Ray
 # module, on one worker. `make test PYTEST_ARGS=` runs everything in one process.
+# The suite starts a few hundred Python processes: each reads streamrl's compiled modules
+# from __pycache__ rather than compiling them anew, whatever PYTHONDONTWRITEBYTECODE says.
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check streamrl tests requirements && $(BIN)/ruff format --check streamrl tests requirements
