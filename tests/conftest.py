@@ -14,12 +14,25 @@ run's child processes from the repository root."""
 
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
 import pytest
 
 from streamrl.process import free_port as _free_port
+
+# A pytest process imports torch, transformers, megatron-core and Ray while it collects, a few
+# hundred thousand objects that live as long as it does; at Python's default thresholds each
+# full collection walks them all again. Here, in the suite's own processes only, full
+# collections wait for 100 times more middle-generation ones (young cycles are still collected
+# at once), and what collection imported is frozen out of the collector's walks.
+_young, _middle, _ = gc.get_threshold()
+gc.set_threshold(_young, _middle, 1000)
+
+
+def pytest_collection_finish(session) -> None:
+    gc.freeze()
 
 
 @pytest.fixture
