@@ -16,6 +16,7 @@ import threading
 from aiohttp import web
 
 from streamrl.engine.options import EngineOptions
+from streamrl.process import no_full_collections
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +75,24 @@ def event_loop_factory():
 async def serve(options: EngineOptions) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0), or until loading the model fails (1).
     The caller has blocked STOP_SIGNALS in every thread (`serve_command`)."""
-    from streamrl.engine.app import EngineServer  # imports torch, which starts a thread
+    with no_full_collections():  # until loaded (then `freeze_loaded_objects` collects once)
+        from streamrl.engine.app import EngineServer  # imports torch, which starts a thread
 
-    server = EngineServer(options)
-    logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, options.host, options.port)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    threading.Thread(
-        target=_take_stop_signals, args=(loop, stop.set), name="stop-signals", daemon=True
-    ).start()
+        server = EngineServer(options)
+        logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
+        runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, options.host, options.port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(
+            target=_take_stop_signals, args=(loop, stop.set), name="stop-signals", daemon=True
+        ).start()
+        load = asyncio.create_task(server.load())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([load, stopping], return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0
-    load = asyncio.create_task(server.load())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait([load, stopping], return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         logger.error("loading the engine failed", exc_info=load.exception())
         exit_code = 1

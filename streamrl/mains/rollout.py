@@ -38,7 +38,7 @@ import msgspec
 from streamrl import logs
 from streamrl.config import ConfigError, RunConfig, load_config
 from streamrl.config.sections import EMPTYING_PAUSES
-from streamrl.process import ProcessHandle, Spawner, streamrl_argv
+from streamrl.process import ProcessHandle, Spawner, no_full_collections, streamrl_argv
 from streamrl.queues.accounting import DataPosition
 from streamrl.queues.protocol import Fatal
 from streamrl.types import PartialGroup, make_decoder
@@ -178,9 +178,10 @@ def rollout_command(args) -> int:
     parent = os.getppid()
     run_dir = Path(args.run_dir)
     cfg = load_config(run_dir / "config.toml")
-    tokenizer = load_tokenizer(
-        cfg.model.tokenizer or args.tokenizer, resolved_class=args.tokenizer_class
-    )
+    with no_full_collections():  # importing transformers: objects for the process's life
+        tokenizer = load_tokenizer(
+            cfg.model.tokenizer or args.tokenizer, resolved_class=args.tokenizer_class
+        )
     if not (run_dir / SPEC_FILE).exists():
         log.info("tokenizer loaded; waiting for %s", run_dir / SPEC_FILE)
     while not (run_dir / SPEC_FILE).exists():

@@ -43,7 +43,13 @@ from streamrl.mains.rollout import known_limits, resolved_tokenizer_class, spawn
 from streamrl.mains.rollout_keeper import RolloutKeeper
 from streamrl.mains.run_dir import initial_model, load_user_code, metrics_writer, prepare_run_dir
 from streamrl.metrics import MetricsWriter
-from streamrl.process import LocalSpawner, ProcessHandle, Spawner, stop_all
+from streamrl.process import (
+    LocalSpawner,
+    ProcessHandle,
+    Spawner,
+    no_full_collections,
+    stop_all,
+)
 from streamrl.queues.intake import IntakeState
 
 log = logging.getLogger(__name__)
@@ -118,19 +124,20 @@ class Trainer:
             except ValueError as exc:
                 raise RunError(str(exc)) from None
             return await run_replay(self, intake, state, model_path, resume_from)
-        # First the processes that take longest to start: they load while this one
-        # imports torch and builds its learner.
-        self._spawn_engines_and_rollout(model_path, state.version)
-        from streamrl.backends.build import learner_devices
+        with no_full_collections():  # start-up: what it builds lives as long as the run
+            # First the processes that take longest to start: they load while this one
+            # imports torch and builds its learner.
+            self._spawn_engines_and_rollout(model_path, state.version)
+            from streamrl.backends.build import learner_devices
 
-        device, dtype = learner_devices(self.cfg)
-        self.memory_watch = self._watch_memory()
-        is_training = self.cfg.train.mode != "rollout_only"
-        if is_training:
-            self.start_learner_ranks(model_path, device)
-        backend = await self._build_backend_while_engines_load(
-            device, dtype, build_learner=is_training
-        )
+            device, dtype = learner_devices(self.cfg)
+            self.memory_watch = self._watch_memory()
+            is_training = self.cfg.train.mode != "rollout_only"
+            if is_training:
+                self.start_learner_ranks(model_path, device)
+            backend = await self._build_backend_while_engines_load(
+                device, dtype, build_learner=is_training
+            )
         if resume_from is not None:
             await anyio.to_thread.run_sync(backend.load, resume_from)
         metrics = self.metrics_writer()
