@@ -73,11 +73,11 @@ class TorchCritic:
     ) -> None:
         """`pack_sequences`: attend inside each sample of packed rows
         (`streamrl.backends.documents`)."""
-        from streamrl.models import load_model
+        from streamrl.models import load_causal_lm
 
         self.device = device
         self.dtype = dtype
-        language_model, _ = load_model(
+        language_model = load_causal_lm(
             model_path, device=str(device), dtype=torch.float32, seed=seed
         )
         language_model.config.use_cache = False

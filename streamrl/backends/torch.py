@@ -61,7 +61,7 @@ class TorchBackend:
         `streamrl.schedules.lr_multiplier` (None: constant `cfg.lr`); `critic_path` the
         model a critic starts from (None: no critic), trained at peak `critic_lr` on the
         same schedule shape."""
-        from streamrl.models import load_model
+        from streamrl.models import load_causal_lm, load_model
         from streamrl.schedules import lr_multiplier
 
         if cfg.num_threads and device.type == "cpu":
@@ -90,7 +90,7 @@ class TorchBackend:
                 self.model.enable_input_require_grads()
         self.reference = None
         if need_reference and self.lora is None:  # with LoRA: the base, adapters off
-            self.reference, _ = load_model(
+            self.reference = load_causal_lm(
                 reference_path or model_path, device=str(device), dtype=dtype, seed=seed
             )
             self.reference.eval().requires_grad_(False)

@@ -199,9 +199,9 @@ def adapter_weights(
 def _learner_weights(model_dir: Path, device, dtype) -> list[tuple[str, Any]]:
     """The model's parameters under HF names (a tied head once, as the embedding), as a
     learner backend's `hf_weights` yields them."""
-    from streamrl.models import load_model
+    from streamrl.models import load_causal_lm
 
-    model, _ = load_model(str(model_dir), device=str(device), dtype=dtype)
+    model = load_causal_lm(str(model_dir), device=str(device), dtype=dtype)
     return [(name, parameter.detach()) for name, parameter in model.named_parameters()]
 
 

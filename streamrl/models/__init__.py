@@ -161,7 +161,13 @@ def build_random_model(shape: str, *, seed: int = 0, device: str = "cpu"):
 
 
 def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
-    """Load ``(model, tokenizer)`` for a model path; the model is in eval mode on ``device``.
+    """Load ``(model, tokenizer)`` for a model path: `load_causal_lm` and `load_tokenizer`."""
+    return load_causal_lm(path, device=device, dtype=dtype, seed=seed), load_tokenizer(path)
+
+
+def load_causal_lm(path: str, *, device="cpu", dtype=None, seed: int = 0):
+    """The model of a model path, in eval mode on ``device``, without its tokenizer (loading
+    one costs 0.2-0.4 CPU-seconds).
 
     ``dtype`` defaults to float32. Gradients are left on: freezing is the caller's call.
     """
@@ -175,15 +181,14 @@ def load_model(path: str, *, device="cpu", dtype=None, seed: int = 0):
         source = str(smollm2_model_dir()) if path == SMOLLM2_NAME else path
         with quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, load_tokenizer(path)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor] | None:
     """A Hugging Face directory's tensors as saved (checkpoint names; floats in float32 on
-    the CPU, as `load_model` gives them), read from its safetensors files without
+    the CPU, as `load_causal_lm` gives them), read from its safetensors files without
     importing transformers' model code; None where ``path`` is not such a directory
-    (``random:`` shapes, other formats): build the model with `load_model` there."""
+    (``random:`` shapes, other formats): build the model with `load_causal_lm` there."""
     if path.startswith(RANDOM_PREFIX):
         return None
     directory = smollm2_model_dir() if path == SMOLLM2_NAME else Path(path)

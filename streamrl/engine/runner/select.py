@@ -44,7 +44,7 @@ def build_runner(
     compile_elementwise: bool,
     seed: int,
 ):
-    """``(runner, config)`` for a model path; weights come from `models.load_model`."""
+    """``(runner, config)`` for a model path; weights come from `models.load_causal_lm`."""
     from streamrl import models
 
     if runner not in RUNNER_NAMES:
@@ -58,7 +58,7 @@ def build_runner(
 
         if reason:
             logger.info("using the transformers runner: %s", reason)
-        model, _ = models.load_model(model_path, device=device, dtype=dtype, seed=seed)
+        model = models.load_causal_lm(model_path, device=device, dtype=dtype, seed=seed)
         model.requires_grad_(False)
         return HFRunner(
             model,
@@ -91,7 +91,7 @@ def build_runner(
         except ValueError as error:  # names it does not know: let transformers map them
             logger.info("loading %s through transformers: %s", model_path, error)
         del saved
-    source, _ = models.load_model(model_path, device="cpu", dtype=torch.float32, seed=seed)
+    source = models.load_causal_lm(model_path, device="cpu", dtype=torch.float32, seed=seed)
     state_dict = source.state_dict()
     del source
     return compact(state_dict), config
