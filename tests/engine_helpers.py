@@ -201,9 +201,9 @@ def teacher_forced_logprobs(
     """log p(output_ids[i] | prompt + output_ids[:i]) under the fp32 CPU HF model."""
     import torch
 
-    from streamrl.models import load_model
+    from streamrl.models import load_causal_lm
 
-    model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
+    model = load_causal_lm(model_dir, device="cpu", dtype=torch.float32)
     if state_dict is not None:
         model.load_state_dict(state_dict, strict=False)
     ids = torch.tensor([list(prompt) + list(output_ids)])

@@ -170,7 +170,7 @@ def test_the_exported_merged_model_and_peft_adapter_reproduce_the_trained_policy
     from transformers import AutoModelForCausalLM
 
     from streamrl.export import export_adapter, export_merged
-    from streamrl.models import load_model
+    from streamrl.models import load_causal_lm
 
     backend = _backend(tiny_model_dir)
     _train(backend, 2)
@@ -181,7 +181,7 @@ def test_the_exported_merged_model_and_peft_adapter_reproduce_the_trained_policy
     adapter_dir = export_adapter(tmp_path / "ckpt", tmp_path / "out" / "adapter")
     merged_dir = export_merged(adapter_dir, tmp_path / "out" / "merged")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    base, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    base = load_causal_lm(tiny_model_dir, dtype=torch.float32)
     with_adapter = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     for model in (merged, with_adapter):
         logprobs = _teacher_forced(model, micro_batch)

@@ -85,10 +85,10 @@ class Teacher:
     def __init__(self, model_dir: str) -> None:
         import torch
 
-        from streamrl.models import load_model
+        from streamrl.models import load_causal_lm
 
         self.model_dir = model_dir
-        self.model, _ = load_model(model_dir, device="cpu", dtype=torch.float32)
+        self.model = load_causal_lm(model_dir, device="cpu", dtype=torch.float32)
         self.model.requires_grad_(False)
         self._served = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self._loaded: dict | None = None  # the weights in the model now (None: served)

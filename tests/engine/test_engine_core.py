@@ -89,7 +89,7 @@ async def test_compact_logprobs_equal_a_teacher_forced_transformers_forward(
     with running_engine(compact_model_path) as engine:
         assert engine.model_info["runner"] == "compact"
         outputs = await engine.generate(requests)
-    reference, _ = models.load_model(compact_model_path)
+    reference = models.load_causal_lm(compact_model_path)
     assert max_logprob_error(reference, requests, outputs, temperature) <= TOLERANCE
     assert [o.finish_reason for o in outputs] == [{"type": "length", "length": n} for n in lengths]
 
@@ -100,7 +100,7 @@ async def test_hf_runner_logprobs_equal_a_teacher_forced_forward(tiny_model_dir,
     with running_engine(tiny_model_dir, runner="hf") as engine:
         assert engine.model_info["runner"] == "hf"
         outputs = await engine.generate(requests)
-    reference, _ = models.load_model(tiny_model_dir)
+    reference = models.load_causal_lm(tiny_model_dir)
     assert max_logprob_error(reference, requests, outputs, temperature) <= TOLERANCE
 
 
@@ -109,7 +109,7 @@ async def test_compact_greedy_output_equals_transformers_generate(compact_model_
     requests = requests_for(token_lists, max_new_tokens=16, temperature=0.0)
     with running_engine(compact_model_path) as engine:
         outputs = await engine.generate(requests)
-    reference, _ = models.load_model(compact_model_path)
+    reference = models.load_causal_lm(compact_model_path)
     for ids, output in zip(token_lists, outputs, strict=True):
         expected = reference.generate(
             torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0
@@ -158,7 +158,7 @@ async def test_more_requests_than_slots_all_finish_and_identical_prompts_share_p
     assert stats["shared_prefill_tokens"] > 0
     assert sum(o.cached_tokens for o in outputs[:5]) >= 2 * len(shared)
     assert len({tuple(o.output_ids) for o in outputs[:5]}) > 1  # n samples, not n copies
-    reference, _ = models.load_model(tiny_model_dir)
+    reference = models.load_causal_lm(tiny_model_dir)
     assert max_logprob_error(reference, requests, outputs) <= TOLERANCE
 
 
@@ -377,7 +377,7 @@ async def test_pause_retract_resumes_the_same_seeded_sample(tiny_model_dir):
 
 
 def new_weights(shape: str, seed: int) -> dict[str, torch.Tensor]:
-    model, _ = models.load_model(f"random:{shape}", seed=seed)
+    model = models.load_causal_lm(f"random:{shape}", seed=seed)
     return dict(model.state_dict())
 
 
@@ -385,8 +385,8 @@ async def test_in_place_update_splits_versions_and_retracted_tokens_follow_the_n
     tiny_model_dir,
 ):
     updated = new_weights("qwen3-tiny", seed=1)
-    old_model, _ = models.load_model(tiny_model_dir)
-    new_model, _ = models.load_model("random:qwen3-tiny", seed=1)
+    old_model = models.load_causal_lm(tiny_model_dir)
+    new_model = models.load_causal_lm("random:qwen3-tiny", seed=1)
     requests = requests_for(prompts(3), max_new_tokens=60, ignore_eos=True)
     with running_engine(tiny_model_dir, weight_version="v0") as engine:
         task = asyncio.ensure_future(engine.generate(requests))
@@ -423,7 +423,7 @@ async def test_after_an_update_new_requests_match_the_new_weights_with_tied_embe
     tiny_llama_dir,
 ):
     updated = {k: v for k, v in new_weights("llama-tiny", seed=7).items() if k != "lm_head.weight"}
-    reference, _ = models.load_model("random:llama-tiny", seed=7)
+    reference = models.load_causal_lm("random:llama-tiny", seed=7)
     requests = requests_for(prompts(4), max_new_tokens=10, temperature=0.0)
     with running_engine(tiny_llama_dir) as engine:
         await engine.update_weights(updated.items(), "7")
@@ -452,7 +452,7 @@ async def test_a_bad_update_raises_and_changes_nothing(tiny_model_dir, runner):
 
 
 async def test_hf_runner_serves_waves_with_updates(tiny_model_dir):
-    reference, _ = models.load_model("random:qwen3-tiny", seed=2)
+    reference = models.load_causal_lm("random:qwen3-tiny", seed=2)
     requests = requests_for(prompts(7), max_new_tokens=6, ignore_eos=True)
     with running_engine(tiny_model_dir, runner="hf", max_batch_size=3) as engine:
         await engine.update_weights(new_weights("qwen3-tiny", seed=2).items(), "2")
@@ -648,7 +648,7 @@ def test_the_compact_runner_reads_saved_files_and_leaves_unknown_names_to_transf
     with caplog.at_level("INFO", logger="streamrl.engine.runner.select"):
         mapped, _ = build_runner(str(path), **options)
     assert "through transformers" in caplog.text and "model.extra.weight" in caplog.text
-    expected, _ = models.load_model("random:qwen3-tiny", seed=1)
+    expected = models.load_causal_lm("random:qwen3-tiny", seed=1)
     for name, tensor in expected.state_dict().items():
         for runner in (direct, mapped):
             parameter, first, end = runner.targets[name]

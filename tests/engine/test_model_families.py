@@ -110,7 +110,7 @@ async def test_the_embedded_engine_serves_each_family_and_takes_checkpoint_named
         before = await engine.generate(requests)
         await engine.update_weights(update.items(), "5")
         after = await engine.generate(requests)
-    reference, _ = models.load_model(f"random:{name}")
+    reference = models.load_causal_lm(f"random:{name}")
     assert max_logprob_error(reference, requests, before) <= 1e-4
     assert all(set(output.versions) == {"5"} for output in after)
     assert max_logprob_error(update_source, requests, after) <= 1e-4

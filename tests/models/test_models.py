@@ -19,9 +19,9 @@ def _same_weights(a, b) -> bool:
 
 @pytest.mark.parametrize("shape", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
 def test_a_random_shape_builds_identical_weights_for_one_seed(shape):
-    first, _ = models.load_model(f"random:{shape}", seed=3)
-    second, _ = models.load_model(f"random:{shape}", seed=3)
-    other, _ = models.load_model(f"random:{shape}", seed=4)
+    first = models.load_causal_lm(f"random:{shape}", seed=3)
+    second = models.load_causal_lm(f"random:{shape}", seed=3)
+    other = models.load_causal_lm(f"random:{shape}", seed=4)
     assert _same_weights(first, second)
     assert not _same_weights(first, other)
 
@@ -32,9 +32,9 @@ def test_random_shapes_have_the_promised_structure():
     qwen3 = models.random_config("qwen3-tiny")
     assert llama.tie_word_embeddings and llama.vocab_size == 49152
     assert (qwen2.num_attention_heads, qwen2.num_key_value_heads) == (4, 2)
-    model, _ = models.load_model("random:qwen2-tiny")
+    model = models.load_causal_lm("random:qwen2-tiny")
     assert model.model.layers[0].self_attn.q_proj.bias is not None
-    model, _ = models.load_model("random:qwen3-tiny")
+    model = models.load_causal_lm("random:qwen3-tiny")
     assert hasattr(model.model.layers[0].self_attn, "q_norm")
     assert qwen3.model_type == "qwen3"
     big = models.random_config("qwen2-0.5b")
@@ -49,7 +49,7 @@ def test_an_unknown_random_shape_is_a_clear_error():
 def test_a_saved_random_model_loads_back_with_the_same_weights(tmp_path):
     path = models.save_random_model("qwen3-tiny", tmp_path / "m", seed=5)
     loaded, tokenizer = models.load_model(str(path))
-    built, _ = models.load_model("random:qwen3-tiny", seed=5)
+    built = models.load_causal_lm("random:qwen3-tiny", seed=5)
     assert _same_weights(loaded, built)
     assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
 
@@ -89,8 +89,8 @@ def test_random_weights_saved_in_bfloat16_are_the_float32_draw_rounded_and_load_
         dtypes = {saved.get_slice(name).get_dtype() for name in saved.keys()}  # noqa: SIM118
     assert dtypes == {"BF16"}
     assert models.model_config(str(path)).dtype == torch.bfloat16
-    loaded, _ = models.load_model(str(path), dtype=torch.bfloat16)
-    built, _ = models.load_model("random:qwen3-tiny", seed=5, dtype=torch.bfloat16)
+    loaded = models.load_causal_lm(str(path), dtype=torch.bfloat16)
+    built = models.load_causal_lm("random:qwen3-tiny", seed=5, dtype=torch.bfloat16)
     assert _same_weights(loaded, built)
     fp32 = models.random_model_dir("qwen3-tiny", seed=5)
     assert fp32 != models.random_model_dir("qwen3-tiny", seed=5, dtype="bfloat16")
@@ -110,7 +110,7 @@ def test_full_size_shapes_are_saved_in_bfloat16_unless_asked_otherwise():
 
 
 def test_a_checkpoint_is_read_from_its_files_as_transformers_would_load_it(tmp_path):
-    model, _ = models.load_model("random:llama-tiny", seed=2)
+    model = models.load_causal_lm("random:llama-tiny", seed=2)
     model.save_pretrained(tmp_path / "whole")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="1MB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
