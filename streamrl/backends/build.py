@@ -23,13 +23,15 @@ def build_backend(
     dtype: torch.dtype,
     *,
     reference_path: str | None = None,
+    tokenizer=None,
 ):
     """The learner backend named by `learner.backend`, loaded from `model_path`; its KL
     reference (with `algorithm.kl_loss_coef` > 0) from `reference_path` (None: `model_path`).
     A resumed run passes its initial model there, so the reference never drifts. With
     `algorithm.advantage_estimator = "gae"` either backend gets a critic that starts from
     `learner.critic.path`, or the reference path (the initial model); a resume then
-    restores it from the checkpoint."""
+    restores it from the checkpoint. `tokenizer`: `model_path`'s, where the caller loaded it
+    already (the torch backend saves it with each checkpoint; None: it loads it)."""
     need_reference = cfg.algorithm.kl_loss_coef > 0
     critic_path = None
     if cfg.algorithm.advantage_estimator == "gae":
@@ -48,6 +50,7 @@ def build_backend(
             critic_path=critic_path,
             critic_lr=cfg.critic_lr,
             seed=cfg.model.seed,
+            tokenizer=tokenizer,
         )
     import warnings
 

@@ -56,12 +56,14 @@ class TorchBackend:
         critic_path: str | None = None,
         critic_lr: float = 0.0,
         seed: int = 0,
+        tokenizer=None,
     ) -> None:
         """`dtype` is the compute dtype; `lr_schedule` the keyword arguments of
         `streamrl.schedules.lr_multiplier` (None: constant `cfg.lr`); `critic_path` the
         model a critic starts from (None: no critic), trained at peak `critic_lr` on the
-        same schedule shape."""
-        from streamrl.models import load_causal_lm, load_model
+        same schedule shape; `tokenizer` the model's, loaded already (None: loaded here;
+        each checkpoint saves it)."""
+        from streamrl.models import load_causal_lm, load_tokenizer
         from streamrl.schedules import lr_multiplier
 
         if cfg.num_threads and device.type == "cpu":
@@ -71,9 +73,10 @@ class TorchBackend:
         self.dtype = dtype
         self.lora = cfg.lora if cfg.lora.is_enabled else None
         # LoRA's frozen base needs no master copy: it is held in the compute dtype.
-        self.model, self.tokenizer = load_model(
+        self.model = load_causal_lm(
             model_path, device=str(device), dtype=dtype if self.lora else torch.float32, seed=seed
         )
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_path)
         self.model.config.use_cache = False
         if cfg.pack_sequences:
             flash.choose(cfg.flash_attention, device)

@@ -79,7 +79,7 @@ async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout
     from streamrl.mains.rollout import (
         RolloutSpec,
         known_limits,
-        resolved_tokenizer_class,
+        resolved_tokenizer,
         start_rollout,
     )
     from streamrl.process import LocalSpawner
@@ -104,7 +104,8 @@ async def _generate(cfg, fleet, run_dir, model_path, num_groups, window, timeout
     )
     # What the trainer hands a run's rollout process (it then imports no torch).
     vocab_size, max_position_embeddings = known_limits(model_path)
-    tokenizer_class = resolved_tokenizer_class(cfg, model_path)
+    tokenizer = resolved_tokenizer(cfg, model_path)
+    tokenizer_class = type(tokenizer).__name__ if tokenizer is not None else ""
     readings = {}
     with anyio.fail_after(timeout_s):
         async with anyio.create_task_group() as tg:

@@ -111,8 +111,8 @@ def spawn_rollout(
 ):
     """Start the rollout process before its spec exists: it loads `tokenizer` (the model
     path, unless `model.tokenizer` names another) and waits for `write_spec`. A spec left
-    by an earlier start is removed first. `tokenizer_class`: `resolved_tokenizer_class` of
-    the tokenizer the process loads, or empty (it resolves the class itself)."""
+    by an earlier start is removed first. `tokenizer_class`: the class name of the tokenizer
+    the process loads (`resolved_tokenizer`), or empty (it resolves the class itself)."""
     (run_dir / SPEC_FILE).unlink(missing_ok=True)
     return _spawn(
         spawner, run_dir, tokenizer=tokenizer, tokenizer_class=tokenizer_class, log_level=log_level
@@ -129,17 +129,17 @@ def _spawn(
     return spawner.spawn("rollout", streamrl_argv(*argv), log_path=run_dir / "logs" / "rollout.log")
 
 
-def resolved_tokenizer_class(cfg: RunConfig, model_path: str) -> str:
-    """The class name of the tokenizer the rollout process loads for `model_path` (the one
-    `model.tokenizer` names, if any), resolved here by `AutoTokenizer`: the process then
-    loads that class directly (`load_tokenizer`'s `resolved_class`). Empty when it does not
-    load here: the process resolves it, and reports what fails, itself."""
+def resolved_tokenizer(cfg: RunConfig, model_path: str):
+    """The tokenizer the rollout process loads for `model_path` (the one `model.tokenizer`
+    names, if any), loaded here by `AutoTokenizer`: the process then loads its class
+    directly (`load_tokenizer`'s `resolved_class`). None when it does not load here: the
+    process resolves it, and reports what fails, itself."""
     from streamrl.models import load_tokenizer
 
     try:
-        return type(load_tokenizer(cfg.model.tokenizer or model_path)).__name__
+        return load_tokenizer(cfg.model.tokenizer or model_path)
     except Exception:
-        return ""
+        return None
 
 
 def model_limits(model_path: str) -> tuple[int, int]:

@@ -60,7 +60,7 @@ class RolloutKeeper:
     ) -> None:
         """`children`: the trainer's list of processes to stop, which this keeps current;
         `waiting`: a rollout process already started, waiting for its spec;
-        `tokenizer_class` and `limits` (`resolved_tokenizer_class`, `known_limits`) spare
+        `tokenizer_class` and `limits` (`resolved_tokenizer`'s class, `known_limits`) spare
         each process the transformers code that imports torch."""
         self.cfg = cfg
         self.run_dir = run_dir

@@ -39,7 +39,7 @@ from streamrl.config import RunConfig
 from streamrl.mains.errors import RolloutFatal, RunError
 from streamrl.mains.follower import LearnerSpec
 from streamrl.mains.follower import write_spec as write_learner_spec
-from streamrl.mains.rollout import known_limits, resolved_tokenizer_class, spawn_rollout
+from streamrl.mains.rollout import known_limits, resolved_tokenizer, spawn_rollout
 from streamrl.mains.rollout_keeper import RolloutKeeper
 from streamrl.mains.run_dir import initial_model, load_user_code, metrics_writer, prepare_run_dir
 from streamrl.metrics import MetricsWriter
@@ -67,8 +67,11 @@ class Trainer:
         self.supervisor = None
         self.early_rollout: ProcessHandle | None = None
         """The first rollout process, started with the engines, until RolloutKeeper adopts it."""
+        self.tokenizer = None
+        """The rollout's tokenizer (`resolved_tokenizer`), loaded when it starts; the torch
+        learner takes it where it is the model's own (no `model.tokenizer`)."""
         self.tokenizer_class = ""
-        """The rollout's tokenizer class (`resolved_tokenizer_class`), resolved when it starts."""
+        """Its class name, passed to the rollout process."""
         self.ranks = None
         self.leader = None
         self.filters = []
@@ -215,7 +218,12 @@ class Trainer:
 
         _, model_path, _ = self.prepare()
         return build_backend(
-            self.cfg, model_path, device, dtype, reference_path=self.reference_path
+            self.cfg,
+            model_path,
+            device,
+            dtype,
+            reference_path=self.reference_path,
+            tokenizer=None if self.cfg.model.tokenizer else self.tokenizer,
         )
 
     @property
@@ -257,7 +265,9 @@ class Trainer:
             spawner=self.spawner,
         )
         self.supervisor.spawn()
-        self.tokenizer_class = resolved_tokenizer_class(self.cfg, model_path)
+        self.tokenizer = resolved_tokenizer(self.cfg, model_path)
+        if self.tokenizer is not None:
+            self.tokenizer_class = type(self.tokenizer).__name__
         self.early_rollout = spawn_rollout(
             self.spawner, self.run_dir, tokenizer=model_path, log_level=self.cfg.logging.level,
             tokenizer_class=self.tokenizer_class,
