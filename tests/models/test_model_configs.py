@@ -3,8 +3,9 @@ shapes, no weights) and configs/slime/*.toml (parallel layouts for one node and 
 
 Each layout passes `streamrl check` with the model checks on (the config.json loads, the
 layout splits the model: heads, KV heads, vocabulary, layers, experts), and every GPU of it
-holds its planned peak within an H200's 141 GB by `streamrl.planner`'s count (model state,
-activations, logits, KV cache).
+holds its planned peak within an H200 by `streamrl.planner`'s count (model state,
+activations, logits, KV cache, the weight push's staging), but DeepSeek-V3's: its one
+publisher per pipeline stage would stage 1,342 GB (`UNPUBLISHABLE`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from streamrl.planner import plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = sorted((ROOT / "configs" / "slime").glob("*.toml"))
-H200_BYTES = 141e9
+H200_BYTES = 150.8e9
+"""What an H200 reports (143,771 MiB; sold as 141 GB), as `streamrl check` reads it there."""
+
+UNPUBLISHABLE = {"deepseek-v3_40nodes.toml"}
+"""Layouts whose weight push cannot be staged: the publisher of a pipeline stage holds every
+tensor the engines receive from it, and publishing from each rank's own shards is not built."""
 
 PUBLISHED = {  # total and active parameters, in billions, as each model card gives them
     "qwen3-4b": (4.0, 4.0),
@@ -47,7 +53,19 @@ def test_each_shipped_config_json_has_the_published_parameter_count(name):
     assert shape.num_parameters(active=True) / 1e9 == pytest.approx(active, rel=0.03)
 
 
-@pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            path,
+            marks=pytest.mark.xfail(
+                path.name in UNPUBLISHABLE, reason="publishing from one rank a stage", strict=True
+            ),
+        )
+        for path in LAYOUTS
+    ],
+    ids=lambda p: p.name,
+)
 def test_each_layout_passes_streamrl_check_with_its_model_and_fits_an_h200(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg = load_config(path)
@@ -130,3 +148,17 @@ def test_each_full_size_random_shape_builds_the_published_model_on_the_meta_devi
 
     published = AutoConfig.from_pretrained(ROOT / "configs" / "models" / name)
     assert rope_parameters(config)["rope_theta"] == rope_parameters(published)["rope_theta"]
+
+
+def test_deepseek_v3_is_refused_for_its_push_staging_alone(monkeypatch):
+    """The one layout that does not fit misses by the staging of its publisher's push: the
+    refusal names it first among the terms, and the rest of the learner's peak fits."""
+    from streamrl.planner.fit import usable_bytes
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "configs" / "slime" / "deepseek-v3_40nodes.toml")
+    plan = plan_memory(cfg, gpu_bytes=H200_BYTES, source="an H200")
+    (problem,) = plan.problems
+    assert "the largest terms: learner weight_staging 1342.1 GB" in problem
+    learner = next(u for g in plan.gpus for u in g.usages if u.role == "learner")
+    assert learner.peak_bytes - learner.terms["weight_staging"] < usable_bytes(H200_BYTES)
