@@ -73,11 +73,19 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49_152, 65_535
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child before it runs: a process group of its own, and SIGKILL when its parent dies."""
     os.setpgrp()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def log_tail(log_path: Path | None, num_lines: int = 30) -> str:
+    """The last lines of a child's log file, or "(no log)"."""
+    if log_path is None or not log_path.exists():
+        return "(no log)"
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-num_lines:])
 
 
 class ChildProcess:
@@ -99,10 +107,7 @@ class ChildProcess:
         return self.popen.poll() is None
 
     def log_tail(self, num_lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-num_lines:])
+        return log_tail(self.log_path, num_lines)
 
     def signal(self, signum: int) -> None:
         """Signal the child's whole process group."""
@@ -258,7 +263,7 @@ def spawn(
             stdin=subprocess.DEVNULL,
             env=full_env,
             cwd=cwd,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     finally:
         if log_path is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.config.sections import (
+    DEVICE_STAGED_TRANSPORTS,
     EMPTYING_PAUSES,
     AlgorithmConfig,
     BufferConfig,
@@ -133,6 +134,12 @@ class RunConfig(_Section):
         if self.weights.pause_mode != "auto":
             return self.weights.pause_mode
         return "retract_abort" if self.engine.backend == "sglang" else "in_place"
+
+    def stages_weights_on_device(self, learner_device_type: str) -> bool:
+        """Whether a push stages the published tensors on the learner's device, in buffers
+        kept from the first push on (`DEVICE_STAGED_TRANSPORTS`); gloo stages them in host
+        memory."""
+        return self.weight_transport(learner_device_type) in DEVICE_STAGED_TRANSPORTS
 
     def weight_transport(self, learner_device_type: str) -> str:
         """`weights.transport` resolved: `auto` becomes NCCL when learner and engines are on

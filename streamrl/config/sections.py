@@ -531,6 +531,11 @@ class LearnerConfig(_Section):
     lora: LoraConfig = LoraConfig()
 
 
+DEVICE_STAGED_TRANSPORTS = ("nccl", "ipc")
+"""Weight transports whose pushes stage the published tensors on the learner's device, in
+buffers kept from the first push on (`RunConfig.stages_weights_on_device`);
+gloo stages them in host memory."""
+
 EMPTYING_PAUSES = ("abort", "retract_abort")
 """Pause modes after which an engine holds no request: each one in flight has answered with
 its partial output (the rollout worker resumes it as a new request), so no response spans

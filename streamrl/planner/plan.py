@@ -238,7 +238,7 @@ def stages_weights_on_gpu(cfg: Any) -> bool:
     reach SGLang as files."""
     if cfg.learner.lora.is_enabled and cfg.engine.backend == "sglang":
         return False
-    return cfg.weight_transport("cuda") in ("nccl", "ipc")
+    return cfg.stages_weights_on_device("cuda")
 
 
 def _recompute_words(setup: learner_terms.LearnerSetup) -> str:

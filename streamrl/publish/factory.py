@@ -63,7 +63,7 @@ def weight_publisher(
         transport=transport,
         bucket_bytes=cfg.weights.bucket_bytes,
         pause_mode=cfg.pause_mode,
-        staging_device=str(device) if kind in ("nccl", IPC) else "cpu",
+        staging_device=str(device) if cfg.stages_weights_on_device(device.type) else "cpu",
     )
 
 

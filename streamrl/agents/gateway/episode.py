@@ -57,7 +57,7 @@ from streamrl.agents.api import GenerateContext, Trajectory
 from streamrl.agents.env import log_episode, parse_options
 from streamrl.agents.gateway.app import current_gateway, serving
 from streamrl.agents.gateway.sessions import Session, SessionOptions
-from streamrl.process import _die_with_parent
+from streamrl.process import die_with_parent
 from streamrl.rewards import score
 from streamrl.types import Prompt
 from streamrl.utils import import_object
@@ -263,7 +263,7 @@ async def run_process(options: AgentOptions, session: Session, prompt: Prompt) -
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 cwd=options.cwd or None,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         try:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):

@@ -44,8 +44,6 @@ SERVER_ENV = {
 """The forkserver's environment over this process's: this checkout's streamrl first on its
 sys.path, as in a rank started with `PYTHONPATH`; one OpenMP thread from torch's load on."""
 
-_PR_SET_PDEATHSIG = 1
-
 
 @functools.cache
 def _context() -> multiprocessing.context.BaseContext:
@@ -71,11 +69,11 @@ def _run_script(argv: list[str], env: dict[str, str], log_path: str) -> None:
     """In the forked rank: become what `subprocess` would have started for `argv`
     (`python SCRIPT ARGS...`): its own process group, killed with the forkserver, output in
     `log_path`, `env` over the environment, then the script run as `__main__`."""
-    import ctypes
     import runpy
 
-    os.setpgrp()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    from streamrl.process import die_with_parent
+
+    die_with_parent()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -112,9 +110,9 @@ class ForkedRank:
         return self.process.is_alive()
 
     def log_tail(self, num_lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        from streamrl.process import log_tail
+
+        return log_tail(self.log_path, num_lines)
 
     def wait(self, timeout_s: float | None = None) -> int:
         """The exit code; subprocess.TimeoutExpired while still running after `timeout_s`."""
