@@ -41,8 +41,9 @@ class _Window:
     written_at: float
     """Its wall time (`record.created`), for the message."""
     num_folded: int = 0
-    last_folded: str = ""
-    """The last folded record's message, for the count written at exit."""
+    last_folded: tuple = ()
+    """The last folded record's (msg, args), formatted only if a count written at exit needs
+    it."""
 
 
 class RepeatFilter(logging.Filter):
@@ -72,10 +73,7 @@ class RepeatFilter(logging.Filter):
         window = self._windows.get(key)
         if window is not None and now - window.opened_at < self.window_s:
             window.num_folded += 1
-            try:
-                window.last_folded = record.getMessage()
-            except Exception:  # a bad format: the template alone
-                window.last_folded = str(record.msg)
+            window.last_folded = (record.msg, record.args)
             return False
         if window is not None and window.num_folded:
             since = time.strftime("%H:%M:%S", time.localtime(window.written_at))
@@ -102,9 +100,17 @@ class RepeatFilter(logging.Filter):
         with self._lock:
             for (name, level, _), window in self._windows.items():
                 if window.num_folded:
-                    pending.append((name, level, window.last_folded, window.num_folded))
+                    pending.append((name, level, _message(*window.last_folded), window.num_folded))
                     window.num_folded = 0
         return pending
+
+
+def _message(msg: object, args: object) -> str:
+    """A record's message as logging formats it; the template alone when it does not format."""
+    try:
+        return str(msg) % args if args else str(msg)
+    except (TypeError, ValueError, KeyError):
+        return str(msg)
 
 
 def configure(level: str) -> None:
