@@ -16,8 +16,16 @@ each in its own process (`runs.run_observed`). Reported per run:
   diagnostics and bound, and the run's evaluations.
 
 Per setting (eta, correction) over its seeds (`settings` in the result): the mean, min,
-max and standard deviation of the final reward and of the throughput, the final reward
-against eta 0's, and the throughput against the best fixed eta's.
+max and standard deviation of the final reward, of each evaluation (per version) and of
+the throughput; the final reward and each evaluation against eta 0's; and the
+throughput against two references: the fastest fixed eta, and the fastest fixed eta whose
+final reward is within `REWARD_TOLERANCE` of eta 0's (`best_fixed_eta_within_reward`: the
+bound a user who wants eta 0's learning would pick by hand).
+
+The final reward is the mean reward of the last quarter's trained batches: the reward of
+the behaviour policies that generated them, which at eta lag the learner by up to eta
+versions. An evaluation at version v is the reward of the policy after v steps, whatever
+eta: "reward after the same number of trained samples" without that lag.
 
 eta = 0 runs once per seed, with the first correction: with no stale tokens every
 correction is the same loss, so it is the shared on-policy baseline.
@@ -43,6 +51,8 @@ CORRECTION_OVERRIDES = {
 }
 
 AUTO = "auto"
+REWARD_TOLERANCE = 0.02
+"""A fixed eta whose final reward is at most this far below eta 0's learns as eta 0 does."""
 Eta = int | str
 """A fixed bound, or `AUTO`."""
 
@@ -191,27 +201,65 @@ def summarize_sweep(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The result: every run, eta 0's throughput, and each setting over its seeds (see the
     module docstring)."""
     settings = [_setting(key, members) for key, members in group_settings(runs).items()]
-    fixed = [s for s in settings if s["eta"] != AUTO]
-    best = max(fixed, key=lambda s: s["effective_tokens_per_s"]["mean"], default=None)
     zero = next((s for s in settings if s["eta"] == 0), None)
     for setting in settings:
-        reward = setting["final_reward"]["mean"]
-        setting["final_reward_vs_eta0"] = (
-            reward / zero["final_reward"]["mean"] - 1
-            if zero and zero["final_reward"]["mean"]
-            else None
+        setting["final_reward_vs_eta0"] = _relative(setting, zero, "final_reward")
+        setting["eval_vs_eta0"] = _eval_vs(setting, zero)
+    fixed = [s for s in settings if s["eta"] != AUTO]
+    best = _fastest(fixed)
+    learns_as_eta0 = [
+        s
+        for s in fixed
+        if s["final_reward_vs_eta0"] is not None
+        and s["final_reward_vs_eta0"] >= -REWARD_TOLERANCE
+    ]
+    best_within = _fastest(learns_as_eta0)
+    for setting in settings:
+        setting["tokens_per_s_vs_best_fixed"] = _relative(
+            setting, best, "effective_tokens_per_s"
         )
-        setting["tokens_per_s_vs_best_fixed"] = (
-            setting["effective_tokens_per_s"]["mean"] / best["effective_tokens_per_s"]["mean"] - 1
-            if best
-            else None
+        setting["tokens_per_s_vs_best_fixed_within_reward"] = _relative(
+            setting, best_within, "effective_tokens_per_s"
         )
     return {
         "runs": runs,
         "baseline": _baseline_throughput(runs),
-        "best_fixed_eta": None if best is None else best["eta"],
+        "best_fixed_eta": _key(best),
+        "best_fixed_eta_within_reward": _key(best_within),
         "settings": settings,
     }
+
+
+def _eval_vs(setting: dict[str, Any], zero: dict[str, Any] | None) -> dict[str, float]:
+    """Per evaluated version both have: the setting's mean evaluation over eta 0's, minus 1."""
+    if zero is None or "eval_by_version" not in setting or "eval_by_version" not in zero:
+        return {}
+    ours, theirs = setting["eval_by_version"], zero["eval_by_version"]
+    return {
+        version: ours[version]["mean"] / theirs[version]["mean"] - 1
+        for version in ours
+        if version in theirs and theirs[version]["mean"]
+    }
+
+
+def _fastest(settings: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return max(settings, key=lambda s: s["effective_tokens_per_s"]["mean"], default=None)
+
+
+def _key(setting: dict[str, Any] | None) -> Eta | None:
+    """A reference setting's eta (its correction too when that is not decoupled PPO)."""
+    if setting is None:
+        return None
+    correction = setting["correction"]
+    return setting["eta"] if correction == "decoupled_ppo" else f"{setting['eta']}:{correction}"
+
+
+def _relative(setting: dict[str, Any], reference: dict[str, Any] | None, field: str):
+    """setting's mean of `field` over the reference's, minus 1 (None without either)."""
+    if reference is None or field not in setting or field not in reference:
+        return None
+    base = reference[field]["mean"]
+    return setting[field]["mean"] / base - 1 if base else None
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -242,6 +290,13 @@ def _setting(key: tuple[Eta, str], members: list[dict[str, Any]]) -> dict[str, A
         out["eval_first"] = spread([e[0][dataset] for e in evals])
         out["eval_last"] = spread([e[-1][dataset] for e in evals])
         out["eval_last_version"] = spread([e[-1]["version"] for e in evals])
+        # Per version that every seed reached (a run cut short has fewer evaluations).
+        shared = set.intersection(*({e["version"] for e in seed} for seed in evals))
+        out["eval_by_version"] = {
+            str(version): spread([e[dataset] for seed in evals for e in seed
+                                  if e["version"] == version])  # fmt: skip
+            for version in sorted(shared)
+        }
     bounds = [p["bound"] for r in members for p in r["reward_curve"] if p.get("bound") is not None]
     if eta == AUTO and bounds:
         out["auto_bound"] = spread(bounds)
