@@ -210,14 +210,11 @@ def summarize_sweep(runs: list[dict[str, Any]]) -> dict[str, Any]:
     learns_as_eta0 = [
         s
         for s in fixed
-        if s["final_reward_vs_eta0"] is not None
-        and s["final_reward_vs_eta0"] >= -REWARD_TOLERANCE
+        if s["final_reward_vs_eta0"] is not None and s["final_reward_vs_eta0"] >= -REWARD_TOLERANCE
     ]
     best_within = _fastest(learns_as_eta0)
     for setting in settings:
-        setting["tokens_per_s_vs_best_fixed"] = _relative(
-            setting, best, "effective_tokens_per_s"
-        )
+        setting["tokens_per_s_vs_best_fixed"] = _relative(setting, best, "effective_tokens_per_s")
         setting["tokens_per_s_vs_best_fixed_within_reward"] = _relative(
             setting, best_within, "effective_tokens_per_s"
         )
@@ -293,14 +290,17 @@ def _setting(key: tuple[Eta, str], members: list[dict[str, Any]]) -> dict[str, A
         # Per version that every seed reached (a run cut short has fewer evaluations).
         shared = set.intersection(*({e["version"] for e in seed} for seed in evals))
         out["eval_by_version"] = {
-            str(version): spread([e[dataset] for seed in evals for e in seed
-                                  if e["version"] == version])  # fmt: skip
+            str(version): spread([_at(seed, version)[dataset] for seed in evals])
             for version in sorted(shared)
         }
     bounds = [p["bound"] for r in members for p in r["reward_curve"] if p.get("bound") is not None]
     if eta == AUTO and bounds:
         out["auto_bound"] = spread(bounds)
     return out
+
+
+def _at(evals: list[dict[str, Any]], version: int) -> dict[str, Any]:
+    return next(e for e in evals if e["version"] == version)
 
 
 def _baseline_throughput(runs: list[dict[str, Any]]) -> float | None:
