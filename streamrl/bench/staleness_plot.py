@@ -157,6 +157,11 @@ def _histogram(ax, settings, correction, colors) -> None:
     ax.legend(fontsize=8)
 
 
+def _fading(index: int, count: int) -> float:
+    """Opacity of the index-th of `count` lines drawn over one another: 1.0 down to 0.25."""
+    return 1.0 - 0.75 * index / max(count - 1, 1)
+
+
 def _bounds(ax, settings, colors) -> None:
     """Each auto run's bound per step, its raises and lowerings marked; fixed bounds dotted."""
     for (eta, correction), members in settings.items():
@@ -169,7 +174,7 @@ def _bounds(ax, settings, colors) -> None:
                 f", seed {run['seed']}" if run.get("seed") is not None else ""
             )
             ax.step([p["step"] for p in points], [p["bound"] for p in points], where="post",
-                    color=colors[eta], alpha=1.0 - 0.25 * index, label=name)  # fmt: skip
+                    color=colors[eta], alpha=_fading(index, len(members)), label=name)  # fmt: skip
             for change, marker in REASON_MARKERS.items():
                 marked = [p for p in points if p.get("auto_change") == change]
                 ax.plot([p["step"] for p in marked], [p["bound"] for p in marked], marker,

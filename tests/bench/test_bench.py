@@ -304,7 +304,7 @@ def test_a_sweep_is_summarised_per_setting_over_its_seeds():
 
 def test_staleness_and_sync_async_results_are_written_with_their_plots(tmp_path):
     path = write_result(tmp_path / "s.json", bench="staleness", config={},
-                        result=_staleness_result(seeds=(0, 1), auto=True),
+                        result=_staleness_result(seeds=range(6), auto=True),
                         plot=staleness.plot_staleness, num_panels=staleness.NUM_PANELS)  # fmt: skip
     assert path.with_suffix(".png").stat().st_size > 10_000
     record = json.loads(path.read_text())
