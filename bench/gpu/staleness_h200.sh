@@ -17,6 +17,9 @@
 #   bench/gpu/staleness_h200.sh b OUT       the pairs in $PAIRS (what part a had no time for;
 #                                           SWEEP_NAME names the part, SEEDS its seeds)
 #
+# Each part first runs WARMUP_STEPS (default 8; 0 skips it) steps at eta 1 per seed, not
+# measured, so that no measured setting pays the compilation of the learner's kernels.
+#
 # Each part merges its runs into OUT/<config's name>_h200x1_<part>.json (+ PNG, + its logs as
 # one .tgz); on the CPU, `streamrl bench merge` joins the parts. CONFIG picks another config
 # (the first sweep ran configs/gpu/staleness_multistep.toml).
@@ -43,9 +46,26 @@ PARTS=/tmp/staleness-parts
 source bench/gpu/gguf_parts.sh
 mkdir -p "$PARTS"
 
+warm_up() {  # WARMUP_STEPS steps at eta 1 per seed, side by side, measured by nothing
+  # A machine's first runs compile the learner's kernels for each new shape (torch's caches
+  # under /tmp then serve every later run): without this, the first setting of a part paid
+  # 4-5 s more in steps 2-4 than the others (part `e`, docs/benchmarks.md).
+  local steps=${WARMUP_STEPS:-8} pids=()
+  [ "$steps" -gt 0 ] || return 0
+  for seed in $SEEDS; do
+    timeout 240 "$PY" -m streamrl --log-level warning bench staleness "$CONFIG" --eta 1 \
+      --corrections decoupled_ppo --seeds "$seed" --steps "$steps" \
+      --work-dir "/tmp/staleness/warmup-s$seed" --run-timeout-s 200 \
+      >"$PARTS/warmup_s$seed.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || echo "warm-up $pid failed (see $PARTS/warmup_s*.log)"; done
+}
+
 sweep() {  # sweep NAME ETAS:CORRECTIONS...: per seed, side by side, each pair in turn
   local name=$1 pids=()
   shift
+  warm_up
   for seed in $SEEDS; do
     (
       part=0
