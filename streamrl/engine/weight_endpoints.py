@@ -19,7 +19,8 @@ and keeps the planned copy without loading anything, while the engine generates 
 buckets of one update share its `stage`; staging a new one drops an older one. Then
 `/load_staged_weights` with that `stage` copies all of them in at one step boundary and
 answers `engine_pause_s`, the time generation stood still: the copy alone, with no
-`pause_generation` around it.
+`pause_generation` around it. A staged call answers `timings`: the seconds it waited for
+the weight lock, mapped the tensors, digested them and planned the copy.
 
 Group calls run in worker threads: the event loop keeps serving and the core
 keeps generating while the trainer's broadcast arrives; only the in-place copy
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,7 +195,9 @@ class WeightEndpoints:
         if load_format not in (None, "auto", FLATTENED_BUCKET):
             return _weight_result(False, f"load_format {load_format!r} is not supported")
         stage = body.get("stage")
+        timings = _Timings()
         async with self._lock:
+            timings.lap("lock_s")
             if body.get("abort_all_requests"):
                 self._abort_all()
             try:
@@ -203,26 +207,34 @@ class WeightEndpoints:
             except Exception as exc:
                 logger.exception("update_weights_from_tensor: bad payload")
                 return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
+            timings.lap("map_s")
             try:
                 if stage is not None:
-                    return await self._keep_staged(str(stage), tensors, body)
+                    return await self._keep_staged(str(stage), tensors, body, timings)
                 return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
             finally:
                 del tensors  # release the sender's memory once copied (or staged)
 
-    async def _keep_staged(self, stage: str, tensors: list, body: dict) -> web.Response:
-        """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`."""
+    async def _keep_staged(
+        self, stage: str, tensors: list, body: dict, timings: _Timings
+    ) -> web.Response:
+        """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`;
+        the answer's `timings` say where the call's time went (the publisher's
+        `weights/staging/*` metrics)."""
         refused = await self._digest_refusal(tensors, body, f"stage {stage}")
         if refused is not None:
             return refused
+        timings.lap("digest_s")
         try:
             plan = self.core.runner.plan_weights(tensors)
         except ValueError as exc:
             return _weight_result(False, f"loading weights failed: {exc}")
+        timings.lap("plan_s")
         if stage != self._stage:
             self._stage, self._staged = stage, []
         self._staged.append((plan, tensors))
-        return _weight_result(True, f"staged {len(tensors)} tensors by reference as {stage!r}")
+        message = f"staged {len(tensors)} tensors by reference as {stage!r}"
+        return json_response({"success": True, "message": message, "timings": timings.laps})
 
     async def load_staged_weights(self, request: web.Request) -> web.Response:
         """Load every call staged under `stage` at one step boundary (see the module docstring)."""
@@ -316,6 +328,19 @@ class WeightEndpoints:
                 return _weight_result(False, f"no weight-update group {group_name!r}")
             await asyncio.to_thread(destroy_weight_update_group, entry[0])
         return _weight_result(True, f"destroyed weight-update group {group_name!r}")
+
+
+class _Timings:
+    """Seconds between consecutive `lap`s since the call was taken, under each lap's name."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 def _mapped(entry: str) -> list:

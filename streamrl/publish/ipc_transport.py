@@ -44,6 +44,7 @@ class IpcTransport(WeightTransport):
     """The name the staged calls of the update in progress share."""
     _num_stages: int = 0
     _staging_s: float = 0.0
+    _staging_parts: dict[str, float] = field(default_factory=dict)
     _engine_pauses: dict[str, float] = field(default_factory=dict)
 
     async def prepare(self, engines: list[EngineClient], staged: Staged) -> None:
@@ -53,6 +54,7 @@ class IpcTransport(WeightTransport):
         embedded = [engine for engine in engines if await engine.accepts_digest()]
         self._num_stages += 1  # a resync of the same version stages afresh
         self._stage = f"v{staged.version}.{self._num_stages}"
+        self._staging_parts = {}
         started = time.perf_counter()
         for index, bucket in enumerate(staged.buckets):
             await self._hand_over(embedded, bucket, None, self._digests[index], False, stage=True)
@@ -65,6 +67,13 @@ class IpcTransport(WeightTransport):
     @property
     def staging_s(self) -> float:
         return self._staging_s
+
+    @property
+    def staging_parts(self) -> dict[str, float]:
+        """Where the staging's time went, summed over the buckets (the slowest engine's each):
+        `serialize_s` (the handles, here), `request_s` (each call's round trip), and the
+        engine's own `lock_s`, `map_s`, `digest_s` and `plan_s` (`engine_` before each)."""
+        return self._staging_parts
 
     @property
     def engine_pauses(self) -> dict[str, float]:
@@ -110,22 +119,27 @@ class IpcTransport(WeightTransport):
         if not engines:
             return
         payloads: dict[bool, str] = {}
+        parts: dict[str, float] = {}  # this bucket's: the slowest engine's each
 
         def payload(embedded: bool) -> str:
             """Embedded engines map the bucket as one flat tensor (one IPC handle and event,
             not one per tensor); SGLang takes it tensor by tensor."""
             if embedded not in payloads:
+                started = time.perf_counter()
                 if embedded:
                     named = [(FLATTENED_BUCKET, bucket.flat)]
                 else:  # views (copies only where misaligned)
                     named = list(zip(bucket.names, bucket.layout.unpack(bucket.flat), strict=True))
                 payloads[embedded] = serialize_named_tensors(named)
+                parts["serialize_s"] = parts.get("serialize_s", 0.0) + time.perf_counter() - started
             return payloads[embedded]
 
         async def update(engine: EngineClient) -> None:
             embedded = await engine.accepts_digest()
+            entry = payload(embedded)
+            started = time.perf_counter()
             result = await engine.update_weights_from_tensor(
-                [payload(embedded)] * self._gpu_counts[engine.url],
+                [entry] * self._gpu_counts[engine.url],
                 weight_version=weight_version,
                 flush_cache=flush_cache and weight_version is not None,
                 weights_digest=expected if embedded else None,
@@ -133,6 +147,11 @@ class IpcTransport(WeightTransport):
                 flattened=(bucket.names, bucket.dtypes, bucket.shapes) if embedded else None,
             )
             require_success(engine, result)
+            if stage:
+                seen = {"request_s": time.perf_counter() - started}
+                seen |= {f"engine_{k}": float(v) for k, v in result.get("timings", {}).items()}
+                for key, seconds in seen.items():
+                    parts[key] = max(parts.get(key, 0.0), seconds)
 
         remaining = list(engines)
 
@@ -147,3 +166,6 @@ class IpcTransport(WeightTransport):
             remaining = [engine for engine in remaining if engine.url in mismatched]
 
         await self.verifier.until_verified(attempt, bucket)
+        if stage:
+            for key, seconds in parts.items():
+                self._staging_parts[key] = self._staging_parts.get(key, 0.0) + seconds

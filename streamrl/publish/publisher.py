@@ -46,6 +46,8 @@ class PublishRecord:
     staging_s: float = 0.0
     """Handing the bytes over before any pause (staged updates: mapped, digest checked)."""
     broadcast_s: float = 0.0
+    staging_parts: dict[str, float] = field(default_factory=dict)
+    """Where `staging_s` went (`WeightTransport.staging_parts`)."""
     num_bytes: int = 0
     num_engines: int = 0
     ok: bool = True
@@ -68,6 +70,7 @@ class PublishRecord:
             "weights/gb_per_s": self.gb_per_s,
             "weights/num_engines": self.num_engines,
             "weights/ok": self.ok,
+            **{f"weights/staging/{part}": s for part, s in self.staging_parts.items()},
         }
 
 
@@ -208,6 +211,7 @@ class WeightPublisher:
     async def _send(self, staged: Staged, engines: list[EngineClient], record: PublishRecord):
         await self.transport.prepare(engines, staged)  # the engines do not wait for it
         record.staging_s = self.transport.staging_s
+        record.staging_parts = dict(self.transport.staging_parts)
         paused = [
             e
             for e in engines

@@ -84,6 +84,11 @@ class WeightTransport(Protocol):
         return 0.0
 
     @property
+    def staging_parts(self) -> dict[str, float]:
+        """Where `staging_s` went, by part (seconds; empty where not measured)."""
+        return {}
+
+    @property
     def engine_pauses(self) -> dict[str, float]:
         """Per engine URL, how long the last `send` stood its generation still, as the engine
         measured it (staged updates; an engine paused around `send` is not in it)."""

@@ -108,6 +108,14 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     assert pauses == []
     for record in publisher.records:
         assert 0 < record.engine_pause_s <= record.broadcast_s and record.staging_s > 0
+        # Where the staging went: the engine's parts lie within the calls' round trips, which
+        # lie within the staging.
+        parts = record.staging_parts
+        assert set(parts) == {"serialize_s", "request_s", "engine_lock_s", "engine_map_s",
+                              "engine_digest_s", "engine_plan_s"}  # fmt: skip
+        engine_s = sum(seconds for part, seconds in parts.items() if part.startswith("engine_"))
+        assert 0 < engine_s <= parts["request_s"] <= record.staging_s
+        assert record.as_metrics()["weights/staging/engine_map_s"] == parts["engine_map_s"]
     expected = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids, weights)
     assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
     served_before = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids)
