@@ -20,7 +20,9 @@ max and standard deviation of the final reward, of each evaluation (per version)
 the throughput; the final reward and each evaluation against eta 0's; and the
 throughput against two references: the fastest fixed eta, and the fastest fixed eta whose
 final reward is within `REWARD_TOLERANCE` of eta 0's (`best_fixed_eta_within_reward`: the
-bound a user who wants eta 0's learning would pick by hand).
+bound a user who wants eta 0's learning would pick by hand); and samples/s against the
+fixed eta with the most. Trained tokens/s follow the answer lengths each run's policy
+settles on; with a fixed number of samples per step, samples/s do not.
 
 The final reward is the mean reward of the last quarter's trained batches: the reward of
 the behaviour policies that generated them, which at eta lag the learner by up to eta
@@ -213,7 +215,9 @@ def summarize_sweep(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if s["final_reward_vs_eta0"] is not None and s["final_reward_vs_eta0"] >= -REWARD_TOLERANCE
     ]
     best_within = _fastest(learns_as_eta0)
+    most_samples = _fastest(fixed, "samples_per_s")
     for setting in settings:
+        setting["samples_per_s_vs_best_fixed"] = _relative(setting, most_samples, "samples_per_s")
         setting["tokens_per_s_vs_best_fixed"] = _relative(setting, best, "effective_tokens_per_s")
         setting["tokens_per_s_vs_best_fixed_within_reward"] = _relative(
             setting, best_within, "effective_tokens_per_s"
@@ -239,8 +243,10 @@ def _eval_vs(setting: dict[str, Any], zero: dict[str, Any] | None) -> dict[str, 
     }
 
 
-def _fastest(settings: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return max(settings, key=lambda s: s["effective_tokens_per_s"]["mean"], default=None)
+def _fastest(
+    settings: list[dict[str, Any]], field: str = "effective_tokens_per_s"
+) -> dict[str, Any] | None:
+    return max(settings, key=lambda s: s[field]["mean"], default=None)
 
 
 def _key(setting: dict[str, Any] | None) -> Eta | None:

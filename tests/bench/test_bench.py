@@ -258,21 +258,24 @@ def _staleness_result(*, seeds=(None,), auto=False) -> dict:
 
 def test_auto_is_also_compared_with_the_fastest_fixed_eta_that_learns_as_eta_0_does():
     # eta 4 is the fastest but its final reward is 5% below eta 0's; eta 2 is 1% below.
-    def run(eta, tokens_per_s: float, reward: float, evals=((0, 0.5), (20, 0.8))) -> dict:
+    def run(eta, tokens_per_s: float, reward: float, evals=((0, 0.5), (20, 0.8)),
+            samples_per_s=1.0) -> dict:  # fmt: skip
         return {"name": staleness.run_name(eta, "decoupled_ppo", 0), "eta": eta,
                 "correction": "decoupled_ppo", "seed": 0, "effective_tokens_per_s": tokens_per_s,
-                "samples_per_s": 1.0, "final_reward": reward, "mean_reward": reward,
+                "samples_per_s": samples_per_s, "final_reward": reward, "mean_reward": reward,
                 "reward_curve": [], "evals": [{"version": v, "time_s": 0.0, "capitals": r}
                                               for v, r in evals]}  # fmt: skip
 
     result = staleness.summarize_sweep([
-        run(0, 100.0, 0.80), run(2, 150.0, 0.792), run(4, 200.0, 0.76),
-        run("auto", 145.0, 0.80, evals=((0, 0.5), (20, 0.84), (30, 0.9))),
+        run(0, 100.0, 0.80), run(2, 150.0, 0.792, samples_per_s=1.5), run(4, 200.0, 0.76),
+        run("auto", 145.0, 0.80, evals=((0, 0.5), (20, 0.84), (30, 0.9)), samples_per_s=1.2),
     ])  # fmt: skip
     assert result["best_fixed_eta"] == 4 and result["best_fixed_eta_within_reward"] == 2
     auto = next(s for s in result["settings"] if s["eta"] == "auto")
     assert auto["tokens_per_s_vs_best_fixed"] == pytest.approx(145 / 200 - 1)
     assert auto["tokens_per_s_vs_best_fixed_within_reward"] == pytest.approx(145 / 150 - 1)
+    # eta 4's tokens came from longer answers; eta 2 trained the most samples per second.
+    assert auto["samples_per_s_vs_best_fixed"] == pytest.approx(1.2 / 1.5 - 1)
     # Evaluations are compared at the versions both have.
     assert list(auto["eval_by_version"]) == ["0", "20", "30"]
     assert auto["eval_vs_eta0"] == pytest.approx({"0": 0.0, "20": 0.84 / 0.8 - 1})
