@@ -18,7 +18,7 @@
 #                                           SWEEP_NAME names the part, SEEDS its seeds)
 #
 # Each part first runs WARMUP_STEPS (default 8; 0 skips it) steps at eta 1 per seed, not
-# measured, so that no measured setting pays the compilation of the learner's kernels.
+# measured, so that no measured setting pays the machine's first-run cost.
 #
 # Each part merges its runs into OUT/<config's name>_h200x1_<part>.json (+ PNG, + its logs as
 # one .tgz); on the CPU, `streamrl bench merge` joins the parts. CONFIG picks another config
@@ -47,9 +47,9 @@ source bench/gpu/gguf_parts.sh
 mkdir -p "$PARTS"
 
 warm_up() {  # WARMUP_STEPS steps at eta 1 per seed, side by side, measured by nothing
-  # A machine's first runs compile the learner's kernels for each new shape (torch's caches
-  # under /tmp then serve every later run): without this, the first setting of a part paid
-  # 4-5 s more in steps 2-4 than the others (part `e`, docs/benchmarks.md).
+  # A machine's first run pays a cost that later processes do not (kernels built and cached on
+  # first use): without this, the first setting of a part paid up to 4 s more in steps 2-4
+  # than the others (part `e`, docs/benchmarks.md).
   local steps=${WARMUP_STEPS:-8} pids=()
   [ "$steps" -gt 0 ] || return 0
   for seed in $SEEDS; do
