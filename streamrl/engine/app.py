@@ -31,6 +31,7 @@ from streamrl.engine.protocol import (
 )
 from streamrl.engine.weight_endpoints import WeightEndpoints
 from streamrl.memory_use import host_peak_bytes, torch_peaks
+from streamrl.weights.digest import build_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class EngineServer:
         """Build and start the core in a worker thread; /health turns 200 after."""
         self.core = await asyncio.to_thread(EngineCore, self.options)
         self.core.start()
+        # Before serving: the first update's digest check would build it beside generation.
+        await asyncio.to_thread(build_kernel, self.core.device)
         freeze_loaded_objects()
         self.is_ready = True
 

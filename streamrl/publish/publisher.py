@@ -27,6 +27,7 @@ from streamrl.config.sections import EMPTYING_PAUSES
 from streamrl.fleet.client import EngineClient, EngineError
 from streamrl.fleet.engine_set import each_engine
 from streamrl.publish.transport import Staged, WeightSource, WeightTransport
+from streamrl.weights.digest import build_kernel
 from streamrl.weights.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,12 @@ class WeightPublisher:
         return self.transport.num_digest_mismatches
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Hold the task group that background updates run in; cancel to stop."""
+        """Hold the task group that background updates run in; cancel to stop. The digest's
+        GPU kernel is built meanwhile, while the learner waits for its first batch."""
         try:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
+                tg.start_soon(anyio.to_thread.run_sync, build_kernel, self.staging_device)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:

@@ -80,6 +80,19 @@ def test_a_bucket_and_its_tensors_back_to_back_have_one_digest():
     assert digest([flat]) == digest(tensors) == digest(layout.unpack(flat))
 
 
+def test_no_kernel_is_built_for_the_cpu():
+    assert digest_module.build_kernel("cpu") is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_kernel_built_ahead_digests_as_the_cpu_does():
+    assert digest_module.build_kernel("cuda") is True
+    for count in (4096, 4097):  # word counts of both specialisations
+        words = torch.randint(-(2**15), 2**15, (count,), dtype=torch.int16)
+        assert digest([words.cuda()]) == digest([words])
+
+
 @pytest.mark.anyio
 async def test_a_bucket_corrupted_on_its_way_is_refused_and_the_engine_resynced(
     tiny_model_dir, tmp_path, monkeypatch
