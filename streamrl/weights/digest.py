@@ -145,10 +145,9 @@ def _span_sums(words: torch.Tensor) -> torch.Tensor:
 
 def build_kernel(device: torch.device | str) -> bool:
     """Compile the GPU kernel for `device` now, for both of Triton's specialisations of a word
-    count (a multiple of 16 and not), so that a run's first digest does not: a first
-    compile on a machine takes seconds of a thread that holds the GIL beside training or
-    generation (the first run on a fresh H200 trained its first steps 1.5-2.5 s slower than
-    the runs after it). False where no kernel serves (the CPU, or no Triton)."""
+    count (a multiple of 16 and not), so that a run's first digest does not: the first
+    compile on a machine took 2.7 s on an H200, in a thread that holds the GIL beside
+    training or generation. False where no kernel serves (the CPU, or no Triton)."""
     device = torch.device(device)
     if device.type != "cuda" or _span_kernel() is None:
         return False
