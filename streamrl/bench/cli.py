@@ -75,8 +75,19 @@ def _checkpoint(commands) -> None:
 
 def _merge(commands) -> None:
     parser = commands.add_parser("merge", help="one staleness result from several parts")
-    parser.add_argument("inputs", nargs="+", help="staleness JSON files (a later one wins)")
+    parser.add_argument(
+        "inputs", nargs="+", help="staleness JSON files (a run of the same name: the later wins)"
+    )
     parser.add_argument("--json", required=True, help="the merged result (and a PNG beside it)")
+    parser.add_argument(
+        "--pool",
+        action="store_true",
+        help="keep every run, also one whose name (setting and seed) an earlier file has: "
+        "parts that repeat seeds pool into more runs per setting (named NAME@FILE)",
+    )
+    parser.add_argument(
+        "--eta", default="", help="keep only these etas, comma-separated (e.g. 0,4); all if empty"
+    )
     parser.set_defaults(entry="streamrl.bench.staleness:merge_command")
 
 

@@ -338,7 +338,8 @@ def _line(run: dict[str, Any]) -> str:
 
 def merge_command(args: argparse.Namespace) -> int:
     """`streamrl bench merge --json OUT IN.json ...`: one staleness result from several parts
-    (runs by name; a later file wins), summarised over seeds again and re-plotted."""
+    (runs by name, a later file winning; with `--pool` every run), summarised over seeds
+    again and re-plotted."""
     import json
 
     records = [json.loads(Path(path).read_text()) for path in args.inputs]
@@ -346,10 +347,23 @@ def merge_command(args: argparse.Namespace) -> int:
     if kinds != {"staleness"}:
         print(f"error: merge takes staleness results only, got {sorted(kinds)}", file=sys.stderr)
         return 2
+    try:
+        keep = {str(eta) for eta in parse_etas(args.eta)} if args.eta else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     by_name: dict[str, dict[str, Any]] = {}
-    for record in records:
+    for path, record in zip(args.inputs, records, strict=True):
         for run in record["result"]["runs"]:
+            if keep is not None and str(run["eta"]) not in keep:
+                continue
+            name = run["name"]
+            if args.pool and name in by_name:
+                run = {**run, "name": f"{name}@{Path(path).stem}"}
             by_name[run["name"]] = run
+    if not by_name:
+        print("error: no run left to merge", file=sys.stderr)
+        return 2
     first_correction = records[0]["config"]["corrections"][0]
     runs = sorted(
         by_name.values(),

@@ -344,7 +344,8 @@ def test_merge_joins_staleness_parts_and_a_later_file_wins(tmp_path):
                                   config={"corrections": ["decoupled_ppo", "none"]},
                                   result=result))  # fmt: skip
     out = tmp_path / "merged.json"
-    code = staleness.merge_command(argparse.Namespace(inputs=[str(p) for p in paths], json=out))
+    inputs = [str(p) for p in paths]
+    code = staleness.merge_command(argparse.Namespace(inputs=inputs, json=out, pool=False, eta=""))
     assert code == 0
     merged = json.loads(out.read_text())
     names = [r["name"] for r in merged["result"]["runs"]]
@@ -352,6 +353,33 @@ def test_merge_joins_staleness_parts_and_a_later_file_wins(tmp_path):
     assert merged["result"]["runs"][1]["effective_tokens_per_s"] == 999.0
     assert len(merged["config"]["merged_from"]) == 2
     assert out.with_suffix(".png").exists()
+
+
+def test_merge_pools_runs_that_repeat_a_seed_and_keeps_only_the_etas_asked_for(tmp_path):
+    """`--pool`: two parts with the same seeds make two runs per setting and seed, and each
+    setting's spread is over both; `--eta` leaves the other settings out."""
+    first, second = _staleness_result(), _staleness_result()
+    second["runs"] = [dict(run, effective_tokens_per_s=run["effective_tokens_per_s"] + 100.0)
+                      for run in second["runs"]]  # fmt: skip
+    paths = [write_result(tmp_path / f"part{index}.json", bench="staleness",
+                          config={"corrections": ["decoupled_ppo", "none"]}, result=result)
+             for index, result in enumerate((first, second))]  # fmt: skip
+    out = tmp_path / "pooled.json"
+    args = argparse.Namespace(inputs=[str(p) for p in paths], json=out, pool=True, eta="0,2")
+    assert staleness.merge_command(args) == 0
+    result = json.loads(out.read_text())["result"]
+    names = sorted(r["name"] for r in result["runs"])
+    kept = sorted(r["name"] for r in first["runs"] if r["eta"] in (0, 2))
+    assert names == sorted([*kept, *(f"{name}@part1" for name in kept)])
+    for setting in result["settings"]:
+        low = min(r["effective_tokens_per_s"] for r in first["runs"]
+                  if (r["eta"], r["correction"]) == (setting["eta"], setting["correction"]))  # fmt: skip
+        assert setting["effective_tokens_per_s"]["min"] == low
+        assert setting["effective_tokens_per_s"]["max"] == low + 100.0
+    bad = argparse.Namespace(inputs=[str(paths[0])], json=out, pool=False, eta="0,x")
+    assert staleness.merge_command(bad) == 2
+    none_left = argparse.Namespace(inputs=[str(paths[0])], json=out, pool=False, eta="7")
+    assert staleness.merge_command(none_left) == 2
 
 
 # ---------------------------------------------------------------- command smokes
