@@ -26,6 +26,11 @@ on the device until the end: one host synchronisation per call.
 
 A tensor of an odd number of bytes (int8, bool) puts the words after it off the
 tensors' own alignment: those tensors are joined into one copy and read from there.
+
+Tensors that lie back to back in one storage (the views of a flattened bucket, as an engine
+unpacks one) are read as one run: a kernel launch per bucket, not per tensor. On an H200
+the engine's digest of a 0.5B model's 290 views took 56 ms a push, inside the staging call,
+where one launch over the bucket reads it in under 1 ms.
 """
 
 from __future__ import annotations
@@ -90,8 +95,7 @@ def _word_runs(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
     joined copy until a tensor ends on a word boundary again (or the stream ends, padded
     with a zero byte)."""
     pending: list[torch.Tensor] = []
-    for tensor in tensors:
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    for data in _byte_runs(tensors):
         if not pending and data.numel() % 2 == 0:
             yield data.view(torch.int16)
             continue
@@ -102,6 +106,33 @@ def _word_runs(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
     if pending:
         last = torch.zeros(1, dtype=torch.uint8, device=pending[-1].device)
         yield torch.cat([*pending, last]).view(torch.int16)
+
+
+def _byte_runs(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The bytes of `tensors` as flat uint8 tensors, in order, each stretch of tensors that
+    follow one another in one storage as a single view over the stretch (empty tensors,
+    which add no bytes, left out)."""
+    run: torch.Tensor | None = None
+    for tensor in tensors:
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if data.numel() == 0:
+            continue
+        if run is not None and _follows(run, data):
+            run = run.as_strided((run.numel() + data.numel(),), (1,))
+            continue
+        if run is not None:
+            yield run
+        run = data
+    if run is not None:
+        yield run
+
+
+def _follows(run: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether `data`'s bytes start where `run`'s end, in the same storage."""
+    if data.device != run.device:
+        return False
+    same = data.untyped_storage().data_ptr() == run.untyped_storage().data_ptr()
+    return same and data.data_ptr() == run.data_ptr() + run.numel()
 
 
 def _chunk_sums(words: torch.Tensor) -> torch.Tensor:

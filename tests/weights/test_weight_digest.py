@@ -80,6 +80,42 @@ def test_a_bucket_and_its_tensors_back_to_back_have_one_digest():
     assert digest([flat]) == digest(tensors) == digest(layout.unpack(flat))
 
 
+def test_the_views_of_one_bucket_are_read_as_one_run_and_digest_as_the_bucket(monkeypatch):
+    """An engine digests a flattened bucket's views: those that follow one another in its
+    storage are one run of words (one kernel launch on a GPU), and the digest is the
+    bucket's; a copy, a gap or an empty tensor between them starts a new run or adds
+    nothing."""
+    tensors = [torch.randn(3, 5), torch.randn(2, 2), torch.randn(7).to(torch.bfloat16),
+               torch.ones(3, dtype=torch.bool), torch.randn(6)]  # fmt: skip
+    layout = FlatLayout([(tuple(t.shape), t.dtype) for t in tensors])
+    flat = torch.empty(layout.num_bytes, dtype=torch.uint8)
+    layout.pack(tensors, flat)
+    views = layout.unpack(flat)  # the last one, misaligned after the bools, is a copy
+    runs = []
+    real_word_runs = digest_module._word_runs
+
+    def recorded(ts):
+        for run in real_word_runs(ts):
+            runs.append(run)
+            yield run
+
+    monkeypatch.setattr(digest_module, "_word_runs", recorded)
+    assert digest(views) == digest([flat]) == digest(tensors)
+    runs.clear()
+    digest(views)
+    # The first four views are one stretch of the bucket, 93 bytes; its odd end joins the
+    # copy after it (24 bytes) and a padding byte: one run of words in all.
+    assert [r.numel() * 2 for r in runs] == [layout.num_bytes + 1]
+    runs.clear()
+    empty = flat[:0]
+    assert digest([views[0], empty, views[1]]) == digest([views[0], views[1]])
+    gap = [flat[:8], flat[16:24]]  # not back to back: two runs, the bytes of each
+    runs.clear()
+    separate = digest(gap)
+    assert len(runs) == 2
+    assert separate == digest([torch.cat(gap)])
+
+
 def test_no_kernel_is_built_for_the_cpu():
     assert digest_module.build_kernel("cpu") is False
 
