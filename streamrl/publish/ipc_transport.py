@@ -45,17 +45,24 @@ class IpcTransport(WeightTransport):
     _num_stages: int = 0
     _staging_s: float = 0.0
     _staging_parts: dict[str, float] = field(default_factory=dict)
+    _prepare_parts: dict[str, float] = field(default_factory=dict)
     _engine_pauses: dict[str, float] = field(default_factory=dict)
 
     async def prepare(self, engines: list[EngineClient], staged: Staged) -> None:
-        counts = await self.gpu_counts(engines)
-        self._gpu_counts = {engine.url: n for engine, n in zip(engines, counts, strict=True)}
-        self._digests = [await digest_of(bucket) for bucket in staged.buckets]
+        started = time.perf_counter()
+        unknown = [engine for engine in engines if engine.url not in self._gpu_counts]
+        if unknown:  # asked once per engine (`invalidate` and `drop` forget them)
+            counts = await self.gpu_counts(unknown)
+            self._gpu_counts |= {e.url: n for e, n in zip(unknown, counts, strict=True)}
         embedded = [engine for engine in engines if await engine.accepts_digest()]
+        asked = time.perf_counter()
+        self._digests = [await digest_of(bucket) for bucket in staged.buckets]
         self._num_stages += 1  # a resync of the same version stages afresh
         self._stage = f"v{staged.version}.{self._num_stages}"
         self._staging_parts = {}
-        started = time.perf_counter()
+        digested = time.perf_counter()
+        self._prepare_parts = {"server_info_s": asked - started, "digest_s": digested - asked}
+        started = digested
         for index, bucket in enumerate(staged.buckets):
             await self._hand_over(embedded, bucket, None, self._digests[index], False, stage=True)
         self._staging_s = time.perf_counter() - started
@@ -72,8 +79,17 @@ class IpcTransport(WeightTransport):
     def staging_parts(self) -> dict[str, float]:
         """Where the staging's time went, summed over the buckets (the slowest engine's each):
         `serialize_s` (the handles, here), `request_s` (each call's round trip), and the
-        engine's own `lock_s`, `map_s`, `digest_s` and `plan_s` (`engine_` before each)."""
-        return self._staging_parts
+        engine's own `lock_s`, `map_s`, `digest_s` and `plan_s` (`engine_` before each);
+        and, before the staging (not in `staging_s`), what `prepare` spent asking engines
+        it did not know yet for their GPU count and kind (`server_info_s`) and digesting
+        the buckets here (`digest_s`, which waits for the snapshot's copies)."""
+        return self._prepare_parts | self._staging_parts
+
+    def invalidate(self) -> None:
+        self._gpu_counts = {}
+
+    async def drop(self) -> None:
+        self._gpu_counts = {}
 
     @property
     def engine_pauses(self) -> dict[str, float]:

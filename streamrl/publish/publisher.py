@@ -48,7 +48,8 @@ class PublishRecord:
     """Handing the bytes over before any pause (staged updates: mapped, digest checked)."""
     broadcast_s: float = 0.0
     staging_parts: dict[str, float] = field(default_factory=dict)
-    """Where `staging_s` went (`WeightTransport.staging_parts`)."""
+    """Where `staging_s` went, and what the transport's preparation spent before it
+    (`WeightTransport.staging_parts`)."""
     num_bytes: int = 0
     num_engines: int = 0
     ok: bool = True

@@ -85,7 +85,8 @@ class WeightTransport(Protocol):
 
     @property
     def staging_parts(self) -> dict[str, float]:
-        """Where `staging_s` went, by part (seconds; empty where not measured)."""
+        """Where `staging_s` went, and what preparing it spent before, by part (seconds;
+        empty where not measured)."""
         return {}
 
     @property

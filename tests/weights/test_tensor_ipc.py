@@ -60,7 +60,7 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     import anyio
     from engine_helpers import running_engines, teacher_forced_logprobs
 
-    from streamrl.fleet.client import EngineClient
+    from streamrl.fleet.client import EngineClient, engine_gpu_counts
     from streamrl.models import build_random_model
     from streamrl.publish.ipc_transport import IpcTransport
     from streamrl.publish.publisher import WeightPublisher
@@ -69,9 +69,14 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0}
     weights: dict[str, torch.Tensor] = {}
     published: list[int] = []
+    asked: list[list[str]] = []
 
     async def on_published(version: int) -> None:
         published.append(version)
+
+    async def gpu_counts(engines: list[EngineClient]) -> list[int]:
+        asked.append([engine.url for engine in engines])
+        return await engine_gpu_counts(engines)
 
     pauses: list[str] = []
 
@@ -88,7 +93,7 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
                 weights=lambda: iter(weights.items()),
                 members=lambda: [client],
                 on_published=on_published,
-                transport=IpcTransport(),
+                transport=IpcTransport(gpu_counts=gpu_counts),
                 pause_mode="in_place",
                 bucket_bytes=256 * 1024,  # several buckets
             )
@@ -106,15 +111,18 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
     # Staged while generating, then loaded at one step boundary: never paused over HTTP;
     # the engine's own measure of its stand-still is the record's pause.
     assert pauses == []
+    assert asked == [[engine.url]]  # an engine's GPU count is asked once, not per update
     for record in publisher.records:
         assert 0 < record.engine_pause_s <= record.broadcast_s and record.staging_s > 0
         # Where the staging went: the engine's parts lie within the calls' round trips, which
-        # lie within the staging.
+        # lie within the staging; the publisher's own digest came before it.
         parts = record.staging_parts
-        assert set(parts) == {"serialize_s", "request_s", "engine_lock_s", "engine_map_s",
-                              "engine_digest_s", "engine_plan_s"}  # fmt: skip
+        assert set(parts) == {"server_info_s", "digest_s", "serialize_s", "request_s",
+                              "engine_lock_s", "engine_map_s", "engine_digest_s",
+                              "engine_plan_s"}  # fmt: skip
         engine_s = sum(seconds for part, seconds in parts.items() if part.startswith("engine_"))
         assert 0 < engine_s <= parts["request_s"] <= record.staging_s
+        assert parts["digest_s"] > 0 and parts["server_info_s"] >= 0
         assert record.as_metrics()["weights/staging/engine_map_s"] == parts["engine_map_s"]
     expected = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids, weights)
     assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
