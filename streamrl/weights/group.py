@@ -230,12 +230,17 @@ class FlatLayout:
         self.num_bytes = offset
 
     def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        """Copy `tensors` (matching the specs) into `out`, a uint8 tensor of `num_bytes`."""
+        """Copy `tensors` (matching the specs) into `out`, a uint8 tensor of `num_bytes`: as
+        bytes, all in one `_foreach_copy_` (on a GPU a few kernel launches for the bucket, not
+        one per tensor; a GPU shared with an engine's process runs each launch in turn)."""
+        sources, targets = [], []
         for tensor, offset, (shape, dtype) in zip(tensors, self.offsets, self.specs, strict=True):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(f"tensor {tuple(tensor.shape)} {tensor.dtype} != {shape} {dtype}")
-            source = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            out[offset : offset + source.numel()].copy_(source, non_blocking=True)
+            sources.append(tensor.detach().contiguous().view(-1).view(torch.uint8))
+            targets.append(out[offset : offset + sources[-1].numel()])
+        if sources:
+            torch._foreach_copy_(targets, sources, non_blocking=True)
 
     def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` as the packed tensors (a copy where an offset is misaligned)."""

@@ -129,6 +129,32 @@ def test_a_flattened_bucket_of_mixed_dtypes_arrives_intact_as_one_broadcast(tmp_
         assert torch.equal(received[name], tensor), name
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                       reason="needs CUDA")],
+        ),
+    ],
+)  # fmt: skip
+def test_a_bucket_packed_in_one_foreach_copy_holds_every_tensor_at_its_offset(device):
+    """The pack copies every tensor's bytes at once, misaligned offsets included (a 10-byte
+    bf16 tensor puts the next ones off their dtype's alignment), and a zero-size tensor."""
+    tensors = [t.to(device) for t in _tensors().values()]
+    tensors.insert(2, torch.empty(0, 3, device=device))
+    tensors += [torch.randn(4099, device=device).to(torch.bfloat16) for _ in range(40)]
+    layout = FlatLayout([(tuple(t.shape), t.dtype) for t in tensors])
+    flat = torch.full((layout.num_bytes,), 7, dtype=torch.uint8, device=device)
+    layout.pack(tensors, flat)
+    for tensor, packed in zip(tensors, layout.unpack(flat), strict=True):
+        assert packed.dtype == tensor.dtype and torch.equal(packed, tensor)
+    with pytest.raises(ValueError, match="!="):
+        layout.pack([tensors[1], *tensors[1:]], flat)
+
+
 def test_the_trainers_own_default_group_does_not_interfere(tmp_path, free_port):
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
