@@ -28,9 +28,9 @@ A tensor of an odd number of bytes (int8, bool) puts the words after it off the
 tensors' own alignment: those tensors are joined into one copy and read from there.
 
 Tensors that lie back to back in one storage (the views of a flattened bucket, as an engine
-unpacks one) are read as one run: a kernel launch per bucket, not per tensor. On an H200
-the engine's digest of a 0.5B model's 290 views took 56 ms a push, inside the staging call,
-where one launch over the bucket reads it in under 1 ms.
+unpacks one) are read as one run: a kernel launch per bucket, not per tensor. On an H200,
+beside 32 requests generating, an engine's digest of a 0.5B model's 290 views took 56 ms a
+push one launch per view, and 5.5-12 ms read as one run.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ class FlatLayout:
     def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """Copy `tensors` (matching the specs) into `out`, a uint8 tensor of `num_bytes`: as
         bytes, all in one `_foreach_copy_` (on a GPU a few kernel launches for the bucket, not
-        one per tensor; a GPU shared with an engine's process runs each launch in turn)."""
+        one per tensor)."""
         sources, targets = [], []
         for tensor, offset, (shape, dtype) in zip(tensors, self.offsets, self.specs, strict=True):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
