@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,13 @@ gc.set_threshold(_young, _middle, 1000)
 
 def pytest_collection_finish(session) -> None:
     gc.freeze()
+    # Torch work in the suite's own processes runs on one thread: on a 2-core machine the other
+    # core belongs to the other worker and the processes the tests start, and a second OpenMP
+    # thread there spins waiting for its share (tests/models and tests/backends took 8% less
+    # CPU on one thread). The processes the tests start set their own (`num_threads`).
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture
