@@ -117,7 +117,9 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (what `make test` uses) runs each module, with its module fixtures (a
     running engine, rank runs, a trained model), on one worker, and every module that names
     `pytest.mark.xdist_group("ray")` on the same worker as the others that do: they start Ray
-    instances and count Ray's daemons machine-wide, so two of them must not run at once.
+    instances and count Ray's daemons machine-wide, so two of them must not run at once. The
+    Megatron modules that fork ranks name `"megatron"`: one worker, one forkserver
+    (tests/backends/megatron/conftest.py).
 
     pytest-xdist's own loadgroup reads the group from a suffix it writes into each test's
     node id, which pytest 9.2 no longer lets it change (pytest-xdist issue 1386): every test

@@ -1,5 +1,9 @@
 """The Megatron room's fixture: `rank_runs`, the requesting test file's runs of itself as gloo
-ranks (`megatron_ranks.RankRuns`), stopped when its module ends."""
+ranks (`megatron_ranks.RankRuns`), stopped when its module ends.
+
+The modules that use it name `pytest.mark.xdist_group("megatron")`: their ranks are forked
+from one forkserver per test process (`forked_ranks`), which imports torch, transformers and
+megatron-core when it starts (about 7 CPU-s); on one pytest-xdist worker they share one."""
 
 from __future__ import annotations
 

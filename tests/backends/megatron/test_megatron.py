@@ -34,6 +34,9 @@ from streamrl.backends.megatron import convert
 from streamrl.backends.megatron.model import shape_from_hf
 from streamrl.models import build_random_model, random_config
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 TINY_SHAPES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 MODEL_NAMES = (*TINY_SHAPES, "llama-tiny-llama3-rope")
 NUM_STEPS = 4

@@ -29,6 +29,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_ranks import seeded_micro_batches, worker_main
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 RUN_TIMEOUT_S = 240.0
 NUM_STEPS = 12
 LAYOUTS = {

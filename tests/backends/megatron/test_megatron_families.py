@@ -24,6 +24,9 @@ from streamrl.backends.megatron import convert
 from streamrl.backends.megatron.families import shape_from_hf
 from streamrl.models import build_random_model, random_config
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 FAMILIES = ("glm4-tiny", "qwen3-moe-tiny", "glm4-moe-tiny", "deepseek-v3-tiny")
 MOE_FAMILIES = FAMILIES[1:]
 YARN = "deepseek-v3-tiny-yarn"

@@ -28,6 +28,9 @@ from megatron_ranks import (
     worker_main,
 )
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 NUM_STEPS = 4
 RUN_TIMEOUT_S = 300.0
 RANK, ALPHA = 4, 8.0

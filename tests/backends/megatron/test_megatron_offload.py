@@ -12,6 +12,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_ranks import worker_main
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 RUN_TIMEOUT_S = 300.0
 
 

@@ -31,6 +31,9 @@ from megatron_ranks import worker_main
 
 from streamrl.types import Sample
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 LOGPROB_TOL = 1e-5
 GRAD_REL_TOL = 1e-5
 TOKEN_BUDGET = 96

@@ -17,6 +17,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_ranks import hf_token_logprobs, seeded_micro_batches, worker_main
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 RUN_TIMEOUT_S = 240.0
 
 

@@ -24,6 +24,9 @@ from streamrl.backends.batching import pack_micro_batches
 from streamrl.fleet.results import parse_result
 from streamrl.types import Group, Sample, make_decoder, make_encoder
 
+# One worker forks every rank of this room (conftest.py of this room says why).
+pytestmark = pytest.mark.xdist_group("megatron")
+
 MODEL = "qwen3-moe-tiny"  # 2 layers, 8 experts, top-2
 RUN_TIMEOUT_S = 240.0
 
