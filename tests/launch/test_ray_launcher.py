@@ -178,10 +178,13 @@ def test_a_rollout_that_dies_under_ray_fails_the_run_with_its_log_and_no_orphans
     config_path = write_config(tmp_path, steps=2, extra=RAY)
     # A generate function that does not import is an error a restart would repeat (it stops
     # the run at once, tests/runs/test_run_failures.py); this one takes the process down instead.
+    # One restart under Ray, not the default three: each is another rollout process to start.
     generate = "tests.e2e_generate:exits_the_process"
-    result = streamrl_run(config_path, "--set", f"rollout.generate_fn={generate}")
+    result = streamrl_run(config_path, "--set", f"rollout.generate_fn={generate}",
+                          "--set", "rollout.max_restarts=1")  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
     assert "rollout (Ray node" in result.stderr and "exited with code" in result.stderr
+    assert "(after 1 restarts, rollout.max_restarts)" in result.stderr
     assert "the rollout process ends here" in result.stderr  # the tail of its log
     placed = json.loads((tmp_path / "out" / "ray.json").read_text())
     wait_all_gone(placed_pids(placed), timeout_s=10)
