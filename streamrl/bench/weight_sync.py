@@ -129,7 +129,8 @@ def weight_sync_command(args: argparse.Namespace) -> int:
                 f"{row['publish_s_mean'] * 1e3:,.1f} ms, stall "
                 f"{row['learner_stall_s_mean'] * 1e3:,.1f} ms, pause "
                 f"{row['engine_pause_s_mean'] * 1e3:,.1f} ms, {row['gb_per_s_mean']:.2f} GB/s"
-                + _staging_line(row["staging_parts_mean"]),
+                + _parts_line("staging", row["staging_parts_mean"])
+                + _parts_line("send", row["send_parts_mean"]),
                 file=sys.stderr,
                 flush=True,
             )
@@ -272,6 +273,14 @@ async def _measure(
     def median(key: str) -> float:
         return statistics.median(sample[key] for sample in timed)
 
+    def parts_mean(prefix: str) -> dict[str, float]:
+        """The mean of every `prefix` metric that each timed publish has, by part name."""
+        return {
+            key.removeprefix(prefix): mean(key)
+            for key in timed[0]
+            if key.startswith(prefix) and all(key in sample for sample in timed)
+        }
+
     return {
         "num_engines": count,
         "first_publish_s": samples[0]["publish_s"],
@@ -284,11 +293,8 @@ async def _measure(
         "staging_s_mean": mean("weights/staging_s"),
         "broadcast_s_mean": mean("weights/broadcast_s"),
         "gb_per_s_mean": num_bytes / (mean("weights/staging_s") + mean("weights/broadcast_s")) / GB,
-        "staging_parts_mean": {
-            key.removeprefix("weights/staging/"): mean(key)
-            for key in timed[0]
-            if key.startswith("weights/staging/") and all(key in s for s in timed)
-        },
+        "staging_parts_mean": parts_mean("weights/staging/"),
+        "send_parts_mean": parts_mean("weights/send/"),
         "median": {
             "publish_s": median("publish_s"),
             "learner_stall_s": median("weights/learner_stall_s"),
@@ -301,12 +307,12 @@ async def _measure(
     }
 
 
-def _staging_line(parts: dict[str, float]) -> str:
-    """'; staging: serialize 0.1 ms, request 30.2 ms, ...' (empty when nothing was staged)."""
+def _parts_line(what: str, parts: dict[str, float]) -> str:
+    """'; staging: serialize 0.1 ms, request 30.2 ms, ...' (empty when nothing was measured)."""
     if not parts:
         return ""
     text = ", ".join(f"{key.removesuffix('_s')} {s * 1e3:,.1f} ms" for key, s in parts.items())
-    return f"; staging: {text}"
+    return f"; {what}: {text}"
 
 
 async def _keep_generating(client, index: int) -> None:

@@ -360,21 +360,24 @@ class EngineCore:
         live weights at a step boundary, then set ``version``; returns `load_planned`'s pause.
 
         Every name and shape is checked first: ValueError and nothing copied if one is wrong."""
-        return await self.load_planned(self.runner.plan_weights(list(tensors)), version)
+        pause_s, _ = await self.load_planned(self.runner.plan_weights(list(tensors)), version)
+        return pause_s
 
-    async def load_planned(self, plan: list, version: str) -> float:
+    async def load_planned(self, plan: list, version: str) -> tuple[float, float]:
         """Apply a plan of `runner.plan_weights` (checked already, maybe long before) at one
-        step boundary and set ``version``. Returns the seconds the engine thread spent on it:
-        how long generation stood still for the update."""
+        step boundary and set ``version``. Returns the seconds the engine thread spent on it
+        (how long generation stood still for the update) and the seconds the update waited
+        for that step boundary (the step in flight, and the one it had launched behind it)."""
+        submitted = time.perf_counter()
 
-        def load() -> float:
+        def load() -> tuple[float, float]:
             if "weights" in self.occupation.released:
                 raise MemoryReleased("the engine's weights are released: resume them first")
             started = time.perf_counter()
             self.runner.load_weights(plan)
             self.scheduler.weight_version = version
             self.weights_are_stale = False
-            return time.perf_counter() - started
+            return time.perf_counter() - started, started - submitted
 
         return await self._call(load)
 

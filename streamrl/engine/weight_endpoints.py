@@ -19,8 +19,17 @@ and keeps the planned copy without loading anything, while the engine generates 
 buckets of one update share its `stage`; staging a new one drops an older one. Then
 `/load_staged_weights` with that `stage` copies all of them in at one step boundary and
 answers `engine_pause_s`, the time generation stood still: the copy alone, with no
-`pause_generation` around it. A staged call answers `timings`: the seconds it waited for
-the weight lock, mapped the tensors, digested them and planned the copy.
+`pause_generation` around it, and `engine_wait_s`, the wait for that step boundary. A
+staged call answers `timings`: the seconds it waited for the weight lock, mapped the
+tensors, laid the bucket out, digested it and planned the copy; and `kept`: whether the
+bucket was one kept from the last update (below), laid out and planned then.
+
+Once loaded, a staged update's buckets stay mapped (`_KeptBuckets`), with their layout and
+planned copy. The publisher stages every version in the same buffers, so the next update's
+handles name memory that is mapped already: torch finds the mapping open instead of opening
+it again, and a bucket laid out as before reuses its views and plan. They are let go when a
+staged call maps any other bucket, when weights arrive by another route, and when the engine
+stops; until then an engine that outlives its learner keeps the learner's last buffers mapped.
 
 Group calls run in worker threads: the event loop keeps serving and the core
 keeps generating while the trainer's broadcast arrives; only the in-place copy
@@ -35,6 +44,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +93,8 @@ class WeightEndpoints:
         """Inside update_weights_from_distributed's receive (reported by /get_load)."""
         self._side_stream = None  # created on first use, on the engine's GPU
         self._stage: str | None = None
-        self._staged: list[tuple[list, list]] = []  # per staged call: (plan, its tensors)
+        self._staged: list[_StagedBucket] = []
+        self._kept = _KeptBuckets()
 
     @property
     def core(self) -> EngineCore:
@@ -151,6 +162,7 @@ class WeightEndpoints:
             if body.get("abort_all_requests"):
                 self._abort_all()
             device = self.core.device if backend == "nccl" else "cpu"
+            self._kept.clear()
             self.is_receiving = True
             try:
                 tensors = await asyncio.to_thread(
@@ -171,6 +183,7 @@ class WeightEndpoints:
         async with self._lock:
             if body.get("abort_all_requests"):
                 self._abort_all()
+            self._kept.clear()
             try:
                 tensors = await asyncio.to_thread(_load_safetensors, Path(model_path))
             except Exception as exc:
@@ -200,41 +213,56 @@ class WeightEndpoints:
             timings.lap("lock_s")
             if body.get("abort_all_requests"):
                 self._abort_all()
+            if stage is None:
+                self._kept.clear()  # weights by another route: the next staging maps afresh
+            kept = None
             try:
                 tensors = await asyncio.to_thread(self._on_side_stream, _mapped, entries[0])
+                timings.lap("map_s")
                 if load_format == FLATTENED_BUCKET:
-                    tensors = _unflatten(tensors, body)
+                    key = _bucket_key(tensors, body)
+                    if stage is not None and key is not None:
+                        kept = self._kept.find(key)
+                    if kept is None:
+                        kept = _StagedBucket(_unflatten(tensors, body), key=key)
+                    tensors = kept.tensors
+                timings.lap("unflatten_s")
             except Exception as exc:
                 logger.exception("update_weights_from_tensor: bad payload")
                 return _weight_result(False, f"could not load serialized_named_tensors: {exc}")
-            timings.lap("map_s")
             try:
                 if stage is not None:
-                    return await self._keep_staged(str(stage), tensors, body, timings)
+                    staged = kept if kept is not None else _StagedBucket(tensors)
+                    return await self._keep_staged(str(stage), staged, body, timings)
                 return await self._apply(tensors, body, f"{len(tensors)} tensors by reference")
             finally:
-                del tensors  # release the sender's memory once copied (or staged)
+                del tensors, kept  # release the sender's memory once copied (or staged)
 
     async def _keep_staged(
-        self, stage: str, tensors: list, body: dict, timings: _Timings
+        self, stage: str, staged: _StagedBucket, body: dict, timings: _Timings
     ) -> web.Response:
-        """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`;
-        the answer's `timings` say where the call's time went (the publisher's
-        `weights/staging/*` metrics)."""
-        refused = await self._digest_refusal(tensors, body, f"stage {stage}")
+        """Check the tensors (digest, names, shapes) and keep their planned copy under `stage`
+        (a kept bucket's plan is checked already); the answer's `timings` say where the
+        call's time went (the publisher's `weights/staging/*` metrics)."""
+        if not self._kept.holds(staged):
+            self._kept.clear()  # another sender's or another layout's buffers: let them go
+        refused = await self._digest_refusal(staged.tensors, body, f"stage {stage}")
         if refused is not None:
             return refused
         timings.lap("digest_s")
-        try:
-            plan = self.core.runner.plan_weights(tensors)
-        except ValueError as exc:
-            return _weight_result(False, f"loading weights failed: {exc}")
+        kept = staged.plan is not None
+        if not kept:
+            try:
+                staged.plan = self.core.runner.plan_weights(staged.tensors)
+            except ValueError as exc:
+                return _weight_result(False, f"loading weights failed: {exc}")
         timings.lap("plan_s")
         if stage != self._stage:
             self._stage, self._staged = stage, []
-        self._staged.append((plan, tensors))
-        message = f"staged {len(tensors)} tensors by reference as {stage!r}"
-        return json_response({"success": True, "message": message, "timings": timings.laps})
+        self._staged.append(staged)
+        message = f"staged {len(staged.tensors)} tensors by reference as {stage!r}"
+        answer = {"success": True, "message": message, "timings": timings.laps, "kept": kept}
+        return json_response(answer)
 
     async def load_staged_weights(self, request: web.Request) -> web.Response:
         """Load every call staged under `stage` at one step boundary (see the module docstring)."""
@@ -246,14 +274,16 @@ class WeightEndpoints:
             staged, self._stage, self._staged = self._staged, None, []
             version = body.get("weight_version")
             version = self.core.weight_version if version is None else str(version)
-            plan = [entry for entry_plan, _ in staged for entry in entry_plan]
+            plan = [entry for bucket in staged for entry in bucket.plan]
             try:
-                pause_s = await self.core.load_planned(plan, version)
+                pause_s, wait_s = await self.core.load_planned(plan, version)
             except Exception as exc:
                 logger.exception("load_staged_weights failed")
                 return _weight_result(False, f"loading weights failed: {exc}")
             finally:
-                del staged, plan  # release the sender's memory
+                del plan
+            self._kept.keep(staged)
+            del staged
             self._after_load(body)
             what = f"stage {stage}"
             logger.info(
@@ -264,6 +294,7 @@ class WeightEndpoints:
                     "success": True,
                     "message": f"updated {what}; weight_version={version}",
                     "engine_pause_s": pause_s,
+                    "engine_wait_s": wait_s,
                 }
             )
 
@@ -328,6 +359,54 @@ class WeightEndpoints:
                 return _weight_result(False, f"no weight-update group {group_name!r}")
             await asyncio.to_thread(destroy_weight_update_group, entry[0])
         return _weight_result(True, f"destroyed weight-update group {group_name!r}")
+
+
+@dataclass
+class _StagedBucket:
+    """One staged call's named tensors (mapped from the sender) and their planned copy."""
+
+    tensors: list
+    key: tuple | None = None
+    """A flattened bucket's memory and layout (`_bucket_key`); None for other payloads."""
+    plan: list | None = None
+
+
+class _KeptBuckets:
+    """The buckets of the last staged update that loaded, still mapped, by `_bucket_key`
+    (see the module docstring). Only plain copies are kept: a plan that merges LoRA
+    adapters changes what it reads on every load."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple, _StagedBucket] = {}
+
+    def find(self, key: tuple) -> _StagedBucket | None:
+        return self._buckets.get(key)
+
+    def holds(self, bucket: _StagedBucket) -> bool:
+        """Whether `bucket` is one kept here (or nothing is kept, so nothing is to let go)."""
+        return not self._buckets or self._buckets.get(bucket.key) is bucket
+
+    def keep(self, buckets: list[_StagedBucket]) -> None:
+        plain = [b for b in buckets if b.key and all(isinstance(e, tuple) for e in b.plan or [])]
+        self._buckets = {bucket.key: bucket for bucket in plain}
+
+    def clear(self) -> None:
+        self._buckets = {}
+
+
+def _bucket_key(received: list, body: dict) -> tuple | None:
+    """What makes a flattened bucket the same as one mapped before: the same memory (address
+    and size of its one uint8 tensor) laid out under the same names, dtypes and shapes. None
+    for a payload that is not one bucket with its layout (`_unflatten` says what is wrong)."""
+    fields = [body.get(field) for field in ("names", "dtypes", "shapes")]
+    if len(received) != 1 or not all(isinstance(field, list) for field in fields):
+        return None
+    names, dtypes, shapes = fields
+    if not all(isinstance(shape, list) for shape in shapes):
+        return None
+    flat = received[0][1]
+    layout = (tuple(map(str, names)), tuple(map(str, dtypes)), tuple(map(tuple, shapes)))
+    return (str(flat.device), flat.data_ptr(), flat.numel(), *layout)
 
 
 class _Timings:

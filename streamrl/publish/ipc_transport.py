@@ -47,6 +47,7 @@ class IpcTransport(WeightTransport):
     _staging_parts: dict[str, float] = field(default_factory=dict)
     _prepare_parts: dict[str, float] = field(default_factory=dict)
     _engine_pauses: dict[str, float] = field(default_factory=dict)
+    _send_parts: dict[str, float] = field(default_factory=dict)
 
     async def prepare(self, engines: list[EngineClient], staged: Staged) -> None:
         started = time.perf_counter()
@@ -95,17 +96,32 @@ class IpcTransport(WeightTransport):
     def engine_pauses(self) -> dict[str, float]:
         return self._engine_pauses
 
+    @property
+    def send_parts(self) -> dict[str, float]:
+        """The slowest engine's each, for the staged loads: the `/load_staged_weights` round
+        trip (`load_request_s`) and, inside it, the engine's wait for a step boundary
+        (`engine_wait_s`) and the copy (`engine_pause_s`)."""
+        return self._send_parts
+
     async def send(self, engines: list[EngineClient], staged: Staged, *, flush_cache: bool) -> None:
-        self._engine_pauses = {}
+        self._engine_pauses, self._send_parts = {}, {}
         loading = [engine for engine in engines if engine.url in self._staged]
         others = [engine for engine in engines if engine.url not in self._staged]
 
         async def load(engine: EngineClient) -> None:
+            started = time.perf_counter()
             result = await engine.load_staged_weights(
                 self._stage, weight_version=staged.version, flush_cache=flush_cache
             )
             require_success(engine, result)
             self._engine_pauses[engine.url] = float(result.get("engine_pause_s", 0.0))
+            seen = {
+                "load_request_s": time.perf_counter() - started,
+                "engine_wait_s": float(result.get("engine_wait_s", 0.0)),
+                "engine_pause_s": self._engine_pauses[engine.url],
+            }
+            for key, seconds in seen.items():
+                self._send_parts[key] = max(self._send_parts.get(key, 0.0), seconds)
 
         try:
             await each_engine(loading, load, what="load_staged_weights")

@@ -50,6 +50,8 @@ class PublishRecord:
     staging_parts: dict[str, float] = field(default_factory=dict)
     """Where `staging_s` went, and what the transport's preparation spent before it
     (`WeightTransport.staging_parts`)."""
+    send_parts: dict[str, float] = field(default_factory=dict)
+    """Where `broadcast_s` went (`WeightTransport.send_parts`)."""
     num_bytes: int = 0
     num_engines: int = 0
     ok: bool = True
@@ -73,6 +75,7 @@ class PublishRecord:
             "weights/num_engines": self.num_engines,
             "weights/ok": self.ok,
             **{f"weights/staging/{part}": s for part, s in self.staging_parts.items()},
+            **{f"weights/send/{part}": s for part, s in self.send_parts.items()},
         }
 
 
@@ -227,6 +230,7 @@ class WeightPublisher:
             send_started = time.perf_counter()
             await self.transport.send(engines, staged, flush_cache=self.flushes_cache)
             record.broadcast_s = time.perf_counter() - send_started
+            record.send_parts = dict(self.transport.send_parts)
         finally:
             # Whatever failed (a pause, a send, one engine's continue), every paused engine is
             # asked to continue: the live ones generate on while the fleet restarts a dead one.

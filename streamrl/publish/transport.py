@@ -90,6 +90,11 @@ class WeightTransport(Protocol):
         return {}
 
     @property
+    def send_parts(self) -> dict[str, float]:
+        """Where the last `send` went, by part (seconds; empty where not measured)."""
+        return {}
+
+    @property
     def engine_pauses(self) -> dict[str, float]:
         """Per engine URL, how long the last `send` stood its generation still, as the engine
         measured it (staged updates; an engine paused around `send` is not in it)."""

@@ -118,12 +118,20 @@ async def test_the_publisher_hands_a_live_engine_its_weights_by_reference(tiny_m
         # lie within the staging; the publisher's own digest came before it.
         parts = record.staging_parts
         assert set(parts) == {"server_info_s", "digest_s", "serialize_s", "request_s",
-                              "engine_lock_s", "engine_map_s", "engine_digest_s",
-                              "engine_plan_s"}  # fmt: skip
+                              "engine_lock_s", "engine_map_s", "engine_unflatten_s",
+                              "engine_digest_s", "engine_plan_s"}  # fmt: skip
         engine_s = sum(seconds for part, seconds in parts.items() if part.startswith("engine_"))
         assert 0 < engine_s <= parts["request_s"] <= record.staging_s
         assert parts["digest_s"] > 0 and parts["server_info_s"] >= 0
         assert record.as_metrics()["weights/staging/engine_map_s"] == parts["engine_map_s"]
+        # And where the load went: the engine's wait for a step boundary and its copy lie
+        # within the call's round trip, which lies within the send.
+        sent = record.send_parts
+        assert set(sent) == {"load_request_s", "engine_wait_s", "engine_pause_s"}
+        assert sent["engine_pause_s"] == record.engine_pause_s and sent["engine_wait_s"] >= 0
+        assert sent["engine_wait_s"] + sent["engine_pause_s"] <= sent["load_request_s"]
+        assert sent["load_request_s"] <= record.broadcast_s
+        assert record.as_metrics()["weights/send/engine_wait_s"] == sent["engine_wait_s"]
     expected = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids, weights)
     assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) <= 1e-4
     served_before = teacher_forced_logprobs(tiny_model_dir, prompt, after.output_ids)
@@ -197,3 +205,63 @@ def test_weights_by_reference_need_the_engines_on_the_learners_gpu():
         config_from_dict({**base, "engine": {"num_engines": 2}})
     with pytest.raises(ConfigError, match=r"learner\.num_gpus = 1"):
         config_from_dict({**base, "learner": {"backend": "megatron", "num_gpus": 2}, "cluster": {}})
+
+
+@pytest.mark.anyio
+async def test_a_bucket_staged_again_from_the_same_buffer_reuses_its_plan_and_loads_new_values(
+    tiny_engine, tiny_model_dir
+):
+    """The publisher stages every version in the same buffers: the engine keeps the last
+    loaded buckets mapped and planned, and a bucket from the same memory with the same layout
+    is staged without planning again (`kept`) yet loads the values written there since. A
+    bucket from other memory is planned afresh, and a kept one is still digest-checked."""
+    from streamrl.fleet.client import EngineClient, EngineError
+    from streamrl.models import build_random_model
+    from streamrl.weights.digest import digest
+    from streamrl.weights.group import FLATTENED_BUCKET
+    from streamrl.weights.staging import Staging
+
+    prompt = [1, 504, 3458, 314, 253, 1380, 30, 2]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+        model = build_random_model("qwen3-tiny", seed=seed)
+        return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+    async with EngineClient(tiny_engine.url, timeout_s=120) as client:
+
+        async def publish(staging: Staging, seed: int, version: int) -> tuple[dict, list]:
+            (bucket,) = staging.pack(weights(seed))
+            staged = await client.update_weights_from_tensor(
+                [serialize_named_tensors([(FLATTENED_BUCKET, bucket.flat)])],
+                weights_digest=digest([bucket.flat]),
+                stage=f"v{version}",
+                flattened=(bucket.names, bucket.dtypes, bucket.shapes),
+            )
+            assert (await client.load_staged_weights(f"v{version}", weight_version=version))[
+                "success"
+            ]
+            answer = await client.generate(prompt, params)
+            assert answer.meta["weight_version"] == str(version)
+            return staged, answer.logprobs
+
+        reused = Staging(1 << 30, "cpu")
+        first, first_seed_1 = await publish(reused, seed=1, version=1)
+        second, seed_2 = await publish(reused, seed=2, version=2)
+        third, again_seed_1 = await publish(reused, seed=1, version=3)
+        elsewhere, elsewhere_seed_2 = await publish(Staging(1 << 30, "cpu"), seed=2, version=4)
+
+        (bucket,) = reused.pack(weights(3))
+        with pytest.raises(EngineError, match="digest_mismatch"):
+            await client.update_weights_from_tensor(
+                [serialize_named_tensors([(FLATTENED_BUCKET, bucket.flat)])],
+                weights_digest="0" * 32,
+                stage="v5",
+                flattened=(bucket.names, bucket.dtypes, bucket.shapes),
+            )
+    assert [first["kept"], second["kept"], third["kept"], elsewhere["kept"]] == [
+        False, True, True, False,
+    ]  # fmt: skip
+    assert again_seed_1 == first_seed_1 and elsewhere_seed_2 == seed_2
+    assert seed_2 != first_seed_1
+    assert "unflatten_s" in second["timings"] and "plan_s" in second["timings"]

@@ -75,9 +75,12 @@ def plan_copies(targets: dict, tensors: Iterable[tuple[str, torch.Tensor]]):
 
 @torch.no_grad()
 def copy_planned(plan) -> None:
-    """Copy each source into its destination view (dtype/device converted, in place)."""
-    for destination, source in plan:
-        destination.copy_(source, non_blocking=True)
+    """Copy each source into its destination view (dtype/device converted, in place), all in
+    one `_foreach_copy_`: on a GPU a few kernel launches for the whole update rather than
+    one per tensor (the 290 tensors of the 0.5B shape), while generation stands still."""
+    if plan:
+        destinations, sources = zip(*plan, strict=True)
+        torch._foreach_copy_(list(destinations), list(sources), non_blocking=True)
 
 
 def missing_names(targets: dict, names: Iterable[str], *, tied: bool) -> list[str]:
