@@ -77,7 +77,7 @@ conformance)
     STREAMRL_CONFORMANCE_BACKEND=gloo timeout 300 \
     python3 -m pytest tests/conformance -k "not router" -v -p no:cacheprovider 2>&1 |
     tee "$OUT/conformance_sglang_h200x1.txt" | tail -40
-  timeout 150 python3 -m streamrl --log-level warning bench pause --url http://127.0.0.1:30000 \
+  [ "${PAUSE_BENCH:-1}" = 0 ] || timeout 150 python3 -m streamrl --log-level warning bench pause --url http://127.0.0.1:30000 \
     --model /tmp/tiny --modes in_place,abort,retract,retract_abort --requests 64 --prompt-tokens 128 \
     --max-new-tokens 3500 --updates 5 --interval-s 0.3 --json "$OUT/sglang_pause_h200x1.json"
   curl -sf http://127.0.0.1:30000/health >/dev/null && echo "sglang still healthy"

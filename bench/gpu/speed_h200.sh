@@ -7,6 +7,13 @@
 #                                          reference (qwen2-0.5b and qwen2-1.5b, 32 requests of
 #                                          load), the digest's cost per GB, and engine_check's
 #                                          graphs_vs_eager section (~5 min)
+#   bench/gpu/speed_h200.sh kept OUT       carry .whl: the CUDA variants of the weight tests,
+#                                          then `streamrl bench weight-sync` by reference with
+#                                          the engine keeping the staged buckets mapped
+#                                          (qwen2-0.5b with 32 requests of load and with none,
+#                                          qwen2-1.5b with 32), then 12 steps of
+#                                          bench/configs/gpu_1gpu.toml with the torch learner
+#                                          (the publish metrics of a run) (~5 min)
 #   bench/gpu/speed_h200.sh megatron OUT   (wheels installed by an earlier call):
 #                                          bench/gpu/megatron_check.py's throughput and 32k
 #                                          micro-batch sections (~5 min)
@@ -18,7 +25,7 @@
 # Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
 # come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
 set -uo pipefail
-PART=${1:?usage: speed_h200.sh weights|megatron|engine OUT}
+PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine OUT}
 OUT=$(mkdir -p "${2:?usage: speed_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -43,6 +50,20 @@ weights)
   run timeout 120 python3 bench/gpu/digest_check.py --out "$OUT/digest_h200x1.json"
   run timeout 200 python3 bench/gpu/engine_check.py --sections graphs_vs_eager \
     --out "$OUT/engine_check_graphs_h200x1.json" >/dev/null
+  ;;
+kept)
+  run timeout 150 python3 -m pytest -q -p no:cacheprovider tests/weights/test_weight_sync.py \
+    tests/weights/test_weight_digest.py -k cuda 2>&1 | tail -5
+  for load in "qwen2-0.5b 32" "qwen2-0.5b 0" "qwen2-1.5b 32"; do
+    set -- $load
+    run timeout 200 python3 -m streamrl --log-level warning bench weight-sync --shape "$1" \
+      --backend ipc --engines 1 --repeats 5 --load-requests "$2" --work-dir /tmp/wsb \
+      --json "$OUT/weight_sync_${1}_h200x1_ipc_kept_load$2.json"
+  done
+  run timeout 300 python3 -m streamrl run bench/configs/gpu_1gpu.toml --set learner.backend=torch \
+    --set train.steps=12 --set train.output_dir=/tmp/run-kept >"$OUT/run_kept.log.txt" 2>&1
+  cp /tmp/run-kept/metrics.jsonl "$OUT/run_kept_metrics.jsonl" 2>/dev/null
+  tail -5 "$OUT/run_kept.log.txt"
   ;;
 megatron)
   run timeout 560 python3 bench/gpu/megatron_check.py ${MEGATRON_ARGS:-} \
