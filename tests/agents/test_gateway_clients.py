@@ -264,7 +264,9 @@ async def test_smollm2_writes_a_tool_call_that_both_apis_return_and_its_result_f
         *demonstration("What is 345 + 289?", "print(345 + 289)", "634", "d2"),
         *demonstration("What is 91 - 17?", "print(91 - 17)", "74", "d3"),
     ]
-    with running_engines("smollm2", tmp_path) as processes:
+    # One request at a time: one KV slot. The default 64 slots of 2048 rows are 6 GB of
+    # float32 cache for SmolLM2's 30 layers, which the engine zeroes at start (6 CPU-s).
+    with running_engines("smollm2", tmp_path, extra_args=["--max-batch-size", "1"]) as processes:
         async with RecordingEngineSet([processes[0].url]) as engines:
             ctx = context(engines, tokenizer, max_new_tokens=40, temperature=0.0)
             async with open_session(ctx) as session:
