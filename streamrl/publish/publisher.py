@@ -52,6 +52,8 @@ class PublishRecord:
     (`WeightTransport.staging_parts`)."""
     send_parts: dict[str, float] = field(default_factory=dict)
     """Where `broadcast_s` went (`WeightTransport.send_parts`)."""
+    snapshot_parts: dict[str, float] = field(default_factory=dict)
+    """Where `snapshot_s` went on a GPU (`Staging.last_parts`)."""
     num_bytes: int = 0
     num_engines: int = 0
     ok: bool = True
@@ -76,6 +78,7 @@ class PublishRecord:
             "weights/ok": self.ok,
             **{f"weights/staging/{part}": s for part, s in self.staging_parts.items()},
             **{f"weights/send/{part}": s for part, s in self.send_parts.items()},
+            **{f"weights/snapshot/{part}": s for part, s in self.snapshot_parts.items()},
         }
 
 
@@ -142,6 +145,7 @@ class WeightPublisher:
             version=version,
             snapshot_s=time.perf_counter() - stage_started,
             num_bytes=staged.num_bytes,
+            snapshot_parts=dict(self._staging.last_parts),
         )
         record.learner_stall_s = time.perf_counter() - started
         self._start(staged, record)

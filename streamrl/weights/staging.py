@@ -9,6 +9,7 @@ rank stages its own (`streamrl.weights.stages`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,10 @@ class Staging:
 
     bucket_bytes: int
     device: str
+    last_parts: dict[str, float] = field(default_factory=dict)
+    """Where the last `pack` went on a GPU: `wait_s`, the work queued on the device before it
+    (the learner's step, still running), and `copy_s`, the snapshot itself (producing the
+    tensors, e.g. a cast to the compute dtype, and packing them)."""
     _buffers: list[torch.Tensor] = field(default_factory=list)
 
     def pack(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[Bucket]:
@@ -49,6 +54,11 @@ class Staging:
         buckets: list[Bucket] = []
         pending: list[tuple[str, torch.Tensor]] = []
         pending_bytes = 0
+        on_gpu = torch.device(self.device).type == "cuda"
+        started = time.perf_counter()
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        waited = time.perf_counter()
         with torch.no_grad():
             for name, tensor in weights:
                 nbytes = tensor.numel() * tensor.element_size()
@@ -59,8 +69,12 @@ class Staging:
                 pending_bytes += nbytes
             if pending:
                 buckets.append(self._pack(len(buckets), pending))
-        if torch.device(self.device).type == "cuda":
+        if on_gpu:
             torch.cuda.synchronize(self.device)  # the stall is the copy's real cost
+            self.last_parts = {
+                "wait_s": waited - started,
+                "copy_s": time.perf_counter() - waited,
+            }
         return buckets
 
     def _pack(self, index: int, named: list[tuple[str, torch.Tensor]]) -> Bucket:

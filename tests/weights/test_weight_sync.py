@@ -21,6 +21,7 @@ from streamrl.weights.group import (
     init_weight_update_group,
     torch_dtype,
 )
+from streamrl.weights.staging import Staging
 
 _RECEIVER = textwrap.dedent(
     """
@@ -399,3 +400,32 @@ async def test_a_member_that_dies_before_joining_fails_the_update_at_once(tiny_m
 
 async def _ones(engines) -> list[int]:
     return [1] * len(engines)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                       reason="needs CUDA")],
+        ),
+    ],
+)  # fmt: skip
+def test_a_snapshot_on_a_gpu_says_how_long_it_waited_for_queued_work_and_how_long_it_copied(
+    device,
+):
+    """`Staging.last_parts` on a GPU: the wait for what was queued before the snapshot (here a
+    chain of matrix products) and the snapshot itself, each measured; on the CPU, nothing."""
+    staging = Staging(bucket_bytes=1 << 20, device=device)
+    x = torch.randn(512, 512, device=device)
+    for _ in range(20):
+        x = x @ x / 512  # queued on the device before the snapshot
+    (bucket,) = staging.pack([("x", x)])
+    assert torch.equal(bucket.layout.unpack(bucket.flat)[0], x)
+    if device == "cpu":
+        assert staging.last_parts == {}
+    else:
+        assert set(staging.last_parts) == {"wait_s", "copy_s"}
+        assert all(seconds >= 0 for seconds in staging.last_parts.values())
