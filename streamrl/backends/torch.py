@@ -247,10 +247,12 @@ class TorchBackend:
             yield from peft_adapters.wire_tensors(self.model, self.dtype)
             return
 
+        # Built once: a dict of the parameters per parameter cost 170 ms a snapshot at 0.5B.
+        distinct = dict(self.model.named_parameters())
         tied = {
             name
             for name, _ in self.model.named_parameters(remove_duplicate=False)
-            if name not in dict(self.model.named_parameters())
+            if name not in distinct
         }
         for name, tensor in checkpoint_views(self.model).items():
             if name not in tied:
