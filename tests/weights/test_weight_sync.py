@@ -23,6 +23,16 @@ from streamrl.weights.group import (
 )
 from streamrl.weights.staging import Staging
 
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs CUDA")],
+    ),
+]  # fmt: skip
+"""Tests that run on the CPU here and on a GPU where there is one."""
+
 _RECEIVER = textwrap.dedent(
     """
     import json, sys
@@ -130,17 +140,7 @@ def test_a_flattened_bucket_of_mixed_dtypes_arrives_intact_as_one_broadcast(tmp_
         assert torch.equal(received[name], tensor), name
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                       reason="needs CUDA")],
-        ),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_bucket_packed_in_one_foreach_copy_holds_every_tensor_at_its_offset(device):
     """The pack copies every tensor's bytes at once, misaligned offsets included (a 10-byte
     bf16 tensor puts the next ones off their dtype's alignment), and a zero-size tensor."""
@@ -402,17 +402,7 @@ async def _ones(engines) -> list[int]:
     return [1] * len(engines)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                       reason="needs CUDA")],
-        ),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_snapshot_on_a_gpu_says_how_long_it_waited_for_queued_work_and_how_long_it_copied(
     device,
 ):
