@@ -87,6 +87,18 @@ def tiny_engine(tiny_model_dir, tmp_path_factory):
     engine.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_split_engine(tiny_model_dir, tmp_path_factory):
+    """`tiny_engine` split in two processes (`--http-process on`: HTTP in one, the model in
+    its child); tests that use it put it back themselves (`SharedEngine.put_back`)."""
+    from engine_helpers import SharedEngine
+
+    log_dir = tmp_path_factory.mktemp("tiny-split-engine")
+    engine = SharedEngine(tiny_model_dir, log_dir, extra_args=["--http-process", "on"])
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture(autouse=True)
 def _tiny_engine_put_back(request):
     """After each test that used `tiny_engine`, directly or through another fixture: the

@@ -66,9 +66,10 @@ class SharedEngine:
     or a request that will not end) is replaced by a new one on the same port, and the test
     that left it so gets an error."""
 
-    def __init__(self, model_dir: str, log_dir: Path) -> None:
+    def __init__(self, model_dir: str, log_dir: Path, extra_args: Sequence[str] = ()) -> None:
         self.model_dir = model_dir
         self.log_dir = log_dir
+        self.extra_args = list(extra_args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.num_starts = 0
@@ -80,7 +81,7 @@ class SharedEngine:
         self.num_starts += 1
         argv = streamrl_argv(
             "engine", "serve", "--model", self.model_dir, "--port", str(self.port),
-            "--num-threads", "1",
+            "--num-threads", "1", *self.extra_args,
         )  # fmt: skip
         log_path = self.log_dir / f"engine-{self.port}-{self.num_starts}.log"
         process = spawn(f"engine-{self.port}", argv, log_path=log_path)

@@ -18,14 +18,19 @@
 #                                          bench/gpu/megatron_check.py's throughput and 32k
 #                                          micro-batch sections (~5 min)
 #   bench/gpu/speed_h200.sh engine OUT     carry .sgl: `streamrl bench engine`, the embedded
-#                                          engine over HTTP, SGLang and in-process, 64/256/512
+#                                          engine over HTTP (in two processes), SGLang and
+#                                          in-process, 64/256/512
 #                                          requests x 128 + 256 tokens, a warm-up round and 3
 #                                          measured rounds per count (~6 min)
+#   bench/gpu/speed_h200.sh http OUT       `streamrl bench engine` for the embedded engine over
+#                                          HTTP only, 64/256/512 requests: in one process, in
+#                                          two (--http-process on), in two with a GIL switch
+#                                          interval of 0.1 ms; then in-process (~5 min)
 #
 # Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
 # come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
 set -uo pipefail
-PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine OUT}
+PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine|http OUT}
 OUT=$(mkdir -p "${2:?usage: speed_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -78,12 +83,25 @@ engine)
   run timeout 570 python3 -m streamrl --log-level warning bench engine \
     --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
     --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
-    --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
+    --embedded-args "--http-process on" --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
 --cuda-graph-max-bs 512 --mem-fraction-static 0.8" \
     --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"
   for name in embedded sglang; do
     tail -30 "/tmp/bench-engine/$name.log" >"$OUT/engine_h200x1_$name.log.txt" 2>/dev/null
   done
+  ;;
+http)
+  bench_http() {  # NAME EXTRA-ENGINE-ARGS [ENGINES]
+    run timeout 150 python3 -m streamrl --log-level warning bench engine \
+      --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
+      --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
+      --engines "${3:-embedded}" --embedded-args "$2" --work-dir /tmp/bench-engine \
+      --json "$OUT/engine_http_$1_h200x1.json"
+  }
+  bench_http one-process "--http-process off"
+  bench_http two-processes "--http-process on"
+  bench_http two-processes-switch0.1 "--http-process on --switch-interval-ms 0.1"
+  bench_http in-process "" in-process
   ;;
 *)
   echo "unknown part '$PART' (see the header of $0)" >&2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -66,8 +67,9 @@ class Request:
     params: SamplingParams
     return_routed_experts: bool = False
     on_tokens: Callable[[list[int], list[float], list[str]], None] | None = None
-    """Streaming: called on the caller's event loop with the output tokens (ids, logprobs,
-    versions) produced since its previous call, after each output token that SGLang's
+    """Streaming: called with the output tokens (ids, logprobs, versions) produced since its
+    previous call (on the caller's event loop for `generate`, on the engine thread for
+    `submit`), after each output token that SGLang's
     interval rule marks (token k when k % stream_interval == 1; every token at 1), except
     the token that ends the request: it, and any after the last mark, come only in the
     final `Output`. None: only the final `Output`."""
@@ -274,10 +276,13 @@ class EngineCore:
             raise MemoryReleased(self.memory_refusal)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in requests]
-        seqs = [
-            self._sequence(request, loop, future)
-            for request, future in zip(requests, futures, strict=True)
-        ]
+        seqs = []
+        for request, future in zip(requests, futures, strict=True):
+            on_tokens = request.on_tokens
+            if on_tokens is not None:
+                on_tokens = functools.partial(_call_threadsafe, loop, on_tokens)
+            resolve = functools.partial(_resolve_output, loop, future)
+            seqs.append(self._sequence(request, resolve, on_tokens))
         self._submit(_Arrival(seqs))
         try:
             return list(await asyncio.gather(*futures))
@@ -286,44 +291,50 @@ class EngineCore:
                 self.abort(request.rid)
             raise
 
+    def submit(self, requests: list[Request], on_output: Callable[[Output], None]) -> None:
+        """`generate` for a caller with no event loop (`streamrl.engine.bridge`): returns at
+        once; ``on_output`` (each request's `Output`) and every `Request.on_tokens` are called
+        on the engine thread, so they must be quick and must not block. Raises as `generate`
+        does, before anything runs; `abort` by rid."""
+        self.check(requests)
+        if self.memory_refusal:
+            raise MemoryReleased(self.memory_refusal)
+        self._submit(_Arrival([self._sequence(r, on_output, r.on_tokens) for r in requests]))
+
     def check(self, requests: list[Request]) -> None:
         """ValueError for an empty prompt, token ids outside the vocabulary, or a prompt
         that leaves no room under ``max_seq_len``."""
-        vocab_size = self.model_info["vocab_size"]
-        for request in requests:
-            if not request.input_ids:
-                raise ValueError(f"request {request.rid!r} has an empty prompt")
-            # An out-of-range id would trip a device-side assert, fatal to a CUDA context.
-            if min(request.input_ids) < 0 or max(request.input_ids) >= vocab_size:
-                raise ValueError(f"request {request.rid!r} has token ids outside [0, {vocab_size})")
-            if len(request.input_ids) >= self.max_seq_len:
-                raise ValueError(
-                    f"request {request.rid!r}: prompt of {len(request.input_ids)} tokens leaves no room "
-                    f"under max_seq_len {self.max_seq_len}"
-                )
+        check_requests(requests, self.model_info["vocab_size"], self.max_seq_len)
 
-    def _sequence(self, request: Request, loop, future) -> Sequence:
+    def _sequence(
+        self,
+        request: Request,
+        on_output: Callable[[Output], None],
+        on_tokens: Callable[[list[int], list[float], list[str]], None] | None,
+    ) -> Sequence:
+        """The scheduler's sequence for ``request``; both callbacks run on the engine thread."""
         params = request.params
 
         def on_finish(seq: Sequence) -> None:
-            output = Output(
-                rid=seq.rid,
-                output_ids=list(seq.output_ids),
-                logprobs=list(seq.logprobs),
-                versions=list(seq.versions),
-                finish_reason=dict(seq.finish_reason or {}),
-                prompt_tokens=len(seq.prompt_ids),
-                cached_tokens=seq.cached_tokens,
-                routed_experts=_routed_experts(seq),
+            on_output(
+                Output(
+                    rid=seq.rid,
+                    output_ids=list(seq.output_ids),
+                    logprobs=list(seq.logprobs),
+                    versions=list(seq.versions),
+                    finish_reason=dict(seq.finish_reason or {}),
+                    prompt_tokens=len(seq.prompt_ids),
+                    cached_tokens=seq.cached_tokens,
+                    routed_experts=_routed_experts(seq),
+                )
             )
-            _resolve_threadsafe(loop, future, result=output)
 
         checker = None
         if params.stop:
             checker = StopStringChecker(params.stop, self._decode)
         on_token = None
-        if request.on_tokens is not None:
-            on_token = _StreamTap(request.on_tokens, request.stream_interval, loop)
+        if on_tokens is not None:
+            on_token = _StreamTap(on_tokens, request.stream_interval)
         return Sequence(
             rid=request.rid,
             prompt_ids=list(request.input_ids),
@@ -434,14 +445,13 @@ class _Arrival:
 
 
 class _StreamTap:
-    """A streamed request's tokens on the engine thread, handed to the caller's loop only at
-    the tokens the interval rule marks (`Request.on_tokens`): one cross-thread wake-up of the
-    HTTP thread per event it sends, not one per token."""
+    """A streamed request's tokens on the engine thread, handed on only at the tokens the
+    interval rule marks (`Request.on_tokens`): for `generate`, one cross-thread wake-up of
+    the HTTP thread per event it sends, not one per token."""
 
-    def __init__(self, deliver: Callable, interval: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, deliver: Callable, interval: int):
         self.deliver = deliver
         self.interval = interval
-        self.loop = loop
         self.num_tokens = 0
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -455,9 +465,17 @@ class _StreamTap:
         if self.interval == 1 or self.num_tokens % self.interval == 1:
             batch = self.ids, self.logprobs, self.versions
             self.ids, self.logprobs, self.versions = [], [], []
-            # RuntimeError: the caller's loop is closed, so nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.deliver, *batch)
+            self.deliver(*batch)
+
+
+def _call_threadsafe(loop: asyncio.AbstractEventLoop, function: Callable, *args) -> None:
+    # RuntimeError: the caller's loop is closed, so nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(function, *args)
+
+
+def _resolve_output(loop: asyncio.AbstractEventLoop, future, output: Output) -> None:
+    _resolve_threadsafe(loop, future, result=output)
 
 
 def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | None = None) -> None:
@@ -469,9 +487,23 @@ def _resolve_threadsafe(loop, future, *, result=None, error: BaseException | Non
         else:
             future.set_result(result)
 
-    # RuntimeError: the caller's loop is closed, so nobody is waiting any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(resolve)
+    _call_threadsafe(loop, resolve)
+
+
+def check_requests(requests: list[Request], vocab_size: int, max_seq_len: int) -> None:
+    """`EngineCore.check`'s rules, for anything that knows the engine's vocabulary size and
+    ``max_seq_len`` (the HTTP process of a split engine checks before sending)."""
+    for request in requests:
+        if not request.input_ids:
+            raise ValueError(f"request {request.rid!r} has an empty prompt")
+        # An out-of-range id would trip a device-side assert, fatal to a CUDA context.
+        if min(request.input_ids) < 0 or max(request.input_ids) >= vocab_size:
+            raise ValueError(f"request {request.rid!r} has token ids outside [0, {vocab_size})")
+        if len(request.input_ids) >= max_seq_len:
+            raise ValueError(
+                f"request {request.rid!r}: prompt of {len(request.input_ids)} tokens leaves no room "
+                f"under max_seq_len {max_seq_len}"
+            )
 
 
 def _eos_token_ids(tokenizer, config) -> set[int]:

@@ -71,6 +71,21 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             "the longest the engine thread waits for the GIL while the HTTP thread works",
         ),
     ] = 0.5
+    http_process: Annotated[
+        Literal["auto", "on", "off"],
+        Meta(
+            description="answer HTTP in a process of its own, the model in a child process, "
+            "generation between them over ZeroMQ, so that parsing and rendering never hold "
+            "the engine thread's GIL (auto: on CUDA)"
+        ),
+    ] = "auto"
+    bridge: Annotated[
+        str,
+        Meta(
+            description="set by the HTTP process of --http-process for its engine process: "
+            "the directory of the ZeroMQ sockets to serve generation on (empty: none)"
+        ),
+    ] = ""
 
     @property
     def compile_elementwise(self) -> bool | None:

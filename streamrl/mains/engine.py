@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import subprocess
 import sys
 import threading
 
 from aiohttp import web
 
 from streamrl.engine.options import EngineOptions
-from streamrl.process import no_full_collections
+from streamrl.process import die_with_parent, free_port, no_full_collections, streamrl_argv
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,20 @@ def serve_command(args) -> int:
     # are installed, between removing them and ignoring the signal, after the loop closes)
     # when the default action kills the process with -15 in place of exit code 0.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    main = serve_split if _splits(options) else serve
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(serve(options))
+        return runner.run(main(options))
+
+
+def _splits(options: EngineOptions) -> bool:
+    """Whether this process answers HTTP only, with the model in a child (`--http-process`)."""
+    if options.bridge or options.http_process == "off":
+        return False
+    if options.http_process == "on":
+        return True
+    from streamrl.models import devices  # imports torch, which starts a thread
+
+    return devices.resolve_device(options.device).type == "cuda"
 
 
 def _take_stop_signals(loop: asyncio.AbstractEventLoop, on_signal) -> None:
@@ -74,7 +88,9 @@ def event_loop_factory():
 
 async def serve(options: EngineOptions) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0), or until loading the model fails (1).
-    The caller has blocked STOP_SIGNALS in every thread (`serve_command`)."""
+    The caller has blocked STOP_SIGNALS in every thread (`serve_command`). With
+    `options.bridge` (the engine process of a split engine) generation is also served to
+    the HTTP process over ZeroMQ (`streamrl.engine.bridge`)."""
     with no_full_collections():  # until loaded (then `freeze_loaded_objects` collects once)
         from streamrl.engine.app import EngineServer  # imports torch, which starts a thread
 
@@ -84,19 +100,21 @@ async def serve(options: EngineOptions) -> int:
         await runner.setup()
         site = web.TCPSite(runner, options.host, options.port)
         await site.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        threading.Thread(
-            target=_take_stop_signals, args=(loop, stop.set), name="stop-signals", daemon=True
-        ).start()
+        stop = _stop_event()
         load = asyncio.create_task(server.load())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait([load, stopping], return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0
+    bridge = None
     if load.done() and load.exception() is not None:
         logger.error("loading the engine failed", exc_info=load.exception())
         exit_code = 1
     elif load.done():
+        if options.bridge:
+            from streamrl.engine.bridge import CoreBridge, addresses
+
+            bridge = CoreBridge(server.core, *addresses(options.bridge))
+            bridge.start()
         logger.info(
             "engine ready at http://%s:%d (model %s)", options.host, options.port, options.model
         )
@@ -105,5 +123,64 @@ async def serve(options: EngineOptions) -> int:
         load.cancel()
     logger.info("shutting down")  # a second signal only sets `stop` again
     await server.close()
+    if bridge is not None:
+        await bridge.close()
     await runner.cleanup()
     return exit_code
+
+
+async def serve_split(options: EngineOptions) -> int:
+    """`serve` split in two processes (`streamrl.engine.front`): this one answers HTTP, its
+    child runs the model. Exit code 0 on SIGTERM/SIGINT; 1 when the child fails to load or
+    exits on its own (a dead engine is never served as a live one)."""
+    from streamrl.engine.front import FrontServer  # imports torch, which starts a thread
+
+    front = FrontServer(options, engine_port=free_port())
+    logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
+    runner = web.AppRunner(front.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+    stop = _stop_event()
+    # Its output goes to this process's; started from the event loop's (main) thread, as
+    # PDEATHSIG follows the thread that forked.
+    engine = subprocess.Popen(
+        streamrl_argv("engine", "serve", *front.engine_options().to_argv()),
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    start = asyncio.create_task(front.start(engine))
+    ending = [asyncio.create_task(stop.wait()), asyncio.create_task(front.engine_exit.wait())]
+    await asyncio.wait([start, *ending], return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if start.done() and start.exception() is not None:
+        logger.error("starting the engine process failed: %s", start.exception())
+        exit_code = 1
+    elif start.done():
+        logger.info(
+            "engine ready at http://%s:%d (model %s; HTTP in process %d, the model in %d)",
+            options.host, options.port, options.model, os.getpid(), front.engine.pid,
+        )  # fmt: skip
+        await asyncio.wait(ending, return_when=asyncio.FIRST_COMPLETED)
+        if front.engine_exit.is_set() and not stop.is_set():
+            exit_code = 1  # the engine process died on its own
+    else:
+        start.cancel()
+        if front.engine_exit.is_set() and not stop.is_set():
+            exit_code = 1
+    logger.info("shutting down")
+    await front.close()
+    await runner.cleanup()
+    for task in ending:
+        task.cancel()
+    return exit_code
+
+
+def _stop_event() -> asyncio.Event:
+    """Set by SIGTERM/SIGINT (taken by a thread of its own for the life of the process)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    threading.Thread(
+        target=_take_stop_signals, args=(loop, stop.set), name="stop-signals", daemon=True
+    ).start()
+    return stop

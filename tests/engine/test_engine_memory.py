@@ -1,5 +1,6 @@
 """The embedded engine's memory handoff over real HTTP (`/release_memory_occupation`,
-`/resume_memory_occupation`) on the session's shared engine."""
+`/resume_memory_occupation`) on the session's shared engine, in one process and in two (a
+refusal then comes from the model's process over the bridge)."""
 
 from __future__ import annotations
 
@@ -24,21 +25,21 @@ async def _wait_for(url: str, count: str) -> None:
 
 
 @pytest.fixture
-async def client(tiny_engine):
-    async with EngineClient(tiny_engine.url, timeout_s=120) as client:
+async def client(engine):
+    async with EngineClient(engine.url, timeout_s=120) as client:
         yield client
 
 
 async def test_a_release_frees_weights_and_kv_cache_and_generate_is_refused_until_weights_come_back(
-    tiny_engine, client
+    engine, client
 ):
     before = await client.generate(PROMPT, GREEDY)
-    resident = engine_load(tiny_engine.url)["resident_bytes"]
+    resident = engine_load(engine.url)["resident_bytes"]
     assert resident["weights"] > 0 and resident["kv_cache"] > 0
 
     answer = await client.release_memory_occupation()
     assert answer["released_bytes"] == resident["weights"] + resident["kv_cache"]
-    load = engine_load(tiny_engine.url)
+    load = engine_load(engine.url)
     assert load["resident_bytes"] == {"weights": 0, "kv_cache": 0}
     assert load["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
     with pytest.raises(EngineError) as refused:
@@ -47,22 +48,22 @@ async def test_a_release_frees_weights_and_kv_cache_and_generate_is_refused_unti
     assert (await client.health_generate()) is None  # a handed-over engine is healthy
 
     await client.resume_memory_occupation()
-    assert engine_load(tiny_engine.url)["resident_bytes"] == resident
+    assert engine_load(engine.url)["resident_bytes"] == resident
     with pytest.raises(EngineError) as stale:  # the values did not survive the release
         await client.generate(PROMPT, GREEDY)
     assert stale.value.status == 400 and "not updated" in stale.value.body
 
-    pushed = await client.update_weights_from_disk(tiny_engine.model_dir, weight_version="default")
+    pushed = await client.update_weights_from_disk(engine.model_dir, weight_version="default")
     assert pushed["success"] is True
     after = await client.generate(PROMPT, GREEDY)
     assert after.output_ids == before.output_ids
     assert after.logprobs == before.logprobs
 
 
-async def test_a_kv_cache_release_alone_keeps_the_weights_and_needs_no_push(tiny_engine, client):
+async def test_a_kv_cache_release_alone_keeps_the_weights_and_needs_no_push(engine, client):
     before = await client.generate(PROMPT, GREEDY)
     await client.release_memory_occupation(["kv_cache"])
-    load = engine_load(tiny_engine.url)
+    load = engine_load(engine.url)
     assert load["resident_bytes"]["kv_cache"] == 0 and load["resident_bytes"]["weights"] > 0
     await client.resume_memory_occupation(["kv_cache"])
     after = await client.generate(PROMPT, GREEDY)
@@ -70,12 +71,12 @@ async def test_a_kv_cache_release_alone_keeps_the_weights_and_needs_no_push(tiny
 
 
 async def test_a_release_with_requests_running_is_refused_and_a_paused_call_waits_out_the_handoff(
-    tiny_engine, client
+    engine, client
 ):
     before = await client.generate(PROMPT, GREEDY)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(client.generate, PROMPT, LONG)
-        await _wait_for(tiny_engine.url, "num_running_reqs")
+        await _wait_for(engine.url, "num_running_reqs")
         with pytest.raises(EngineError) as busy:
             await client.release_memory_occupation()
         assert busy.value.status == 400 and "running" in busy.value.body
@@ -88,9 +89,9 @@ async def test_a_release_with_requests_running_is_refused_and_a_paused_call_wait
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(held_call)
-        await _wait_for(tiny_engine.url, "num_paused_reqs")
+        await _wait_for(engine.url, "num_paused_reqs")
         await client.resume_memory_occupation()
-        await client.update_weights_from_disk(tiny_engine.model_dir, weight_version="default")
+        await client.update_weights_from_disk(engine.model_dir, weight_version="default")
         await client.continue_generation()
     assert results[0].output_ids == before.output_ids
 

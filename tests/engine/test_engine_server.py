@@ -1,5 +1,7 @@
 """The embedded engine over real HTTP: the session's shared `streamrl engine serve` process
-(`tiny_engine`), and one of its own for the shutdown test."""
+(`tiny_engine`) and the same split in two processes (`tiny_split_engine`, `--http-process
+on`: every test of the `engine` fixture runs on both), and one of its own for the shutdown
+test."""
 
 from __future__ import annotations
 
@@ -18,11 +20,6 @@ pytestmark = pytest.mark.anyio
 
 PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
 LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 3}
-
-
-@pytest.fixture
-def engine(tiny_engine):
-    return tiny_engine
 
 
 @pytest.fixture

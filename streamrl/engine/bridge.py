@@ -1,0 +1,405 @@
+"""The embedded engine split in two processes: HTTP in one, the model in the other.
+
+With `--http-process on` (the default on CUDA), `streamrl engine serve` answers HTTP in
+its own process and runs `EngineCore` in a child process. Both are Python, and one
+process has one GIL: in a single process the HTTP thread's parsing and rendering (a
+burst of requests at once) and the engine thread's step loop take turns, and each
+device step waits for the GIL. Split, the engine process does next to nothing per
+request: generation crosses as msgpack frames over ZeroMQ (local `ipc://` sockets).
+
+    HTTP process (`front.FrontServer`)              engine process (`serve` + `CoreBridge`)
+    /generate, pause, continue, abort               every other route, on its own
+      GenerateEndpoints over `RemoteCore` ──────►     loopback port, proxied as it is
+        Submit / Abort / Pause / Resume   PUSH ─►PULL  `CoreBridge` (event loop thread)
+        Finished / Tokens / Refused / Reply PULL◄─PUSH the engine thread (outputs, tokens)
+                                                  ◄─PUSH the event loop (refusals, replies)
+
+The engine thread sends a finished request's `Output` (and a streamed request's marked
+tokens) itself, from `EngineCore.submit`'s callbacks: no cross-thread wake-up, no event
+loop work per output in the engine process. Frames on one socket arrive in order, so a
+request's tokens come before its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from streamrl.engine.core import MemoryReleased, Output, Request, SamplingParams, check_requests
+
+logger = logging.getLogger(__name__)
+
+
+# -- frames: HTTP process -> engine process ------------------------------------------------
+
+
+class WireRequest(msgspec.Struct, array_like=True):
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_routed_experts: bool
+    stream_interval: int
+    streams: bool  # the HTTP process wants `Tokens` frames (its request has `on_tokens`)
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    requests: list[WireRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    rid: str | None  # None: everything
+
+
+class Pause(msgspec.Struct, tag="pause", array_like=True):
+    call: int
+    mode: str
+
+
+class Resume(msgspec.Struct, tag="resume", array_like=True):
+    pass
+
+
+# -- frames: engine process -> HTTP process ------------------------------------------------
+
+
+class Finished(msgspec.Struct, tag="finished", array_like=True):
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[str]
+    finish_reason: dict
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str  # the engine's, when the request finished
+    routed_experts: bytes | None = None  # int32, C order, of `routed_shape`
+    routed_shape: list[int] = []
+
+
+class Tokens(msgspec.Struct, tag="tokens", array_like=True):
+    rid: str
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[str]
+
+
+class Refused(msgspec.Struct, tag="refused", array_like=True):
+    """A `Submit` the core refused before running any of it."""
+
+    rids: list[str]
+    message: str
+    memory_released: bool  # MemoryReleased, else a bad request (ValueError)
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True):
+    call: int
+    error: str = ""
+
+
+ToEngine = Submit | Abort | Pause | Resume
+ToFront = Finished | Tokens | Refused | Reply
+
+
+def addresses(directory: str) -> tuple[str, str]:
+    """The bridge's two sockets in ``directory``: (requests, outputs)."""
+    return f"ipc://{directory}/requests", f"ipc://{directory}/outputs"
+
+
+def _finished(output: Output, weight_version: str) -> Finished:
+    routed, shape = None, []
+    if output.routed_experts is not None:
+        routed, shape = output.routed_experts.tobytes(), list(output.routed_experts.shape)
+    return Finished(
+        rid=output.rid,
+        output_ids=output.output_ids,
+        logprobs=output.logprobs,
+        versions=output.versions,
+        finish_reason=output.finish_reason or {},
+        prompt_tokens=output.prompt_tokens,
+        cached_tokens=output.cached_tokens,
+        weight_version=weight_version,
+        routed_experts=routed,
+        routed_shape=shape,
+    )
+
+
+def _output(frame: Finished) -> Output:
+    routed = None
+    if frame.routed_experts is not None:
+        import numpy as np
+
+        routed = np.frombuffer(frame.routed_experts, dtype=np.int32).reshape(frame.routed_shape)
+    return Output(
+        rid=frame.rid,
+        output_ids=frame.output_ids,
+        logprobs=frame.logprobs,
+        versions=frame.versions,
+        finish_reason=frame.finish_reason,
+        prompt_tokens=frame.prompt_tokens,
+        cached_tokens=frame.cached_tokens,
+        routed_experts=routed,
+    )
+
+
+def _socket(context, kind: int, address: str, *, bind: bool):
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the reader is local and drains
+    else:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+# -- the engine process's end --------------------------------------------------------------
+
+
+class CoreBridge:
+    """Serves `EngineCore` to the HTTP process at `requests_address` / `outputs_address`
+    (both bound by the HTTP process). Runs on the engine process's event loop; outputs and
+    tokens leave from the engine thread on a socket only it uses."""
+
+    def __init__(self, core, requests_address: str, outputs_address: str) -> None:
+        self.core = core
+        self._context = zmq.asyncio.Context()
+        self._sync_context = zmq.Context()
+        self._inbox = _socket(self._context, zmq.PULL, requests_address, bind=False)
+        self._replies = _socket(self._context, zmq.PUSH, outputs_address, bind=False)
+        # Used by the engine thread alone (a zmq socket belongs to one thread at a time).
+        self._outputs = _socket(self._sync_context, zmq.PUSH, outputs_address, bind=False)
+        self._encoder = msgspec.msgpack.Encoder()  # the engine thread's
+        self._reply_encoder = msgspec.msgpack.Encoder()  # the event loop's
+        self._decoder = msgspec.msgpack.Decoder(ToEngine)
+        self._task: asyncio.Task | None = None
+        self._pauses: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._serve(), name="core-bridge")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._inbox.close()
+        self._replies.close()
+        self._outputs.close()
+        self._context.term()
+        self._sync_context.term()
+
+    async def _serve(self) -> None:
+        while True:
+            raw = await self._inbox.recv()
+            try:
+                frame = self._decoder.decode(raw)
+            except msgspec.DecodeError:  # never from our own HTTP process: say so, go on
+                logger.error(
+                    "dropped an undecodable frame of %d bytes from the HTTP process", len(raw)
+                )
+                continue
+            if isinstance(frame, Submit):
+                self._submit(frame)
+            elif isinstance(frame, Abort):
+                self.core.abort(frame.rid)
+            elif isinstance(frame, Resume):
+                self.core.resume()
+            else:  # answered by a `Reply` when the core has paused
+                self._pauses.add(pause := asyncio.create_task(self._pause(frame)))
+                pause.add_done_callback(self._pauses.discard)
+
+    def _submit(self, frame: Submit) -> None:
+        requests = [
+            Request(
+                rid=wire.rid,
+                input_ids=wire.input_ids,
+                params=wire.params,
+                return_routed_experts=wire.return_routed_experts,
+                on_tokens=self._tokens_sender(wire.rid) if wire.streams else None,
+                stream_interval=wire.stream_interval,
+            )
+            for wire in frame.requests
+        ]
+        try:
+            self.core.submit(requests, self._send_output)
+        except (ValueError, MemoryReleased) as error:
+            refused = Refused(
+                [r.rid for r in requests], str(error), isinstance(error, MemoryReleased)
+            )
+            self._replies.send(self._reply_encoder.encode(refused))
+
+    def _send_output(self, output: Output) -> None:  # on the engine thread
+        frame = _finished(output, self.core.weight_version)
+        self._outputs.send(self._encoder.encode(frame))
+
+    def _tokens_sender(self, rid: str) -> Callable[[list[int], list[float], list[str]], None]:
+        def send(ids: list[int], logprobs: list[float], versions: list[str]) -> None:
+            self._outputs.send(self._encoder.encode(Tokens(rid, ids, logprobs, versions)))
+
+        return send
+
+    async def _pause(self, frame: Pause) -> None:
+        error = ""
+        try:
+            await self.core.pause(frame.mode)
+        except Exception as exc:  # the caller raises it on its side
+            error = f"{type(exc).__name__}: {exc}"
+        self._replies.send(self._reply_encoder.encode(Reply(frame.call, error)))
+
+
+# -- the HTTP process's end ----------------------------------------------------------------
+
+
+class EngineGone(RuntimeError):
+    """The engine process exited while requests were in it."""
+
+
+class RemoteCore:
+    """What `GenerateEndpoints` needs of `EngineCore`, served by the engine process over
+    the bridge. `connect` binds the sockets (before the engine process starts); `attach`
+    takes the engine's `/model_info` and the tokenizer once it is up."""
+
+    def __init__(self, requests_address: str, outputs_address: str) -> None:
+        self._context = zmq.asyncio.Context()
+        self._outbox = _socket(self._context, zmq.PUSH, requests_address, bind=True)
+        self._inbox = _socket(self._context, zmq.PULL, outputs_address, bind=True)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ToFront)
+        self._outputs: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, Callable] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._calls = itertools.count()
+        self._reader: asyncio.Task | None = None
+        self._gone: str = ""
+        self.tokenizer: Any = None
+        self.model_info: dict = {}
+        self.weight_version = ""
+        self.memory_refusal = ""  # the engine process refuses (`Refused`): nothing known here
+
+    def attach(self, model_info: dict, tokenizer: Any) -> None:
+        self.model_info = model_info
+        self.weight_version = model_info.get("weight_version", "")
+        self.tokenizer = tokenizer
+        self._reader = asyncio.create_task(self._read(), name="remote-core")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._outbox.close()
+        self._inbox.close()
+        self._context.term()
+
+    def engine_gone(self, message: str) -> None:
+        """Fail every request and call waiting on the engine process (it exited)."""
+        self._gone = message
+        for future in [*self._outputs.values(), *self._replies.values()]:
+            if not future.done():
+                future.set_exception(EngineGone(message))
+        self._outputs.clear()
+        self._replies.clear()
+        self._streams.clear()
+
+    # -- what GenerateEndpoints calls -------------------------------------------------------
+
+    def check(self, requests: list[Request]) -> None:
+        check_requests(requests, self.model_info["vocab_size"], self.model_info["max_seq_len"])
+
+    async def generate(self, requests: list[Request]) -> list[Output]:
+        if self._gone:
+            raise EngineGone(self._gone)
+        loop = asyncio.get_running_loop()
+        futures = []
+        wires = []
+        for request in requests:
+            future = loop.create_future()
+            self._outputs[request.rid] = future
+            futures.append(future)
+            if request.on_tokens is not None:
+                self._streams[request.rid] = request.on_tokens
+            wires.append(
+                WireRequest(
+                    rid=request.rid,
+                    input_ids=request.input_ids,
+                    params=request.params,
+                    return_routed_experts=request.return_routed_experts,
+                    stream_interval=request.stream_interval,
+                    streams=request.on_tokens is not None,
+                )
+            )
+        await self._outbox.send(self._encoder.encode(Submit(wires)))
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            for request in requests:
+                self.abort(request.rid)
+            raise
+        finally:
+            for request in requests:
+                self._outputs.pop(request.rid, None)
+                self._streams.pop(request.rid, None)
+
+    def abort(self, rid: str | None = None) -> None:
+        self._send_nowait(Abort(rid))
+
+    async def pause(self, mode: str = "abort") -> None:
+        call = next(self._calls)
+        reply = self._replies[call] = asyncio.get_running_loop().create_future()
+        self._send_nowait(Pause(call, mode))
+        try:
+            error = await reply
+        finally:
+            self._replies.pop(call, None)
+        if error:
+            raise ValueError(error)
+
+    def resume(self) -> None:
+        self._send_nowait(Resume())
+
+    def _send_nowait(self, frame) -> None:
+        # A PUSH socket with no high-water mark never blocks: the send completes at once.
+        self._outbox.send(self._encoder.encode(frame), flags=zmq.NOBLOCK)
+
+    # -- frames from the engine process -----------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self._inbox.recv()
+            try:
+                frame = self._decoder.decode(raw)
+            except msgspec.DecodeError:
+                logger.error("dropped an undecodable frame of %d bytes from the engine", len(raw))
+                continue
+            if isinstance(frame, Tokens):
+                deliver = self._streams.get(frame.rid)
+                if deliver is not None:
+                    deliver(frame.ids, frame.logprobs, frame.versions)
+            elif isinstance(frame, Finished):
+                self.weight_version = frame.weight_version
+                self._resolve(self._outputs.get(frame.rid), result=_output(frame))
+            elif isinstance(frame, Refused):
+                error_type = MemoryReleased if frame.memory_released else ValueError
+                for rid in frame.rids:
+                    self._resolve(self._outputs.get(rid), error=error_type(frame.message))
+            else:
+                self._resolve(self._replies.get(frame.call), result=frame.error)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future | None, *, result=None, error=None) -> None:
+        if future is None or future.done():
+            return  # a request aborted and answered already, or cancelled by its caller
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

@@ -1,0 +1,97 @@
+"""The engine split in two processes (`--http-process on`) as processes: how it stops, and
+what its HTTP process does when the model's process dies. (Its HTTP behaviour is the
+one-process engine's: test_engine_server.py and test_engine_memory.py run on both.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import numpy as np
+import pytest
+from engine_helpers import engine_load, running_engines, wait_until
+
+from streamrl.engine.bridge import ToFront, _finished, _output
+from streamrl.engine.core import Output
+from streamrl.fleet.client import EngineClient, EngineError
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [1, 504, 3458, 314, 253, 1380, 30, 2]
+LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigterm_stops_both_processes_with_exit_code_0(tiny_model_dir, tmp_path):
+    with running_engines(tiny_model_dir, tmp_path, extra_args=["--http-process", "on"]) as (
+        engine,
+    ):
+        async with EngineClient(engine.url, timeout_s=60) as client:
+            info = await client.server_info()
+            result = await client.generate(PROMPT, {"max_new_tokens": 3})
+        model_pid = info["engine_process"]["pid"]
+        assert info["http_process"] == "on" and model_pid != engine.process.pid
+        assert _is_running(model_pid) and len(result.output_ids) == 3
+    # running_engines sent SIGTERM to the HTTP process and checked its exit code (0).
+    wait_until(lambda: not _is_running(model_pid), what="the model's process gone", timeout_s=10)
+
+
+async def test_when_the_models_process_dies_its_requests_fail_and_the_server_exits_1(
+    tiny_model_dir, tmp_path
+):
+    split = running_engines(tiny_model_dir, tmp_path, extra_args=["--http-process", "on"])
+    with pytest.raises(AssertionError, match=r"did not exit cleanly.*: 1\}"), split as (engine,):
+        async with EngineClient(engine.url, timeout_s=60) as client:
+            model_pid = (await client.server_info())["engine_process"]["pid"]
+            failures = []
+
+            async def generate() -> None:
+                try:
+                    await client.generate(PROMPT, LONG)
+                except EngineError as error:
+                    failures.append(error)
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate)
+                await anyio.to_thread.run_sync(
+                    lambda: wait_until(
+                        lambda: engine_load(engine.url)["num_running_reqs"] == 1,
+                        what="request running",
+                    )
+                )
+                os.kill(model_pid, signal.SIGKILL)
+        (failure,) = failures
+        assert failure.status == 503 and "exited with code -9" in failure.body
+        # The server does not go on as a live engine without its model: it exits, 1.
+        wait_until(lambda: not engine.process.is_alive(), what="the server exited")
+
+
+def test_a_finished_frame_carries_the_whole_output_routed_experts_included():
+    import msgspec
+
+    routed = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)
+    output = Output(
+        rid="r",
+        output_ids=[5, 6],
+        logprobs=[-0.5, -1.25],
+        versions=["1", "2"],
+        finish_reason={"type": "length", "length": 2},
+        prompt_tokens=1,
+        cached_tokens=1,
+        routed_experts=routed,
+    )
+    raw = msgspec.msgpack.encode(_finished(output, "2"))
+    frame = msgspec.msgpack.Decoder(ToFront).decode(raw)
+    assert frame.weight_version == "2"
+    back = _output(frame)
+    assert np.array_equal(back.routed_experts, routed)
+    back.routed_experts = output.routed_experts = None
+    assert back == output
