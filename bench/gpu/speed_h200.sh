@@ -26,11 +26,14 @@
 #                                          HTTP only, 64/256/512 requests: in one process, in
 #                                          two (--http-process on), in two with a GIL switch
 #                                          interval of 0.1 ms; then in-process (~5 min)
+#   bench/gpu/speed_h200.sh decode OUT     bench/gpu/decode_profile.py: GPU time, loop time and
+#                                          kernels of one decode step at 64/256/512 lanes, per
+#                                          runner variant in DECODE_VARIANTS (~2 min)
 #
 # Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
 # come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
 set -uo pipefail
-PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine|http OUT}
+PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine|http|decode OUT}
 OUT=$(mkdir -p "${2:?usage: speed_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -102,6 +105,10 @@ http)
   bench_http two-processes "--http-process on"
   bench_http two-processes-switch0.1 "--http-process on --switch-interval-ms 0.1"
   bench_http in-process "" in-process
+  ;;
+decode)
+  run timeout 400 python3 bench/gpu/decode_profile.py --variants "${DECODE_VARIANTS:-base}" \
+    --out "$OUT/decode_profile_h200x1.json"
   ;;
 *)
   echo "unknown part '$PART' (see the header of $0)" >&2
