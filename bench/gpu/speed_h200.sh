@@ -26,9 +26,11 @@
 #                                          HTTP only, 64/256/512 requests: in one process, in
 #                                          two (--http-process on), in two with a GIL switch
 #                                          interval of 0.1 ms; then in-process (~5 min)
-#   bench/gpu/speed_h200.sh decode OUT     bench/gpu/decode_profile.py: GPU time, loop time and
+#   bench/gpu/speed_h200.sh decode OUT     the engine's CUDA unit tests, engine_check's attention,
+#                                          graphs_vs_eager and logprobs_vs_teacher sections, then
+#                                          bench/gpu/decode_profile.py: GPU time, loop time and
 #                                          kernels of one decode step at 64/256/512 lanes, per
-#                                          runner variant in DECODE_VARIANTS (~2 min)
+#                                          runner variant in DECODE_VARIANTS (~5 min)
 #
 # Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
 # come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
@@ -107,7 +109,14 @@ http)
   bench_http in-process "" in-process
   ;;
 decode)
-  run timeout 400 python3 bench/gpu/decode_profile.py --variants "${DECODE_VARIANTS:-base}" \
+  run timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_core.py \
+    -k cuda 2>&1 | tail -4
+  run timeout 200 python3 bench/gpu/engine_check.py \
+    --sections attention,graphs_vs_eager,logprobs_vs_teacher \
+    --out "$OUT/engine_check_decode_h200x1.json" >/dev/null
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary']))" \
+    "$OUT/engine_check_decode_h200x1.json"
+  run timeout 200 python3 bench/gpu/decode_profile.py --variants "${DECODE_VARIANTS:-base}" \
     --out "$OUT/decode_profile_h200x1.json"
   ;;
 *)

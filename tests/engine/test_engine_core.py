@@ -552,6 +552,82 @@ def test_llama3_rope_scaling_matches_transformers():
     assert torch.allclose(inverse_frequencies(config, 64), expected.float(), rtol=1e-6)
 
 
+def _rope_store_case(device, dtype, qk_norm: bool):
+    """Inputs of `kernels.rope_store` for 5 tokens of a 6-head, 2-KV-head layer."""
+    generator = torch.Generator().manual_seed(3)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    tokens, heads, kv_heads, head_dim = 5, 6, 2, 8
+    norms = (draw(head_dim), draw(head_dim)) if qk_norm else (None, None)
+    return {
+        "qkv": draw(tokens, (heads + 2 * kv_heads) * head_dim),
+        "cos_sin": draw(tokens, 2, head_dim),
+        "rows": torch.tensor([7, 0, 12, 3, 9], device=device),
+        "cache_shape": (16, kv_heads, head_dim),
+        "heads": heads,
+        "norms": norms,
+    }
+
+
+def _rope_store(rope_store, case, grouped: bool):
+    """Run ``rope_store``; queries laid out [tokens, heads, d] or grouped by KV head."""
+    qkv, (rows_total, kv_heads, head_dim) = case["qkv"], case["cache_shape"]
+    tokens, groups = qkv.shape[0], case["heads"] // kv_heads
+    keys = torch.zeros(rows_total, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    values = torch.zeros_like(keys)
+    if grouped:
+        buffer = qkv.new_empty(tokens, groups, kv_heads, head_dim)
+        target = buffer.transpose(1, 2)
+    else:
+        buffer = qkv.new_empty(tokens, case["heads"], head_dim)
+        target = buffer.view(tokens, kv_heads, groups, head_dim)
+    rope_store(qkv, case["cos_sin"], keys, values, case["rows"], target, *case["norms"], 1e-6)
+    queries = buffer.transpose(1, 2).reshape(tokens, -1, head_dim) if grouped else buffer
+    return queries, keys, values
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
+def test_rope_store_rotates_stores_and_lays_out_the_queries(qk_norm, grouped):
+    from streamrl.engine.runner.kernels import rms_norm, rope_store
+    from streamrl.engine.runner.rope import apply_rope
+
+    case = _rope_store_case("cpu", torch.float32, qk_norm)
+    queries, keys, values = _rope_store(rope_store, case, grouped)
+    heads, (_, kv_heads, head_dim) = case["heads"], case["cache_shape"]
+    q, k, v = case["qkv"].view(5, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    if qk_norm:
+        q, k = rms_norm(q, case["norms"][0], 1e-6), rms_norm(k, case["norms"][1], 1e-6)
+    assert torch.equal(queries, apply_rope(q, case["cos_sin"]))
+    rows = case["rows"]
+    assert torch.equal(keys[rows], apply_rope(k, case["cos_sin"]))
+    assert torch.equal(values[rows], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[rows] = False
+    assert not keys[untouched].any() and not values[untouched].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
+def test_compiled_rope_store_equals_eager_on_cuda(qk_norm):
+    from streamrl.engine.runner import kernels
+
+    case = _rope_store_case("cuda", torch.bfloat16, qk_norm)
+    compiled = kernels.compiled_ops().rope_store
+    for grouped in (False, True):
+        for got, want in zip(
+            _rope_store(compiled, case, grouped),
+            _rope_store(kernels.rope_store, case, grouped),
+            strict=True,
+        ):
+            # Fused, the arithmetic stays in float32 until the stores: results may differ
+            # from the op-by-op bf16 rounding by one bf16 step (2**-7 relative).
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+
+
 def test_decode_and_prefill_attention_equal_plain_softmax_attention():
     from streamrl.engine.runner.attention import decode_attention, prefill_attention
 

@@ -146,16 +146,14 @@ class CompactModel(nn.Module):
     def _attention(self, index: int, layer: CompactLayer, x, cos_sin, batch) -> torch.Tensor:
         dims, ops = self.dims, self.ops
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        qk_heads = dims.num_heads + dims.num_kv_heads
-        qk = qkv[:, : qk_heads * dims.head_dim].view(-1, qk_heads, dims.head_dim)
-        v = qkv[:, qk_heads * dims.head_dim :].view(-1, dims.num_kv_heads, dims.head_dim)
-        if dims.qk_norm:
-            q = ops.rms_norm(qk[:, : dims.num_heads], layer.q_norm, dims.rms_norm_eps)
-            k = ops.rms_norm(qk[:, dims.num_heads :], layer.k_norm, dims.rms_norm_eps)
-            qk = torch.cat([q, k], dim=1)
-        qk = ops.rope(qk, cos_sin)  # queries and keys rotated together
-        out = batch.attend(index, qk[:, : dims.num_heads], qk[:, dims.num_heads :], v)
-        return F.linear(out.reshape(-1, dims.q_size), layer.o_proj)
+
+        def rotate_and_store(keys, values, rows, queries) -> None:
+            ops.rope_store(
+                qkv, cos_sin, keys, values, rows, queries,
+                layer.q_norm, layer.k_norm, dims.rms_norm_eps,
+            )  # fmt: skip
+
+        return F.linear(batch.attend(index, rotate_and_store, dims.num_heads), layer.o_proj)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab]; the matmul runs in the model dtype, as transformers does."""

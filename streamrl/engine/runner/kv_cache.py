@@ -45,10 +45,10 @@ class KVCache:
         """``(keys, values)`` of one layer: [slots + 1, max_seq_len, kv_heads, head_dim]."""
         return self.keys[index], self.values[index]
 
-    @staticmethod
-    def write(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
-        """Store ``new`` [tokens, kv_heads, head_dim] at flat ``rows`` (slot * max_seq_len + position)."""
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, rows, new)
+    def flat_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of one layer as ``[(slots + 1) * max_seq_len, kv_heads, head_dim]``:
+        row ``slot * max_seq_len + position``."""
+        return tuple(cache[index].flatten(0, 1) for cache in (self.keys, self.values))
 
     def move_slots(self, sources: list[int], targets: list[int], num_rows: int) -> None:
         """Copy the first ``num_rows`` positions of each source slot into its target slot.
