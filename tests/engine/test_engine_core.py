@@ -571,31 +571,23 @@ def _rope_store_case(device, dtype, qk_norm: bool):
     }
 
 
-def _rope_store(rope_store, case, grouped: bool):
-    """Run ``rope_store``; queries laid out [tokens, heads, d] or grouped by KV head."""
+def _rope_store(rope_store, case):
+    """Run ``rope_store`` on fresh zeroed caches: (queries, keys, values)."""
     qkv, (rows_total, kv_heads, head_dim) = case["qkv"], case["cache_shape"]
-    tokens, groups = qkv.shape[0], case["heads"] // kv_heads
     keys = torch.zeros(rows_total, kv_heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     values = torch.zeros_like(keys)
-    if grouped:
-        buffer = qkv.new_empty(tokens, groups, kv_heads, head_dim)
-        target = buffer.transpose(1, 2)
-    else:
-        buffer = qkv.new_empty(tokens, case["heads"], head_dim)
-        target = buffer.view(tokens, kv_heads, groups, head_dim)
-    rope_store(qkv, case["cos_sin"], keys, values, case["rows"], target, *case["norms"], 1e-6)
-    queries = buffer.transpose(1, 2).reshape(tokens, -1, head_dim) if grouped else buffer
+    queries = qkv.new_empty(qkv.shape[0], case["heads"], head_dim)
+    rope_store(qkv, case["cos_sin"], keys, values, case["rows"], queries, *case["norms"], 1e-6)
     return queries, keys, values
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
-@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
-def test_rope_store_rotates_stores_and_lays_out_the_queries(qk_norm, grouped):
+def test_rope_store_rotates_queries_and_stores_keys_and_values(qk_norm):
     from streamrl.engine.runner.kernels import rms_norm, rope_store
     from streamrl.engine.runner.rope import apply_rope
 
     case = _rope_store_case("cpu", torch.float32, qk_norm)
-    queries, keys, values = _rope_store(rope_store, case, grouped)
+    queries, keys, values = _rope_store(rope_store, case)
     heads, (_, kv_heads, head_dim) = case["heads"], case["cache_shape"]
     q, k, v = case["qkv"].view(5, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
     if qk_norm:
@@ -616,16 +608,11 @@ def test_compiled_rope_store_equals_eager_on_cuda(qk_norm):
     from streamrl.engine.runner import kernels
 
     case = _rope_store_case("cuda", torch.bfloat16, qk_norm)
-    compiled = kernels.compiled_ops().rope_store
-    for grouped in (False, True):
-        for got, want in zip(
-            _rope_store(compiled, case, grouped),
-            _rope_store(kernels.rope_store, case, grouped),
-            strict=True,
-        ):
-            # Fused, the arithmetic stays in float32 until the stores: results may differ
-            # from the op-by-op bf16 rounding by one bf16 step (2**-7 relative).
-            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+    compiled = _rope_store(kernels.compiled_ops().rope_store, case)
+    for got, want in zip(compiled, _rope_store(kernels.rope_store, case), strict=True):
+        # Fused, the arithmetic stays in float32 until the stores: results may differ
+        # from the op-by-op bf16 rounding by one bf16 step (2**-7 relative).
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
 
 
 def test_decode_and_prefill_attention_equal_plain_softmax_attention():
@@ -684,6 +671,35 @@ def test_flash_attention_agrees_with_sdpa_on_cuda():
     flash = prefill_attention(*packed, cu, seq_lens, use_flash=True)
     sdpa = prefill_attention(*packed, cu, seq_lens, use_flash=False)
     assert (flash.float() - sdpa.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "slots, seq_len, heads, kv_heads, head_dim",
+    [(5, 64, 14, 2, 64), (7, 448, 14, 2, 64), (3, 4096, 16, 8, 128), (4, 300, 4, 4, 32)],
+    ids=["7-to-1", "7-to-1-spans", "2-to-1-long", "one-to-one"],
+)
+def test_split_decode_agrees_with_sdpa_on_cuda(slots, seq_len, heads, kv_heads, head_dim):
+    from streamrl.engine.runner import split_decode
+    from streamrl.engine.runner.attention import decode_attention
+
+    if not split_decode.available(torch.device("cuda"), torch.bfloat16, head_dim):
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    shape = (slots + 1, seq_len, kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(slots, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.randint(1, seq_len + 1, (slots,), device="cuda", dtype=torch.int32)
+    lengths[0], lengths[-1] = 1, seq_len  # one key; every span
+    got = split_decode.decode_attention(q, k_cache, v_cache, lengths)
+    want = decode_attention(
+        q.float(), k_cache.float(), v_cache.float(), lengths, seq_len, use_flash=False
+    )
+    # float32 softmax and sums over bf16 inputs, rounded to bf16 once at the end
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.gpu

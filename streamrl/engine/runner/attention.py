@@ -84,20 +84,21 @@ def decode_attention(
     lengths: int32 [lanes] (>= 1); ``max_len`` bounds lengths (the SDPA path reads
     that many keys per lane, FlashAttention only the used ones).
     """
-    lanes, heads, head_dim = q.shape
+    lanes = q.shape[0]
     if use_flash:
-        kv_heads = k_cache.shape[-2]
-        grouped = q.view(lanes, kv_heads, heads // kv_heads, head_dim).transpose(1, 2)
+        slots, seq_len = k_cache.shape[:2]
         offsets = torch.arange(lanes + 1, device=q.device, dtype=torch.int32)
-        out = grouped_decode_attention(
-            grouped.contiguous(),
-            k_cache,
-            v_cache,
-            lengths,
-            offsets * (heads // kv_heads),
-            offsets * k_cache.shape[1],
+        return flash_varlen(
+            q,
+            k_cache.view(slots * seq_len, *k_cache.shape[2:]),
+            v_cache.view(slots * seq_len, *v_cache.shape[2:]),
+            offsets,
+            offsets * seq_len,
+            1,
+            seq_len,
+            causal=False,
+            seqused_k=lengths,
         )
-        return out.transpose(1, 2).reshape(lanes, heads, head_dim)
     keys = k_cache[:lanes, :max_len].transpose(1, 2)  # [lanes, kv_heads, max_len, head_dim]
     values = v_cache[:lanes, :max_len].transpose(1, 2)
     mask = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]
@@ -105,39 +106,6 @@ def decode_attention(
         q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True
     )
     return out[:, :, 0, :]
-
-
-def grouped_decode_attention(
-    grouped: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lengths: torch.Tensor,
-    query_offsets: torch.Tensor,
-    key_offsets: torch.Tensor,
-) -> torch.Tensor:
-    """Decode through FlashAttention-2 with each lane's query heads grouped by KV head.
-
-    ``grouped`` [lanes, groups, kv_heads, head_dim], contiguous: query head
-    ``kv * groups + g`` of lane ``i`` at ``[i, g, kv]``. The kernel sees each lane as a
-    sequence of ``groups`` queries over ``kv_heads`` heads, so it reads a lane's keys once
-    per KV head, not once per query head, and fills its query tile with ``groups`` rows
-    instead of one. ``query_offsets`` is int32 ``arange(lanes + 1) * groups``,
-    ``key_offsets`` ``arange(lanes + 1) * max_seq_len`` (lane ``i``'s keys start at slot
-    ``i``). Returns the output in ``grouped``'s layout."""
-    lanes, groups, kv_heads, head_dim = grouped.shape
-    slots, seq_len = k_cache.shape[:2]
-    out = flash_varlen(
-        grouped.view(lanes * groups, kv_heads, head_dim),
-        k_cache.view(slots * seq_len, kv_heads, head_dim),
-        v_cache.view(slots * seq_len, kv_heads, head_dim),
-        query_offsets,
-        key_offsets,
-        groups,
-        seq_len,
-        causal=False,
-        seqused_k=lengths,
-    )
-    return out.view(lanes, groups, kv_heads, head_dim)
 
 
 def prefill_attention(

@@ -17,10 +17,10 @@ import logging
 
 import torch
 
-from streamrl.engine.runner import kernels, weights
+from streamrl.engine.runner import kernels, split_decode, weights
 from streamrl.engine.runner.attention import flash_available
 from streamrl.engine.runner.base import Pending
-from streamrl.engine.runner.batch import DecodeBatch, PrefillBatch
+from streamrl.engine.runner.batch import DECODE_KERNELS, DecodeBatch, PrefillBatch
 from streamrl.engine.runner.decoder import CompactModel
 from streamrl.engine.runner.graphs import DecodeGraphs, bucket_for
 from streamrl.engine.runner.kv_cache import KVCache
@@ -48,6 +48,7 @@ class CompactRunner(weights.InPlaceWeights):
         cuda_graphs: bool = True,
         compile_elementwise: bool = False,
         use_flash: bool | None = None,
+        decode_kernel: str | None = None,
     ):
         self.device, self.dtype = device, dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -75,6 +76,17 @@ class CompactRunner(weights.InPlaceWeights):
         if use_flash is None:
             use_flash = flash_available(device, dtype, dims.head_dim)
         self.use_flash = use_flash
+        if decode_kernel is None:  # the best that serves (batch.DECODE_KERNELS)
+            decode_kernel = (
+                "split"
+                if split_decode.available(device, dtype, dims.head_dim)
+                else "flash"
+                if use_flash
+                else "sdpa"
+            )
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel {decode_kernel!r} is not one of {DECODE_KERNELS}")
+        self.decode_kernel = decode_kernel
         self.buffers = LaneBuffers(max_batch_size, device)
         self.slot_base = torch.arange(max_batch_size, device=device) * max_seq_len
         self.lanes: list[Sequence] = []
@@ -178,6 +190,7 @@ class CompactRunner(weights.InPlaceWeights):
             st,
             use_filters=SamplingTensors.needs_filters(params),
             softmax=self.model.ops.softmax,
+            uniform=self.model.ops.uniform,
         )
         return new_tokens.tolist(), logprobs.tolist()
 
@@ -195,11 +208,16 @@ class CompactRunner(weights.InPlaceWeights):
             rows=rows,
             lengths=(positions + 1).to(torch.int32),
             max_len=max_len or self.max_seq_len,
-            use_flash=self.use_flash,
+            kernel=self.decode_kernel,
         )
         logits = self.model.logits(self.model(tokens, positions, batch))
+        ops = self.model.ops
         new_tokens, logprobs = sample(
-            logits, buffers.sampling(lanes), use_filters=use_filters, softmax=self.model.ops.softmax
+            logits,
+            buffers.sampling(lanes),
+            use_filters=use_filters,
+            softmax=ops.softmax,
+            uniform=ops.uniform,
         )
         buffers.out_tokens[:lanes].copy_(new_tokens)
         buffers.out_logprobs[:lanes].copy_(logprobs)

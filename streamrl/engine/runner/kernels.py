@@ -7,8 +7,8 @@ the eager versions serve. Numerics equal transformers' Llama/Qwen modules.
 
 `rope_store` is the widest fusion: from the fused q/k/v projection it rotates
 queries and keys, stores keys and values in the KV cache and writes the
-queries in the layout the attention kernel wants, one pass instead of the
-seven kernels (slices made contiguous, RoPE, two index copies) it replaced.
+queries out contiguous: on the H200 three kernels where RoPE, the copies that
+made slices contiguous and the two index copies took seven.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from streamrl.engine.runner.rope import apply_rope
-from streamrl.engine.runner.sampling import tempered_softmax
+from streamrl.engine.runner.sampling import tempered_softmax, uniform_from_seed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,11 +58,10 @@ def rope_store(
     ``qkv`` [tokens, (heads + 2 * kv_heads) * head_dim] is the fused projection; ``cos_sin``
     [tokens, 2, head_dim] the RoPE rows of their positions. Keys (rotated) and values go to
     the flat cache rows ``rows`` of ``keys``/``values`` [cache rows, kv_heads, head_dim];
-    the rotated queries are written into ``queries`` [tokens, kv_heads, groups, head_dim]
-    (query head ``kv * groups + g`` at ``[:, kv, g]``), which may be a transposed view: that
-    is how a caller asks for another layout. Qwen3's per-head norms come before RoPE."""
-    tokens, kv_heads, groups, head_dim = queries.shape
-    heads = kv_heads * groups
+    the rotated queries into ``queries`` [tokens, heads, head_dim]. Qwen3's per-head norms
+    come before RoPE."""
+    tokens, heads, head_dim = queries.shape
+    kv_heads = keys.shape[1]
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     if q_norm is not None:
@@ -72,7 +71,7 @@ def rope_store(
     qk = apply_rope(qk, cos_sin)  # queries and keys rotated together
     keys.index_put_((rows,), qk[:, heads:])
     values.index_put_((rows,), v)
-    queries.copy_(qk[:, :heads].view(tokens, kv_heads, groups, head_dim))
+    queries.copy_(qk[:, :heads])
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,11 @@ class Ops:
     silu_mul: Callable
     rope_store: Callable
     softmax: Callable  # the sampler's pass over the vocabulary
+    uniform: Callable  # the sampler's counter-based random numbers (a dozen integer ops)
     is_compiled: bool = False
 
 
-EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_store, tempered_softmax)
+EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_store, tempered_softmax, uniform_from_seed)
 
 
 def compiled_ops() -> Ops:
@@ -100,5 +100,6 @@ def compiled_ops() -> Ops:
         compile_one(silu_mul),
         compile_one(rope_store),
         compile_one(tempered_softmax),
+        compile_one(uniform_from_seed),
         is_compiled=True,
     )

@@ -62,24 +62,29 @@ class SamplingTensors:
 
 
 def tempered_softmax(logits: torch.Tensor, inv_temperature: torch.Tensor):
-    """``(scaled, log_normaliser, probs)`` of float32 ``logits * inv_temperature`` per row."""
+    """``(log_normaliser [rows, 1], probs)`` of float32 ``logits * inv_temperature`` per row."""
     scaled = logits.float() * inv_temperature[:, None]
     log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    return scaled, log_normaliser, torch.exp(scaled - log_normaliser)
+    return log_normaliser, torch.exp(scaled - log_normaliser)
 
 
 def sample(
-    logits: torch.Tensor, st: SamplingTensors, *, use_filters: bool, softmax=tempered_softmax
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    *,
+    use_filters: bool,
+    softmax=tempered_softmax,
+    uniform=uniform_from_seed,
 ):
     """Sample one token per row of ``logits`` [rows, vocab]; returns (tokens int64, logprobs f32).
 
     ``use_filters=False`` ignores top_p/top_k/min_p (callers pass True when any row sets them)
-    and saves the passes over the vocabulary they cost. ``softmax`` may be a compiled
-    `tempered_softmax` (one fused pass)."""
+    and saves the passes over the vocabulary they cost. ``softmax`` and ``uniform`` may be
+    compiled `tempered_softmax` and `uniform_from_seed` (one fused kernel each)."""
     greedy = st.temperature <= 0
     inv_temperature = torch.where(greedy, 1.0, 1.0 / st.temperature.clamp_min(1e-6))
-    scaled, log_normaliser, probs = softmax(logits, inv_temperature)
-    uniform = uniform_from_seed(st.seeds, st.counters)
+    log_normaliser, probs = softmax(logits, inv_temperature)
+    uniform = uniform(st.seeds, st.counters)
     if use_filters:
         # min-p keeps tokens with p >= min_p * max p (a zero threshold keeps all).
         threshold = probs.amax(dim=-1, keepdim=True) * st.min_p[:, None]
@@ -88,8 +93,9 @@ def sample(
     else:
         tokens = _sample_from_cdf(probs, uniform)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    logprobs = scaled.gather(1, tokens[:, None]) - log_normaliser
-    return tokens, logprobs.squeeze(1)
+    # The sampled token's scaled logit, computed as `tempered_softmax` computes every one.
+    scaled = logits.gather(1, tokens[:, None]).float() * inv_temperature[:, None]
+    return tokens, (scaled - log_normaliser).squeeze(1)
 
 
 def _sample_from_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
