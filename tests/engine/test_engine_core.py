@@ -604,15 +604,26 @@ def test_rope_store_rotates_queries_and_stores_keys_and_values(qk_norm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
-def test_compiled_rope_store_equals_eager_on_cuda(qk_norm):
-    from streamrl.engine.runner import kernels
+@pytest.mark.parametrize("kernel", ["inductor", "triton"])
+def test_compiled_rope_store_equals_eager_on_cuda(qk_norm, kernel):
+    from streamrl.engine.runner import kernels, triton_ops
 
     case = _rope_store_case("cuda", torch.bfloat16, qk_norm)
-    compiled = _rope_store(kernels.compiled_ops().rope_store, case)
-    for got, want in zip(compiled, _rope_store(kernels.rope_store, case), strict=True):
-        # Fused, the arithmetic stays in float32 until the stores: results may differ
-        # from the op-by-op bf16 rounding by one bf16 step (2**-7 relative).
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+    if kernel == "triton":
+        if not triton_ops.available(torch.device("cuda")):
+            pytest.skip("no Triton")
+        fused = triton_ops.rope_store
+    else:
+        fused = kernels.compiled_ops().rope_store
+    got = _rope_store(fused, case)
+    want = _rope_store(kernels.rope_store, case)
+    for got_one, want_one in zip(got, want, strict=True):
+        if kernel == "triton" and not qk_norm:  # rounded op by op as the eager ops
+            assert torch.equal(got_one, want_one)
+        else:
+            # In float32 until the stores (Inductor), or the norm's sum in another order
+            # (Triton): one bf16 step (2**-7 relative) at most.
+            torch.testing.assert_close(got_one, want_one, rtol=2**-7, atol=2**-7)
 
 
 def test_decode_and_prefill_attention_equal_plain_softmax_attention():
@@ -677,8 +688,14 @@ def test_flash_attention_agrees_with_sdpa_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "slots, seq_len, heads, kv_heads, head_dim",
-    [(5, 64, 14, 2, 64), (7, 448, 14, 2, 64), (3, 4096, 16, 8, 128), (4, 300, 4, 4, 32)],
-    ids=["7-to-1", "7-to-1-spans", "2-to-1-long", "one-to-one"],
+    [
+        (5, 64, 14, 2, 64),
+        (7, 448, 14, 2, 64),
+        (300, 200, 14, 2, 64),
+        (3, 4096, 16, 8, 128),
+        (4, 300, 4, 4, 32),
+    ],
+    ids=["7-to-1", "7-to-1-spans", "7-to-1-lanes-fill-the-gpu", "2-to-1-long", "one-to-one"],
 )
 def test_split_decode_agrees_with_sdpa_on_cuda(slots, seq_len, heads, kv_heads, head_dim):
     from streamrl.engine.runner import split_decode
@@ -700,6 +717,21 @@ def test_split_decode_agrees_with_sdpa_on_cuda(slots, seq_len, heads, kv_heads, 
     # float32 softmax and sums over bf16 inputs, rounded to bf16 once at the end
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_silu_mul_equals_eager_on_cuda():
+    from streamrl.engine.runner import kernels, triton_ops
+
+    if not triton_ops.available(torch.device("cuda")):
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    for rows, width in ((1, 7), (64, 4864), (300, 1000 + 1024)):
+        gate_up = 4 * torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16)
+        got, want = triton_ops.silu_mul(gate_up), kernels.silu_mul(gate_up)
+        # exp may differ from CUDA's in the last float32 bit: one bf16 step at most
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.gpu

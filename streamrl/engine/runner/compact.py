@@ -62,7 +62,7 @@ class CompactRunner(weights.InPlaceWeights):
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
         self.load_weights(self.plan_weights(state_dict.items()))
         if compile_elementwise:
-            self.model.ops = kernels.compiled_ops()
+            self.model.ops = kernels.compiled_ops(device, self.model.dims.head_dim)
         dims = self.model.dims
         self.cache = KVCache(
             num_layers=dims.num_layers,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from streamrl.engine.runner import triton_ops
 from streamrl.engine.runner.rope import apply_rope
 from streamrl.engine.runner.sampling import tempered_softmax, uniform_from_seed
 
@@ -88,17 +89,21 @@ class Ops:
 EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_store, tempered_softmax, uniform_from_seed)
 
 
-def compiled_ops() -> Ops:
-    """The same functions through ``torch.compile`` (dynamic shapes: one kernel per op for every batch)."""
+def compiled_ops(device: torch.device | None = None, head_dim: int | None = None) -> Ops:
+    """The same functions through ``torch.compile`` (dynamic shapes: one kernel per op for
+    every batch); on CUDA with Triton, SwiGLU and (for a power-of-two ``head_dim``)
+    `rope_store` by the hand-written kernels of `triton_ops`."""
 
     def compile_one(fn):
         return torch.compile(fn, dynamic=True, fullgraph=True)
 
+    use_triton = device is not None and triton_ops.available(device)
+    triton_rope = use_triton and head_dim is not None and triton_ops.available(device, head_dim)
     return Ops(
         compile_one(rms_norm),
         compile_one(add_rms_norm),
-        compile_one(silu_mul),
-        compile_one(rope_store),
+        triton_ops.silu_mul if use_triton else compile_one(silu_mul),
+        triton_ops.rope_store if triton_rope else compile_one(rope_store),
         compile_one(tempered_softmax),
         compile_one(uniform_from_seed),
         is_compiled=True,

@@ -6,9 +6,10 @@ one pass: at 512 lanes of a 14-head, 2-KV-head model that is 7,168 mostly
 empty tiles, latency-bound (45 us a layer on the H200 at 256 cached tokens a
 lane, where reading the keys and values once takes about 14 us). Here a program takes one lane, one KV head
 and one span of the lane's keys, with the query heads that share that KV head
-as the rows of its tile; a second kernel merges the spans' partial outputs by
-their log-sum-exp. Spans past a lane's length exit at once, so the cost
-follows the lanes' real lengths, not the cache's `max_seq_len`.
+as the rows of its tile; where lanes are too few to fill the GPU, a lane's
+keys are split into spans and a second kernel merges the spans' partial
+outputs by their log-sum-exp. Spans past a lane's length exit at once, so the
+cost follows the lanes' real lengths, not the cache's `max_seq_len`.
 
 The cache layout is the runner's (`kv_cache.py`): ``[slots, max_seq_len,
 kv_heads, head_dim]``, lane ``i`` in slot ``i``. Needs CUDA, Triton, fp16 or
@@ -25,6 +26,7 @@ import torch
 
 BLOCK_N = 64  # keys per inner iteration
 MAX_SPLITS = 32  # spans per lane at most (the merge kernel reads them all)
+PROGRAMS = 512  # programs that fill the GPU: a few per SM (132 on the H200)
 
 
 @functools.cache
@@ -38,8 +40,8 @@ def _kernels():
 
     @triton.jit
     def spans(
-        q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr,
-        q_lane, q_head, k_slot, k_row, k_head, scale,
+        q_ptr, k_ptr, v_ptr, lengths_ptr, out_ptr, lse_ptr, result_ptr,
+        q_lane, q_head, k_slot, k_row, k_head, r_lane, r_head, scale,
         GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         SPAN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
@@ -77,11 +79,16 @@ def _kernels():
             row_max = new_max
         has_keys = row_sum > 0
         out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
-        lse = tl.where(has_keys, row_max + tl.log(row_sum), float("-inf"))
-        # Partials: out [lanes, heads, SPLITS, HEAD_DIM], lse [lanes, heads, SPLITS], float32.
-        at_head = (lane * (tl.num_programs(1) * GROUPS) + heads) * SPLITS + split
-        tl.store(out_ptr + at_head[:, None] * HEAD_DIM + dims[None, :], out, mask=is_head[:, None])
-        tl.store(lse_ptr + at_head, lse, mask=is_head)
+        if SPLITS == 1:  # the whole lane in one span: the final output
+            at = lane * r_lane + heads[:, None] * r_head + dims[None, :]
+            tl.store(result_ptr + at, out.to(result_ptr.dtype.element_ty), mask=is_head[:, None])
+        else:
+            # Partials: out [lanes, heads, SPLITS, HEAD_DIM], lse [lanes, heads, SPLITS].
+            lse = tl.where(has_keys, row_max + tl.log(row_sum), float("-inf"))
+            at_head = (lane * (tl.num_programs(1) * GROUPS) + heads) * SPLITS + split
+            at = at_head[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(out_ptr + at, out, mask=is_head[:, None])
+            tl.store(lse_ptr + at_head, lse, mask=is_head)
 
     @triton.jit
     def merge(
@@ -112,12 +119,17 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-def spans_for(max_seq_len: int) -> tuple[int, int]:
-    """``(span, splits)``: keys per program and programs per lane and KV head for a cache of
-    ``max_seq_len`` rows (spans of at least 128 keys, at most `MAX_SPLITS` of them; splits a
-    power of two for the merge kernel)."""
-    span = max(128, math.ceil(max_seq_len / MAX_SPLITS / BLOCK_N) * BLOCK_N)
-    splits = 1 << max(0, math.ceil(math.log2(math.ceil(max_seq_len / span))))
+def spans_for(max_seq_len: int, lanes: int, kv_heads: int) -> tuple[int, int]:
+    """``(span, splits)``: keys per program and programs per lane and KV head. Enough
+    programs to fill the GPU (`PROGRAMS`; lanes times KV heads alone do at large batches,
+    and one span per lane needs no merge), spans of at least 128 keys, at most
+    `MAX_SPLITS`; splits a power of two (the merge kernel's block)."""
+    splits = 1
+    while (
+        lanes * kv_heads * splits < PROGRAMS and splits < MAX_SPLITS and splits * 128 < max_seq_len
+    ):
+        splits *= 2
+    span = math.ceil(max_seq_len / splits / BLOCK_N) * BLOCK_N
     return span, splits
 
 
@@ -128,24 +140,29 @@ def decode_attention(
 
     q: [lanes, heads, head_dim] (unit last stride); caches: [slots, max_seq_len, kv_heads,
     head_dim] with unit strides in their last two dims; lengths: int32 [lanes], >= 1.
-    Returns [lanes, heads, head_dim] in q's dtype."""
+    Returns [lanes, heads, head_dim] in q's dtype. The split is fixed by the shapes, so a
+    CUDA graph captured for a lane count keeps its launch."""
     spans, merge = _kernels()
     lanes, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     groups = heads // kv_heads
-    span, splits = spans_for(k_cache.shape[1])
-    partial = torch.empty(lanes, heads, splits, head_dim, device=q.device, dtype=torch.float32)
-    lse = torch.empty(lanes, heads, splits, device=q.device, dtype=torch.float32)
+    span, splits = spans_for(k_cache.shape[1], lanes, kv_heads)
+    out = torch.empty_like(q)
+    if splits > 1:
+        partial = torch.empty(lanes, heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        lse = torch.empty(lanes, heads, splits, device=q.device, dtype=torch.float32)
+    else:
+        partial = lse = out  # not written
     spans[(lanes, kv_heads, splits)](
-        q, k_cache, v_cache, lengths, partial, lse,
+        q, k_cache, v_cache, lengths, partial, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        head_dim**-0.5,
+        out.stride(0), out.stride(1), head_dim**-0.5,
         GROUPS=groups, BLOCK_G=max(16, 1 << (groups - 1).bit_length()), HEAD_DIM=head_dim,
         SPAN=span, SPLITS=splits, BLOCK_N=BLOCK_N,
     )  # fmt: skip
-    out = torch.empty_like(q)
-    merge[(lanes, heads)](
-        partial, lse, out, out.stride(0), out.stride(1),
-        HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
-    )  # fmt: skip
+    if splits > 1:
+        merge[(lanes, heads)](
+            partial, lse, out, out.stride(0), out.stride(1),
+            HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
+        )  # fmt: skip
     return out
