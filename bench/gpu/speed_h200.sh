@@ -80,6 +80,11 @@ megatron)
     --out "$OUT/megatron_check_h200x1.json"
   ;;
 engine)
+  if [ -n "${ENGINE_CHECKS:-}" ]; then  # the engine's CUDA tests and step profile first
+    run timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_core.py \
+      -k cuda 2>&1 | tail -3
+    run timeout 120 python3 bench/gpu/decode_profile.py --out "$OUT/decode_profile_h200x1.json"
+  fi
   if [ -f .sgl/run-server.sh ]; then
     # shellcheck disable=SC1091
     source .sgl/run-server.sh --env || exit 1

@@ -162,6 +162,16 @@ def _socket(context, kind: int, address: str, *, bind: bool):
     return sock
 
 
+async def _received(sock) -> list[bytes]:
+    """The next frame on ``sock`` and every other one already queued behind it (one wake-up
+    of the event loop for a burst)."""
+    frames = [await sock.recv()]
+    with contextlib.suppress(zmq.Again):
+        while True:
+            frames.append(sock.recv(flags=zmq.NOBLOCK).result())
+    return frames
+
+
 # -- the engine process's end --------------------------------------------------------------
 
 
@@ -200,23 +210,24 @@ class CoreBridge:
 
     async def _serve(self) -> None:
         while True:
-            raw = await self._inbox.recv()
-            try:
-                frame = self._decoder.decode(raw)
-            except msgspec.DecodeError:  # never from our own HTTP process: say so, go on
-                logger.error(
-                    "dropped an undecodable frame of %d bytes from the HTTP process", len(raw)
-                )
-                continue
-            if isinstance(frame, Submit):
-                self._submit(frame)
-            elif isinstance(frame, Abort):
-                self.core.abort(frame.rid)
-            elif isinstance(frame, Resume):
-                self.core.resume()
-            else:  # answered by a `Reply` when the core has paused
-                self._pauses.add(pause := asyncio.create_task(self._pause(frame)))
-                pause.add_done_callback(self._pauses.discard)
+            for raw in await _received(self._inbox):
+                self._dispatch(raw)
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            frame = self._decoder.decode(raw)
+        except msgspec.DecodeError:  # never from our own HTTP process: say so, go on
+            logger.error("dropped an undecodable frame of %d bytes from the HTTP process", len(raw))
+            return
+        if isinstance(frame, Submit):
+            self._submit(frame)
+        elif isinstance(frame, Abort):
+            self.core.abort(frame.rid)
+        elif isinstance(frame, Resume):
+            self.core.resume()
+        else:  # answered by a `Reply` when the core has paused
+            self._pauses.add(pause := asyncio.create_task(self._pause(frame)))
+            pause.add_done_callback(self._pauses.discard)
 
     def _submit(self, frame: Submit) -> None:
         requests = [
@@ -279,6 +290,7 @@ class RemoteCore:
         self._streams: dict[str, Callable] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._calls = itertools.count()
+        self._queued: list[WireRequest] = []  # `generate` calls of this turn of the loop
         self._reader: asyncio.Task | None = None
         self._gone: str = ""
         self.tokenizer: Any = None
@@ -338,7 +350,9 @@ class RemoteCore:
                     streams=request.on_tokens is not None,
                 )
             )
-        await self._outbox.send(self._encoder.encode(Submit(wires)))
+        if not self._queued:  # one Submit for every call made in this turn of the loop
+            loop.call_soon(self._flush)
+        self._queued.extend(wires)
         try:
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:
@@ -368,32 +382,43 @@ class RemoteCore:
         self._send_nowait(Resume())
 
     def _send_nowait(self, frame) -> None:
+        self._flush()  # requests queued before this frame reach the engine before it
         # A PUSH socket with no high-water mark never blocks: the send completes at once.
         self._outbox.send(self._encoder.encode(frame), flags=zmq.NOBLOCK)
+
+    def _flush(self) -> None:
+        """Send the queued requests as one `Submit` (a burst of HTTP requests handled in one
+        turn of the event loop: one frame, one decode and one `submit` in the engine)."""
+        if self._queued:
+            wires, self._queued = self._queued, []
+            self._outbox.send(self._encoder.encode(Submit(wires)), flags=zmq.NOBLOCK)
 
     # -- frames from the engine process -----------------------------------------------------
 
     async def _read(self) -> None:
         while True:
-            raw = await self._inbox.recv()
-            try:
-                frame = self._decoder.decode(raw)
-            except msgspec.DecodeError:
-                logger.error("dropped an undecodable frame of %d bytes from the engine", len(raw))
-                continue
-            if isinstance(frame, Tokens):
-                deliver = self._streams.get(frame.rid)
-                if deliver is not None:
-                    deliver(frame.ids, frame.logprobs, frame.versions)
-            elif isinstance(frame, Finished):
-                self.weight_version = frame.weight_version
-                self._resolve(self._outputs.get(frame.rid), result=_output(frame))
-            elif isinstance(frame, Refused):
-                error_type = MemoryReleased if frame.memory_released else ValueError
-                for rid in frame.rids:
-                    self._resolve(self._outputs.get(rid), error=error_type(frame.message))
-            else:
-                self._resolve(self._replies.get(frame.call), result=frame.error)
+            for raw in await _received(self._inbox):
+                self._dispatch(raw)
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            frame = self._decoder.decode(raw)
+        except msgspec.DecodeError:
+            logger.error("dropped an undecodable frame of %d bytes from the engine", len(raw))
+            return
+        if isinstance(frame, Tokens):
+            deliver = self._streams.get(frame.rid)
+            if deliver is not None:
+                deliver(frame.ids, frame.logprobs, frame.versions)
+        elif isinstance(frame, Finished):
+            self.weight_version = frame.weight_version
+            self._resolve(self._outputs.get(frame.rid), result=_output(frame))
+        elif isinstance(frame, Refused):
+            error_type = MemoryReleased if frame.memory_released else ValueError
+            for rid in frame.rids:
+                self._resolve(self._outputs.get(rid), error=error_type(frame.message))
+        else:
+            self._resolve(self._replies.get(frame.call), result=frame.error)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, *, result=None, error=None) -> None:

@@ -210,7 +210,8 @@ class CompactRunner(weights.InPlaceWeights):
             max_len=max_len or self.max_seq_len,
             kernel=self.decode_kernel,
         )
-        logits = self.model.logits(self.model(tokens, positions, batch))
+        # In the model dtype: every op of the sampler reads it as float32 values.
+        logits = self.model.logits(self.model(tokens, positions, batch), float32=False)
         ops = self.model.ops
         new_tokens, logprobs = sample(
             logits,
@@ -218,6 +219,7 @@ class CompactRunner(weights.InPlaceWeights):
             use_filters=use_filters,
             softmax=ops.softmax,
             uniform=ops.uniform,
+            unfiltered=ops.sample_rows,
         )
         buffers.out_tokens[:lanes].copy_(new_tokens)
         buffers.out_logprobs[:lanes].copy_(logprobs)

@@ -155,6 +155,8 @@ class CompactModel(nn.Module):
 
         return F.linear(batch.attend(index, rotate_and_store, dims.num_heads), layer.o_proj)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab]; the matmul runs in the model dtype, as transformers does."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """Logits [rows, vocab], float32 unless asked otherwise (the sampler upcasts as it
+        reads); the matmul runs in the model dtype, as transformers does."""
+        logits = F.linear(hidden, self.lm_head)
+        return logits.float() if float32 else logits

@@ -83,6 +83,7 @@ class Ops:
     rope_store: Callable
     softmax: Callable  # the sampler's pass over the vocabulary
     uniform: Callable  # the sampler's counter-based random numbers (a dozen integer ops)
+    sample_rows: Callable | None = None  # the sampler's unfiltered path in one kernel
     is_compiled: bool = False
 
 
@@ -91,8 +92,8 @@ EAGER = Ops(rms_norm, add_rms_norm, silu_mul, rope_store, tempered_softmax, unif
 
 def compiled_ops(device: torch.device | None = None, head_dim: int | None = None) -> Ops:
     """The same functions through ``torch.compile`` (dynamic shapes: one kernel per op for
-    every batch); on CUDA with Triton, SwiGLU and (for a power-of-two ``head_dim``)
-    `rope_store` by the hand-written kernels of `triton_ops`."""
+    every batch); on CUDA with Triton, SwiGLU, the unfiltered sampler and (for a
+    power-of-two ``head_dim``) `rope_store` by the hand-written kernels of `triton_ops`."""
 
     def compile_one(fn):
         return torch.compile(fn, dynamic=True, fullgraph=True)
@@ -106,5 +107,6 @@ def compiled_ops(device: torch.device | None = None, head_dim: int | None = None
         triton_ops.rope_store if triton_rope else compile_one(rope_store),
         compile_one(tempered_softmax),
         compile_one(uniform_from_seed),
+        sample_rows=triton_ops.sample_rows if use_triton else None,
         is_compiled=True,
     )

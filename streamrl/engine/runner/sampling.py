@@ -75,23 +75,28 @@ def sample(
     use_filters: bool,
     softmax=tempered_softmax,
     uniform=uniform_from_seed,
+    unfiltered=None,
 ):
     """Sample one token per row of ``logits`` [rows, vocab]; returns (tokens int64, logprobs f32).
 
     ``use_filters=False`` ignores top_p/top_k/min_p (callers pass True when any row sets them)
     and saves the passes over the vocabulary they cost. ``softmax`` and ``uniform`` may be
-    compiled `tempered_softmax` and `uniform_from_seed` (one fused kernel each)."""
+    compiled `tempered_softmax` and `uniform_from_seed` (one fused kernel each);
+    ``unfiltered`` a kernel that does the whole unfiltered path
+    (`triton_ops.sample_rows`)."""
     greedy = st.temperature <= 0
     inv_temperature = torch.where(greedy, 1.0, 1.0 / st.temperature.clamp_min(1e-6))
+    draws = uniform(st.seeds, st.counters)
+    if unfiltered is not None and not use_filters:
+        return unfiltered(logits, inv_temperature, greedy, draws)
     log_normaliser, probs = softmax(logits, inv_temperature)
-    uniform = uniform(st.seeds, st.counters)
     if use_filters:
         # min-p keeps tokens with p >= min_p * max p (a zero threshold keeps all).
         threshold = probs.amax(dim=-1, keepdim=True) * st.min_p[:, None]
         probs = torch.where(probs < threshold, 0.0, probs)
-        tokens = _sample_sorted(probs, st, uniform)
+        tokens = _sample_sorted(probs, st, draws)
     else:
-        tokens = _sample_from_cdf(probs, uniform)
+        tokens = _sample_from_cdf(probs, draws)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     # The sampled token's scaled logit, computed as `tempered_softmax` computes every one.
     scaled = logits.gather(1, tokens[:, None]).float() * inv_temperature[:, None]

@@ -1,12 +1,21 @@
-"""Hand-written Triton kernels for elementwise steps of the decoder on CUDA.
+"""Hand-written Triton kernels for steps of the decoder on CUDA.
 
 torch.compile fuses the decoder's small ops (`kernels.compiled_ops`), but its
 dynamic-shape kernels index with symbolic sizes: SwiGLU over the fused
 gate/up projection took 13 us a layer at 512 lanes on the H200, where moving
-its 15 MB at full bandwidth takes about 3. These kernels read each row in wide blocks
-and round as the eager ops do (`kernels.silu_mul`: SiLU rounded to the model
-dtype, then the product). None where Triton is missing: callers keep the
-compiled or eager op.
+its 15 MB at full bandwidth takes about 3; and fused RoPE and cache stores
+took three kernels. Here:
+
+- `silu_mul`: each row in wide blocks, SiLU rounded to the model dtype before
+  the product, as `kernels.silu_mul` rounds;
+- `rope_store`: `kernels.rope_store` as one program per token, RoPE rounded op
+  by op as `rope.apply_rope` (on the H200 not bit for bit: within one bf16
+  step of the eager op);
+- `sample_rows`: `sampling.sample`'s unfiltered path, one program per row
+  reading the logits three times instead of materialising probabilities and
+  their cumulative sum.
+
+Where Triton is missing (`available`) callers keep the compiled or eager op.
 """
 
 from __future__ import annotations
@@ -137,6 +146,91 @@ def rope_store(
         ROTATED=_power_of_two(heads + kv_heads), VALUES=_power_of_two(kv_heads),
         HAS_NORM=has_norm,
     )  # fmt: skip
+
+
+@functools.cache
+def _sample_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def sample_rows(
+        logits_ptr, inv_temperature_ptr, greedy_ptr, uniform_ptr, tokens_ptr, logprobs_ptr,
+        vocab, row_stride, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        source = logits_ptr + row * row_stride
+        inv_temperature = tl.load(inv_temperature_ptr + row)
+        cols = tl.arange(0, BLOCK)
+        # Pass 1: the largest scaled logit (and the raw argmax, for greedy rows).
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        top_at = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            at = start + cols
+            x = tl.load(source + at, mask=at < vocab, other=float("-inf")).to(tl.float32)
+            better = x > top  # strictly: the first of equal maxima stays
+            top = tl.where(better, x, top)
+            top_at = tl.where(better, at, top_at)
+        raw_max = tl.max(top, axis=0)
+        argmax = tl.min(tl.where(top == raw_max, top_at, vocab), axis=0)
+        # inv_temperature > 0, so the scaled maximum is the scaled raw maximum.
+        peak = raw_max * inv_temperature
+        # Pass 2: the total of exp(scaled - peak), accumulated as pass 3 accumulates it.
+        total = 0.0
+        for start in range(0, vocab, BLOCK):
+            at = start + cols
+            x = tl.load(source + at, mask=at < vocab, other=float("-inf")).to(tl.float32)
+            total += tl.sum(tl.exp(x * inv_temperature - peak), axis=0)
+        # Pass 3: the first token whose cumulative mass exceeds u * total (never one of
+        # probability zero: the same rule as `sampling._sample_from_cdf`).
+        target = tl.load(uniform_ptr + row) * total
+        running = 0.0
+        token = vocab
+        for start in range(0, vocab, BLOCK):
+            at = start + cols
+            x = tl.load(source + at, mask=at < vocab, other=float("-inf")).to(tl.float32)
+            weight = tl.exp(x * inv_temperature - peak)
+            cumulative = running + tl.cumsum(weight, axis=0)
+            crossing = tl.min(tl.where((cumulative > target) & (weight > 0), at, vocab), axis=0)
+            token = tl.minimum(token, crossing)
+            running += tl.sum(weight, axis=0)
+        # u * total past the last cumulative sum (rounding, u within ~1e-7 of 1): the mode
+        token = tl.where(token < vocab, token, argmax)
+        token = tl.where(tl.load(greedy_ptr + row) != 0, argmax, token)
+        chosen = tl.load(source + token).to(tl.float32)
+        logprob = chosen * inv_temperature - peak - tl.log(total)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(logprobs_ptr + row, logprob)
+
+    return sample_rows
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.sample`'s unfiltered path in one kernel: one program per row reads the row
+    three times (maximum, total, inverse CDF) instead of materialising the probabilities
+    and their cumulative sum. ``inv_temperature`` [rows] float32, > 0 (1 for greedy rows);
+    ``greedy`` [rows] bool: those rows take the first maximal logit; ``uniform`` [rows] in
+    [0, 1). Returns (tokens int64, logprobs float32), logprobs under
+    ``log_softmax(logits * inv_temperature)`` as `sampling.sample` gives them."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    _sample_kernel()[(rows,)](
+        logits, inv_temperature, greedy, uniform, tokens, logprobs, vocab, logits.stride(0),
+        BLOCK=SAMPLE_BLOCK,
+    )  # fmt: skip
+    return tokens, logprobs
+
+
+SAMPLE_BLOCK = 2048  # vocabulary entries per iteration of the sampler
 
 
 def _power_of_two(count: int) -> int:
