@@ -107,6 +107,8 @@ def compiled_ops(device: torch.device | None = None, head_dim: int | None = None
         triton_ops.rope_store if triton_rope else compile_one(rope_store),
         compile_one(tempered_softmax),
         compile_one(uniform_from_seed),
-        sample_rows=triton_ops.sample_rows if use_triton else None,
+        sample_rows=(
+            triton_ops.sample_rows if use_triton and triton_ops.sampler_agrees(device) else None
+        ),
         is_compiled=True,
     )
