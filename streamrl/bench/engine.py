@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import shlex
 import sys
@@ -219,8 +220,23 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
 
     # One client session for the warm-up and every round, as a rollout worker keeps its own.
     async with http_session() as session:
-        rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
+        with _frozen():
+            rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
     return {"counts": rows}
+
+
+@contextlib.contextmanager
+def _frozen():
+    """This process's objects out of the garbage collector's reach while it measures, as
+    `streamrl engine serve` does once loaded: each round's answers make enough objects to
+    start full collections, and each walked torch's and transformers' (~100 ms on the CI
+    machine) while requests waited to be sent or read, for the HTTP engines alone."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _rounds(name: str, count: int, one_round, args: argparse.Namespace) -> dict[str, Any]:
@@ -265,30 +281,25 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
 
     options = embedded_options(model, counts, args)
     core = await asyncio.to_thread(EngineCore, options)
-    gc.collect()
-    gc.freeze()  # as `streamrl engine serve` does once loaded: no full collection walks the model
-    core.start()
-    row: dict[str, Any] = {
-        "start_s": round(time.monotonic() - started, 1),
-        "options": options.to_argv(),
-        "counts": {},
-    }
-    progress(f"[in-process] ready after {row['start_s']} s")
+    row: dict[str, Any] = {"options": options.to_argv(), "counts": {}}
+    with _frozen():  # after loading: no full collection walks the model either
+        core.start()
+        row["start_s"] = round(time.monotonic() - started, 1)
+        progress(f"[in-process] ready after {row['start_s']} s")
 
-    async def one_round(prompts: list[list[int]], probes: int, engine=core) -> dict[str, Any]:
-        t0 = time.monotonic()
-        measured = await measure_in_process(engine, prompts, max_new_tokens=args.max_new_tokens)
-        measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
-        return measured
+        async def one_round(prompts: list[list[int]], probes: int, engine=core) -> dict[str, Any]:
+            t0 = time.monotonic()
+            measured = await measure_in_process(engine, prompts, max_new_tokens=args.max_new_tokens)
+            measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+            return measured
 
-    try:
-        for count in counts:
-            row["counts"][str(count)] = await _rounds("in-process", count, one_round, args)
-    finally:
-        core.shutdown()
-        del core, one_round  # the engine's device memory goes back before the next engine
-        gc.unfreeze()
-        _free_device_memory()
+        try:
+            for count in counts:
+                row["counts"][str(count)] = await _rounds("in-process", count, one_round, args)
+        finally:
+            core.shutdown()
+            del core, one_round  # the engine's device memory goes back before the next engine
+    _free_device_memory()
     return row
 
 

@@ -25,6 +25,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from streamrl.engine.app import freeze_loaded_objects
 from streamrl.engine.bridge import EngineGone, RemoteCore, addresses
 from streamrl.engine.generate_endpoints import GenerateEndpoints
 from streamrl.engine.options import EngineOptions
@@ -79,6 +80,9 @@ class FrontServer:
             models.load_tokenizer, model_info.get("tokenizer_path") or self.options.model
         )
         self.remote.attach(model_info, tokenizer)
+        # torch's and transformers' objects (~220k) out of every full collection: a burst
+        # of requests made several, 100 ms each with the GIL held (on the CI machine)
+        freeze_loaded_objects()
         self.is_ready = True
 
     async def _wait_for_engine(self, timeout_s: float) -> dict:
