@@ -82,7 +82,8 @@ megatron)
 engine)
   if [ -n "${ENGINE_CHECKS:-}" ]; then  # the engine's CUDA tests and step profile first
     run timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_core.py \
-      -k cuda 2>&1 | tail -3
+      -k cuda -rfEs >"$OUT/cuda_tests_h200x1.txt" 2>&1
+    tail -3 "$OUT/cuda_tests_h200x1.txt"
     run timeout 120 python3 bench/gpu/decode_profile.py --out "$OUT/decode_profile_h200x1.json"
   fi
   if [ -f .sgl/run-server.sh ]; then
@@ -115,7 +116,8 @@ http)
   ;;
 decode)
   run timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_core.py \
-    -k cuda 2>&1 | tail -4
+    -k cuda -rfEs >"$OUT/cuda_tests_h200x1.txt" 2>&1
+  tail -4 "$OUT/cuda_tests_h200x1.txt"
   run timeout 200 python3 bench/gpu/engine_check.py \
     --sections attention,graphs_vs_eager,logprobs_vs_teacher \
     --out "$OUT/engine_check_decode_h200x1.json" >/dev/null
