@@ -391,7 +391,8 @@ class RemoteCore:
         turn of the event loop: one frame, one decode and one `submit` in the engine)."""
         if self._queued:
             wires, self._queued = self._queued, []
-            self._outbox.send(self._encoder.encode(Submit(wires)), flags=zmq.NOBLOCK)
+            if not self._gone:  # else their futures failed with `EngineGone` already
+                self._outbox.send(self._encoder.encode(Submit(wires)), flags=zmq.NOBLOCK)
 
     # -- frames from the engine process -----------------------------------------------------
 
