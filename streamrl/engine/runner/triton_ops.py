@@ -258,7 +258,11 @@ def sampler_agrees(device: torch.device) -> bool:
         counters=torch.full((rows,), 5, device=device),
     )
     want_tokens, want_logprobs = sample(logits, st, use_filters=False)
-    got_tokens, got_logprobs = sample(logits, st, use_filters=False, unfiltered=sample_rows)
+    try:
+        got_tokens, got_logprobs = sample(logits, st, use_filters=False, unfiltered=sample_rows)
+    except Exception as error:  # a Triton that cannot build it here: the torch sampler serves
+        logger.warning("the Triton sampler failed on %s (%r): using the torch one", device, error)
+        return False
     agrees = bool(
         torch.equal(got_tokens, want_tokens)
         and (got_logprobs - want_logprobs).abs().max().item() < 1e-4
