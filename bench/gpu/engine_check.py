@@ -660,13 +660,17 @@ def environment() -> dict:
         import transformers
 
         info["transformers"] = transformers.__version__
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        # The caller's (a device copy's git HEAD is the copy's, not the code's).
+        info["commit"] = (
+            os.environ.get("STREAMRL_COMMIT")
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
     except Exception as error:
         info["environment_error"] = repr(error)
     return info

@@ -95,3 +95,48 @@ def test_a_finished_frame_carries_the_whole_output_routed_experts_included():
     assert np.array_equal(back.routed_experts, routed)
     back.routed_experts = output.routed_experts = None
     assert back == output
+
+
+async def test_requests_of_one_loop_turn_leave_as_one_submit_and_an_abort_after_them(tmp_path):
+    """The HTTP process's end of the bridge against a stand-in engine end (two sockets)."""
+    import asyncio
+
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from streamrl.engine.bridge import Abort, Finished, RemoteCore, Submit, ToEngine, addresses
+    from streamrl.engine.core import Request, SamplingParams
+
+    requests_at, outputs_at = addresses(str(tmp_path))
+    remote = RemoteCore(requests_at, outputs_at)
+    context = zmq.asyncio.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(requests_at)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(outputs_at)
+    remote.attach({"vocab_size": 10, "max_seq_len": 8}, tokenizer=None)
+    decode = msgspec.msgpack.Decoder(ToEngine).decode
+    try:
+
+        def call(rid: str):
+            request = Request(rid, [1, 2], SamplingParams(max_new_tokens=1))
+            return asyncio.ensure_future(remote.generate([request]))
+
+        calls = [call(f"r{index}") for index in range(3)]
+        await asyncio.sleep(0)  # the calls queue their requests in this turn of the loop
+        remote.abort("r1")
+        first, second = decode(await inbox.recv()), decode(await inbox.recv())
+        assert isinstance(first, Submit) and [w.rid for w in first.requests] == ["r0", "r1", "r2"]
+        assert second == Abort("r1")
+        for rid in ("r0", "r1", "r2"):
+            finished = Finished(rid, [3], [-0.5], ["v"], {"type": "length"}, 2, 0, "v")
+            await outbox.send(msgspec.msgpack.encode(finished))
+        outputs = await asyncio.wait_for(asyncio.gather(*calls), 10)
+        assert [o.rid for (o,) in outputs] == ["r0", "r1", "r2"]
+        assert all(o.output_ids == [3] for (o,) in outputs)
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+        await remote.close()
