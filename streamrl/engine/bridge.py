@@ -162,6 +162,11 @@ def _socket(context, kind: int, address: str, *, bind: bool):
     return sock
 
 
+def _log_send_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.error("sending a frame to the engine process failed: %r", sent.exception())
+
+
 async def _received(sock) -> list[bytes]:
     """The next frame on ``sock`` and every other one already queued behind it (one wake-up
     of the event loop for a burst)."""
@@ -383,8 +388,7 @@ class RemoteCore:
 
     def _send_nowait(self, frame) -> None:
         self._flush()  # requests queued before this frame reach the engine before it
-        # A PUSH socket with no high-water mark never blocks: the send completes at once.
-        self._outbox.send(self._encoder.encode(frame), flags=zmq.NOBLOCK)
+        self._send(frame)
 
     def _flush(self) -> None:
         """Send the queued requests as one `Submit` (a burst of HTTP requests handled in one
@@ -392,7 +396,14 @@ class RemoteCore:
         if self._queued:
             wires, self._queued = self._queued, []
             if not self._gone:  # else their futures failed with `EngineGone` already
-                self._outbox.send(self._encoder.encode(Submit(wires)), flags=zmq.NOBLOCK)
+                self._send(Submit(wires))
+
+    def _send(self, frame) -> None:
+        """Send without waiting: at once, or (no engine end connected yet) as soon as one
+        is, after the frames sent before it. Never with NOBLOCK, which would raise with no
+        peer connected and jump the queue of frames still waiting."""
+        sent = self._outbox.send(self._encoder.encode(frame))
+        sent.add_done_callback(_log_send_failure)
 
     # -- frames from the engine process -----------------------------------------------------
 

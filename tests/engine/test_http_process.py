@@ -110,12 +110,11 @@ async def test_requests_of_one_loop_turn_leave_as_one_submit_and_an_abort_after_
 
     requests_at, outputs_at = addresses(str(tmp_path))
     remote = RemoteCore(requests_at, outputs_at)
+    remote.attach({"vocab_size": 10, "max_seq_len": 8}, tokenizer=None)
     context = zmq.asyncio.Context()
     inbox = context.socket(zmq.PULL)
-    inbox.connect(requests_at)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(outputs_at)
-    remote.attach({"vocab_size": 10, "max_seq_len": 8}, tokenizer=None)
     decode = msgspec.msgpack.Decoder(ToEngine).decode
     try:
 
@@ -126,7 +125,11 @@ async def test_requests_of_one_loop_turn_leave_as_one_submit_and_an_abort_after_
         calls = [call(f"r{index}") for index in range(3)]
         await asyncio.sleep(0)  # the calls queue their requests in this turn of the loop
         remote.abort("r1")
-        first, second = decode(await inbox.recv()), decode(await inbox.recv())
+        await asyncio.sleep(0.05)
+        # The engine's end connects only now: the frames waited for it, in their order.
+        inbox.connect(requests_at)
+        receive = [asyncio.wait_for(inbox.recv(), 10) for _ in range(2)]
+        first, second = decode(await receive[0]), decode(await receive[1])
         assert isinstance(first, Submit) and [w.rid for w in first.requests] == ["r0", "r1", "r2"]
         assert second == Abort("r1")
         for rid in ("r0", "r1", "r2"):
