@@ -21,11 +21,14 @@
 #                                          engine over HTTP (in two processes), SGLang and
 #                                          in-process, 64/256/512
 #                                          requests x 128 + 256 tokens, a warm-up round and 3
-#                                          measured rounds per count (~6 min)
+#                                          measured rounds per count; CLIENTS=N sends from N
+#                                          client processes (~6 min)
 #   bench/gpu/speed_h200.sh http OUT       `streamrl bench engine` for the embedded engine over
 #                                          HTTP only, 64/256/512 requests: in one process, in
 #                                          two (--http-process on), in two with a GIL switch
-#                                          interval of 0.1 ms; then in-process (~5 min)
+#                                          interval of 0.1 ms; with HTTP_CLIENTS="1 4" instead
+#                                          in two processes, from 1 and from 4 client
+#                                          processes; then in-process (~5 min)
 #   bench/gpu/speed_h200.sh decode OUT     the engine's CUDA unit tests, engine_check's attention,
 #                                          graphs_vs_eager and logprobs_vs_teacher sections, then
 #                                          bench/gpu/decode_profile.py: GPU time, loop time and
@@ -94,7 +97,7 @@ engine)
   run timeout 570 python3 -m streamrl --log-level warning bench engine \
     --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
     --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
-    --embedded-args "--http-process on" --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
+    --client-processes "${CLIENTS:-1}" --embedded-args "--http-process on" --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
 --cuda-graph-max-bs 512 --mem-fraction-static 0.8" \
     --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"
   for name in embedded sglang; do
@@ -102,16 +105,22 @@ engine)
   done
   ;;
 http)
-  bench_http() {  # NAME EXTRA-ENGINE-ARGS [ENGINES]
+  bench_http() {  # NAME EXTRA-ENGINE-ARGS [ENGINES [EXTRA-BENCH-ARGS]]
     run timeout 150 python3 -m streamrl --log-level warning bench engine \
       --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
       --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
-      --engines "${3:-embedded}" --embedded-args "$2" --work-dir /tmp/bench-engine \
+      --engines "${3:-embedded}" --embedded-args "$2" --work-dir /tmp/bench-engine ${4:-} \
       --json "$OUT/engine_http_$1_h200x1.json"
   }
-  bench_http one-process "--http-process off"
-  bench_http two-processes "--http-process on"
-  bench_http two-processes-switch0.1 "--http-process on --switch-interval-ms 0.1"
+  if [ -n "${HTTP_CLIENTS:-}" ]; then  # the split engine from 1 and more client processes
+    for clients in $HTTP_CLIENTS; do
+      bench_http "clients$clients" "--http-process on" embedded "--client-processes $clients"
+    done
+  else
+    bench_http one-process "--http-process off"
+    bench_http two-processes "--http-process on"
+    bench_http two-processes-switch0.1 "--http-process on --switch-interval-ms 0.1"
+  fi
   bench_http in-process "" in-process
   ;;
 decode)

@@ -223,6 +223,12 @@ def _engine(commands) -> None:
         "--ttft-probes", type=int, default=8, help="requests per round that stream (for TTFT)"
     )
     parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="processes that send the HTTP engines' requests between them (1: this one)",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="measured rounds per count (median and spread)"
     )
     parser.add_argument(

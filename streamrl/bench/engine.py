@@ -29,9 +29,13 @@ from the first send to the last answer; time to first token from
 (server-sent events; TTFT = client time from send to the first event holding
 an output token; the rest do not stream, so the load stays the non-streaming
 one); GPU busy share over the window (`streamrl.bench.gpu_monitor`, absent on
-CPU); for the embedded engine its own busy clock and token counter
-(`/get_load`: `engine_busy_share`, plotted in place of GPU busy when no GPU is
-seen). One progress line per phase goes to stderr.
+CPU); for the embedded engine its own busy clock and counters (`/get_load`:
+`engine_busy_share`, plotted in place of GPU busy when no GPU is seen, and the
+round's generated tokens, decode steps, prefills and busy milliseconds per decode
+step). The HTTP engines' requests go from this process, or with
+`--client-processes N` from N client processes that deal them out
+(`streamrl.bench.load.ClientProcesses`), for every HTTP engine alike. One
+progress line per phase goes to stderr.
 """
 
 from __future__ import annotations
@@ -56,7 +60,13 @@ from streamrl.bench.engine_results import (
     summary_lines,
 )
 from streamrl.bench.gpu_monitor import GpuMonitor
-from streamrl.bench.load import http_session, measure_http, measure_in_process, prompts_for
+from streamrl.bench.load import (
+    ClientProcesses,
+    http_session,
+    measure_http,
+    measure_in_process,
+    prompts_for,
+)
 from streamrl.bench.results import write_result
 
 ENGINES = ("embedded", "sglang", "in-process")
@@ -75,6 +85,10 @@ def engine_command(args: argparse.Namespace) -> int:
         print(
             f"error: --requests must list positive counts, got {args.requests!r}", file=sys.stderr
         )
+        return 2
+    if args.client_processes < 1:
+        print(f"error: --client-processes must be 1 or more, got {args.client_processes}",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         engines, skipped = _engines(args.engines)
@@ -204,25 +218,55 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
     async def one_round(prompts: list[list[int]], probes: int) -> dict[str, Any]:
         before = await _load(url)
         t0 = time.monotonic()
-        measured = await measure_http(
-            url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes, session=session
-        )
+        if clients is not None:
+            measured = await clients.measure(
+                url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes
+            )
+        else:
+            measured = await measure_http(
+                url, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes,
+                session=session,
+            )  # fmt: skip
         measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
         after = await _load(url)
         if before is not None and after is not None:
-            measured["engine_busy_share"] = (after["busy_s"] - before["busy_s"]) / measured[
-                "wall_s"
-            ]
-            measured["engine_generated_tokens"] = (
-                after["generated_tokens"] - before["generated_tokens"]
-            )
+            measured.update(_engine_counters(before, after, measured["wall_s"]))
         return measured
 
-    # One client session for the warm-up and every round, as a rollout worker keeps its own.
+    # One client session (or set of client processes) for the warm-up and every round, as a
+    # rollout worker keeps its own.
     async with http_session() as session:
-        with _frozen():
+        with _clients(args.client_processes) as clients, _frozen():
             rows = {str(count): await _rounds(name, count, one_round, args) for count in counts}
-    return {"counts": rows}
+    return {"counts": rows, "client_processes": args.client_processes}
+
+
+def _engine_counters(before: dict, after: dict, wall_s: float) -> dict[str, Any]:
+    """The embedded engine's own account of a round (`/get_load` before and after it): its
+    busy share of the wall time, the tokens it generated, and its decode steps and prefills
+    (with the mean wall time per decode step, when it counts them)."""
+    counters = {
+        "engine_busy_share": (after["busy_s"] - before["busy_s"]) / wall_s,
+        "engine_generated_tokens": after["generated_tokens"] - before["generated_tokens"],
+    }
+    for key in ("decode_steps", "prefills"):
+        if key in before and key in after:
+            counters[f"engine_{key}"] = after[key] - before[key]
+    if counters.get("engine_decode_steps"):
+        counters["engine_busy_ms_per_step"] = (
+            1e3 * (after["busy_s"] - before["busy_s"]) / counters["engine_decode_steps"]
+        )
+    return counters
+
+
+@contextlib.contextmanager
+def _clients(count: int):
+    """`ClientProcesses` for `--client-processes` above 1; None (this process sends) for 1."""
+    if count <= 1:
+        yield None
+        return
+    with ClientProcesses(count) as clients:
+        yield clients
 
 
 @contextlib.contextmanager
@@ -334,7 +378,8 @@ def _write(args: argparse.Namespace, counts: list[int], result: dict[str, Any]) 
         key: getattr(args, key)
         for key in (
             "shape", "model", "engines", "device", "dtype", "prompt_tokens", "max_new_tokens",
-            "ttft_probes", "repeats", "warmup_rounds", "embedded_args", "sglang_args",
+            "ttft_probes", "client_processes", "repeats", "warmup_rounds", "embedded_args",
+            "sglang_args",
         )
     }  # fmt: skip
     config["requests"] = counts

@@ -4,15 +4,23 @@
 aiohttp session with no connection limit (the client must not be what limits
 the rate); `num_probes` of them, spread evenly over the send order, stream
 (server-sent events) so that their time to first token can be seen from the
-client. `measure_in_process` hands the same prompts to an `EngineCore` in one
-call. Both return the same figures: tokens, wall time, tokens/s, per-request
-latency and (HTTP, probes) time to first token, with counts of anything wrong
-(a non-200 answer, a response without logprobs, fewer tokens than asked).
+client. `ClientProcesses` does the same from several processes, each with its own
+event loop and session, the requests dealt out between them: one Python client
+spends ~0.1-0.2 ms of its one core per request sent and per answer read, so a
+burst of hundreds of requests reaches a fast engine over tens of milliseconds, and
+that (not the engine) can set a round's pace. `measure_in_process` hands the same
+prompts to an `EngineCore` in one call. All return the same figures: tokens, wall
+time, tokens/s, per-request latency and (HTTP, probes) time to first token, with
+counts of anything wrong (a non-200 answer, a response without logprobs, fewer
+tokens than asked).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import multiprocessing
 import statistics
 import time
 from typing import Any
@@ -87,6 +95,13 @@ async def measure_http(
                 url, prompts, max_new_tokens=max_new_tokens, num_probes=num_probes, session=fresh
             )
     probes = probe_indices(len(prompts), num_probes)
+    answers, wall_s = await _send_all(session, url, prompts, probes, max_new_tokens)
+    return figures(answers, wall_s, max_new_tokens)
+
+
+async def _send_all(session, url: str, prompts, probes, max_new_tokens: int):
+    """Every prompt sent at once (those whose index is in ``probes`` streamed): the answers
+    in prompt order, and the seconds from the first send to the last answer."""
     started = time.perf_counter()
     calls = [
         _stream_one(session, url, prompt, max_new_tokens, started)
@@ -95,8 +110,97 @@ async def measure_http(
         for index, prompt in enumerate(prompts)
     ]
     answers = await asyncio.gather(*calls)
-    wall_s = time.perf_counter() - started
-    return figures(answers, wall_s, max_new_tokens)
+    return answers, time.perf_counter() - started
+
+
+class ClientProcesses:
+    """`count` client processes (spawned, each with its own event loop and `http_session`,
+    kept for every round) that send one round's requests between them: request i from
+    process i mod count, all starting together at a barrier. A round's wall time runs from
+    the barrier to the last answer of any process. Use as a context manager (the processes
+    stop at its end)."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"client processes must be at least 1, got {count}")
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded process
+        self._barrier = context.Barrier(count)
+        self._pipes = []
+        self._processes = []
+        for index in range(count):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=_client_process, args=(theirs, self._barrier),
+                name=f"bench-client-{index}", daemon=True,
+            )  # fmt: skip
+            process.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._processes.append(process)
+
+    def __enter__(self) -> ClientProcesses:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError):  # that process is gone already
+                pipe.send(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self._pipes:
+            pipe.close()
+
+    async def measure(
+        self, url: str, prompts: list[list[int]], *, max_new_tokens: int, num_probes: int
+    ) -> dict[str, Any]:
+        """One round, as `measure_http` measures it, sent from every process at once."""
+        probes = probe_indices(len(prompts), num_probes)
+        count = len(self._pipes)
+        for offset, pipe in enumerate(self._pipes):
+            indices = range(offset, len(prompts), count)
+            dealt = [prompts[i] for i in indices]
+            dealt_probes = {j for j, i in enumerate(indices) if i in probes}
+            pipe.send((url, dealt, dealt_probes, max_new_tokens))
+        replies = await asyncio.gather(*(asyncio.to_thread(self._reply, p) for p in self._pipes))
+        answers: list[dict] = [{}] * len(prompts)
+        for offset, (dealt_answers, _) in enumerate(replies):
+            answers[offset::count] = dealt_answers
+        return figures(answers, max(wall for _, wall in replies), max_new_tokens)
+
+    @staticmethod
+    def _reply(pipe) -> tuple[list[dict], float]:
+        try:
+            reply = pipe.recv()
+        except EOFError:
+            raise RuntimeError("a bench client process exited in the middle of a round") from None
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"a bench client process failed: {reply!r}") from reply
+        return reply
+
+
+def _client_process(pipe, barrier) -> None:
+    """A `ClientProcesses` member: rounds from ``pipe`` until None; each round's answers and
+    wall time (or the exception that ended it) go back on ``pipe``."""
+    gc.freeze()  # what this process imported stays out of every collection (as the bench's)
+    asyncio.run(_client_rounds(pipe, barrier))
+
+
+async def _client_rounds(pipe, barrier) -> None:
+    async with http_session() as session:
+        while (job := await asyncio.to_thread(pipe.recv)) is not None:
+            url, prompts, probes, max_new_tokens = job
+            await asyncio.to_thread(barrier.wait)
+            try:
+                reply = await _send_all(session, url, prompts, probes, max_new_tokens)
+            except Exception as error:  # the round fails in the bench, with this
+                reply = error
+            pipe.send(reply)
 
 
 async def _one(session, url: str, prompt, max_new_tokens: int, started: float) -> dict:

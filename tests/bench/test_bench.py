@@ -7,6 +7,7 @@ Fast tests use fakes and one tiny engine; the end-to-end smokes of `staleness` a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -21,8 +22,10 @@ from engine_helpers import engine_load, running_engines
 from streamrl.actors.auto_staleness import Reason
 from streamrl.agents import synthetic
 from streamrl.bench import phases, runs, staleness, sync_async
+from streamrl.bench.load import ClientProcesses, prompts_for
 from streamrl.bench.results import write_result
 from streamrl.bench.runs import EngineReading
+from streamrl.process import free_port
 from streamrl.types import Group, Sample
 
 REPO = Path(__file__).parents[2]
@@ -52,6 +55,28 @@ def test_get_load_reports_a_busy_clock_and_the_tokens_the_engine_generated(
     assert after["generated_tokens"] == generated == 32
     assert 0.0 < after["busy_s"] < after["uptime_s"]
     assert after["uptime_s"] > idle["uptime_s"]
+
+
+def test_client_processes_deal_a_round_out_and_gather_every_answer(tiny_engine):
+    """Five requests from two client processes (three and two of them), two streamed: every
+    answer comes back and the wall time covers them all; a round that fails in a process
+    fails in the bench, and the processes serve the next round."""
+    prompts = prompts_for(5, 8, seed=0, vocab_size=100)
+    with ClientProcesses(2) as clients:
+        measured = asyncio.run(
+            clients.measure(tiny_engine.url, prompts, max_new_tokens=4, num_probes=2)
+        )
+        assert measured["requests"] == 5 and measured["num_errors"] == 0
+        assert measured["generated_tokens"] == 20 and measured["num_short"] == 0
+        assert measured["num_without_logprobs"] == 0 and len(measured["ttft_s_all"]) == 2
+        assert 0 < measured["latency_s_max"] <= measured["wall_s"]
+        with pytest.raises(RuntimeError, match="client process failed"):  # nothing listens
+            asyncio.run(clients.measure(f"http://127.0.0.1:{free_port()}", prompts[:2],
+                                        max_new_tokens=4, num_probes=0))  # fmt: skip
+        again = asyncio.run(
+            clients.measure(tiny_engine.url, prompts[:3], max_new_tokens=2, num_probes=0)
+        )
+    assert again["generated_tokens"] == 6 and again["num_errors"] == 0
 
 
 # ---------------------------------------------------------------- window arithmetic

@@ -267,7 +267,9 @@ def sampler_agrees(device: torch.device) -> bool:
         torch.equal(got_tokens, want_tokens)
         and (got_logprobs - want_logprobs).abs().max().item() < 1e-4
     )
-    if not agrees:
+    if agrees:
+        logger.info("the Triton sampler agrees with the torch sampler on %s: using it", device)
+    else:
         logger.warning(
             "the Triton sampler disagrees with the torch sampler on %s: using the torch one",
             device,
