@@ -28,7 +28,8 @@ from the first send to the last answer; time to first token from
 `--ttft-probes` of the N requests (spread over the send order) that stream
 (server-sent events; TTFT = client time from send to the first event holding
 an output token; the rest do not stream, so the load stays the non-streaming
-one); GPU busy share over the window (`streamrl.bench.gpu_monitor`, absent on
+one; in-process, the same requests' first-token callbacks on this process's event
+loop); GPU busy share over the window (`streamrl.bench.gpu_monitor`, absent on
 CPU); for the embedded engine its own busy clock and counters (`/get_load`:
 `engine_busy_share`, plotted in place of GPU busy when no GPU is seen, and the
 round's generated tokens, decode steps, prefills and busy milliseconds per decode
@@ -333,7 +334,9 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
 
         async def one_round(prompts: list[list[int]], probes: int, engine=core) -> dict[str, Any]:
             t0 = time.monotonic()
-            measured = await measure_in_process(engine, prompts, max_new_tokens=args.max_new_tokens)
+            measured = await measure_in_process(
+                engine, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes
+            )
             measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
             return measured
 

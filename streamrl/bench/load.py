@@ -259,12 +259,31 @@ def _answer(result: dict, latency_s: float) -> dict:
     }
 
 
-async def measure_in_process(core, prompts: list[list[int]], *, max_new_tokens: int) -> dict:
-    """All prompts in one `EngineCore.generate` call (no HTTP, no JSON)."""
+async def measure_in_process(
+    core, prompts: list[list[int]], *, max_new_tokens: int, num_probes: int = 0
+) -> dict:
+    """All prompts in one `EngineCore.generate` call (no HTTP, no JSON); `num_probes` of them
+    (spread as `measure_http` spreads its streamed ones) report their first token, for a time
+    to first token seen as an in-process caller sees it (on its event loop)."""
     from streamrl.engine.core import Request, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
-    requests = [Request(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    probes = probe_indices(len(prompts), num_probes)
+    first_token_s: dict[int, float] = {}
+
+    def first_token(index: int):
+        def on_tokens(ids: list[int], logprobs: list[float], versions: list[str]) -> None:
+            first_token_s.setdefault(index, time.perf_counter() - started)
+
+        return on_tokens
+
+    requests = [
+        Request(f"p{i}", prompt, params)
+        if i not in probes
+        else Request(f"p{i}", prompt, params, on_tokens=first_token(i),
+                     stream_interval=max(1, max_new_tokens))
+        for i, prompt in enumerate(prompts)
+    ]  # fmt: skip
     started = time.perf_counter()
     outputs = await core.generate(requests)
     wall_s = time.perf_counter() - started
@@ -272,6 +291,8 @@ async def measure_in_process(core, prompts: list[list[int]], *, max_new_tokens: 
         {"tokens": len(o.output_ids), "num_logprobs": len(o.logprobs), "latency_s": wall_s}
         for o in outputs
     ]
+    for index, ttft_s in first_token_s.items():
+        answers[index]["ttft_s"] = ttft_s
     return figures(answers, wall_s, max_new_tokens)
 
 

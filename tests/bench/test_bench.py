@@ -467,9 +467,13 @@ def test_engine_bench_measures_the_embedded_engine_over_http_and_in_process(tmp_
             assert measured["generated_tokens"] == count * 8 and measured["num_errors"] == 0
             assert measured["num_short"] == 0 and measured["num_without_logprobs"] == 0
     for count in (2, 6):
-        cell = engines["embedded"]["counts"][str(count)]
-        assert 0 < cell["ttft_s_median"] <= cell["median_round"]["latency_s_max"]
-        assert cell["median_round"]["engine_generated_tokens"] == count * 8
+        for name in ("embedded", "in-process"):  # 2 probes each: streamed / a token callback
+            cell = engines[name]["counts"][str(count)]
+            assert len(cell["median_round"]["ttft_s_all"]) == 2, name
+            assert 0 < cell["ttft_s_median"] <= cell["median_round"]["latency_s_max"], name
+        measured = engines["embedded"]["counts"][str(count)]["median_round"]
+        assert measured["engine_generated_tokens"] == count * 8
+        assert measured["engine_decode_steps"] >= 7 and measured["engine_prefills"] >= 1
     ratio = record["result"]["ratios"]["embedded_over_in-process"]
     assert set(ratio) == {"2", "6"} and all(value > 0 for value in ratio.values())
     assert (tmp_path / "e.png").stat().st_size > 0
