@@ -28,7 +28,9 @@
 #                                          two (--http-process on), in two with a GIL switch
 #                                          interval of 0.1 ms; with HTTP_CLIENTS="1 4" instead
 #                                          in two processes, from 1 and from 4 client
-#                                          processes; then in-process (~5 min)
+#                                          processes; with HTTP_VARIANTS='NAME=FLAGS|...' the
+#                                          split engine with each variant's serve flags (from
+#                                          CLIENTS client processes); then in-process (~5 min)
 #   bench/gpu/speed_h200.sh decode OUT     the engine's CUDA unit tests, engine_check's attention,
 #                                          graphs_vs_eager and logprobs_vs_teacher sections, then
 #                                          bench/gpu/decode_profile.py: GPU time, loop time and
@@ -112,7 +114,13 @@ http)
       --engines "${3:-embedded}" --embedded-args "$2" --work-dir /tmp/bench-engine ${4:-} \
       --json "$OUT/engine_http_$1_h200x1.json"
   }
-  if [ -n "${HTTP_CLIENTS:-}" ]; then  # the split engine from 1 and more client processes
+  if [ -n "${HTTP_VARIANTS:-}" ]; then  # NAME=ENGINE-ARGS|...: the split engine, per variant
+    IFS='|' read -ra variants <<<"$HTTP_VARIANTS"
+    for variant in "${variants[@]}"; do
+      bench_http "${variant%%=*}" "--http-process on ${variant#*=}" embedded \
+        "--client-processes ${CLIENTS:-1}"
+    done
+  elif [ -n "${HTTP_CLIENTS:-}" ]; then  # the split engine from 1 and more client processes
     for clients in $HTTP_CLIENTS; do
       bench_http "clients$clients" "--http-process on" embedded "--client-processes $clients"
     done
