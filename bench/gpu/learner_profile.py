@@ -32,8 +32,9 @@ variant sets them there (the values `build_transformer_config` gives for that se
 Per variant: a warm-up step, `--steps` (2) timed ones with CUDA events around the
 optimizer step, the allocator's peak, and one more step under torch.profiler whose CUDA
 kernel time is summed by kind (matmul, attention, compiled elementwise, other elementwise,
-reductions and norms, optimizer, copies) with the top kernels by time. MFU against the
-989e12 dense bf16 peak, trained tokens only:
+reductions and norms, optimizer, copies) with the top kernels by time, the GPU's idle share,
+and the same per phase (`megatron_check.profile_step`). MFU against the 989e12 dense bf16
+peak, trained tokens only:
 
     mfu_6n        6 N tokens / step time (the issue's formula and the run's report)
     mfu_work      (6 N + 2 N x the share of layers recomputed) tokens plus attention's causal
@@ -59,20 +60,6 @@ import packing_check as packing
 VARIANTS = ("full", "half", "none")
 ATTENTIONS = ("torch", "fa4")
 ROPES = ("compiled", "eager")
-KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
-    ("attention", ("flash", "fmha", "attention")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
-    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "sm80_xmma", "cublas", "wgrad", "dgrad")),
-    ("compiled", ("triton",)),
-    ("reduction_or_norm", ("reduce", "norm", "softmax", "cross_entropy", "scan", "sort")),
-    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
-)
-
-
-def kind_of(kernel: str) -> str:
-    name = kernel.lower()
-    return next((kind for kind, words in KINDS if any(w in name for w in words)), "other")
 
 
 def set_recompute(model, variant: str) -> dict:
@@ -94,46 +81,6 @@ def set_recompute(model, variant: str) -> dict:
 def work_flops(flops: dict, recomputed_share: float) -> float:
     extra = recomputed_share * (flops["old_logprob_2n"] + flops["attention_old_logprob"])
     return flops["train_6n"] + flops["attention_train"] + extra
-
-
-def profile_step(step) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if base.PLAN.device == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    base.synchronize()
-    started = time.perf_counter()
-    with profile(activities=activities) as prof:
-        step()
-        base.synchronize()
-    wall_s = time.perf_counter() - started
-    by_kind: dict[str, float] = {}
-    kernels = []
-    on_gpu = base.PLAN.device == "cuda"
-    for event in prof.key_averages():
-        # The kernels themselves (an operator's row repeats its kernels' time); on the CPU
-        # (--cpu-smoke) the operators' own CPU time stands in.
-        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        device_us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
-        if device_us <= 0:
-            continue
-        kernels.append((device_us, event.key, event.count))
-        kind = kind_of(event.key)
-        by_kind[kind] = by_kind.get(kind, 0.0) + device_us / 1e6
-    kernels.sort(reverse=True)
-    busy = sum(by_kind.values())
-    return {
-        "wall_s": round(wall_s, 4),
-        "kernel_s": round(busy, 4),
-        "kernel_share_of_wall": round(busy / wall_s, 4) if wall_s else None,
-        "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [
-            {"name": name[:160], "s": round(us / 1e6, 4), "calls": count}
-            for us, name, count in kernels[:25]
-        ],
-    }
 
 
 def parse_variant(text: str) -> tuple[str, str | None, str | None]:
@@ -161,16 +108,13 @@ def set_kernels(backend, attention: str | None, rope: str | None) -> dict:
     return {"attention": flash.kernel(), "rope": "compiled" if speed.rope_compiled() else "eager"}
 
 
-def measure_variant(
-    backend, optimizer_step, batches, flops: dict, variant: str, steps: int
-) -> dict:
+def measure_variant(backend, batches, flops: dict, variant: str, steps: int) -> dict:
     from megatron_ranks import nll_loss
 
     recompute, attention, rope = parse_variant(variant)
     kernels = set_kernels(backend, attention, rope)
     result = set_recompute(backend.model, recompute) | kernels
     clock = base.StepClock()
-    backend.optimizer.step = optimizer_step  # unmarked (a previous variant's clock)
     base.timed_optimizer(backend, clock)  # marks the optimizer step's start and end
 
     def step() -> None:
@@ -203,7 +147,8 @@ def measure_variant(
                        / base.PEAK_BF16_FLOPS, 4),
         peak_memory_gib=base.peak_memory_gib(),
     )  # fmt: skip
-    result["profile"] = profile_step(step)
+    clock.marks_profiler = True  # the profile's phases
+    result["profile"] = base.profile_step(step, top=25)
     clock.phases_s()
     return result
 
@@ -249,7 +194,6 @@ def run(model_dir: Path, out_path: Path, *, samples: int, budget: int, steps: in
     backend = MegatronBackend(
         str(model_dir), config, device=base.PLAN.device, dtype=base.PLAN.dtype, seed=0
     )
-    optimizer_step = backend.optimizer.step
     num_params = sum(p.numel() for p in backend.model.parameters())
     flops = packing.sample_flops(shape, num_params, batch_samples)
     report.update(
@@ -260,9 +204,7 @@ def run(model_dir: Path, out_path: Path, *, samples: int, budget: int, steps: in
     save()
     for variant in variants:
         try:
-            report["variants"][variant] = measure_variant(
-                backend, optimizer_step, batches, flops, variant, steps
-            )
+            report["variants"][variant] = measure_variant(backend, batches, flops, variant, steps)
         except Exception:
             report["variants"][variant] = {"error": traceback.format_exc()}
         print(f"[learner_profile] {variant}: {json.dumps(report['variants'][variant])[:1500]}",

@@ -48,12 +48,25 @@ shape of the throughput sections), and printed at the end:
 (d) `tp2_vs_tp1`: with two GPUs, TP=2 ranks (started with
     streamrl.backends.rendezvous) recompute (a)'s log-probabilities and
     one training step; otherwise "skipped: one GPU".
+(e) `profile`, only when `--sections` names it (about 3 minutes on one H200): where the RL
+    step's GPU time goes, per shape with one default backend (compile and attention `auto`,
+    no recompute) for both layouts, (c)'s 4 micro-batches of 2 x 4096 tokens
+    (`micro_batches_8k`) and (c')'s one of 8 x 4096 (`micro_batch_32k`): a warm-up step,
+    two timed ones (the figures (c) gives), then one step under torch.profiler
+    (`profile_step`): its kernel time by kind (matmul, attention, compiled, elementwise,
+    reductions and norms, optimizer, copies), the top kernels with their calls, how many
+    kernels ran, and the GPU's idle share, (wall - kernel time) / wall; and the same per
+    phase (old-logprob forward, train forward/backward, optimizer, metrics), the device
+    drained at each phase's end so that its kernels fall inside it. The profiled step runs
+    slower than the timed ones (the profiler's launch overhead and those waits): its
+    kernel times hold, its idle share is an upper bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import sys
 import tempfile
@@ -299,12 +312,21 @@ def mfu_figures(flops: dict, step_s: float, train_s: float) -> dict:
 
 class StepClock:
     """Named marks inside a step: CUDA events on the GPU (no extra synchronisation), wall
-    time on CPU. A phase is named by the mark that ends it."""
+    time on CPU. A phase is named by the mark that ends it.
 
-    def __init__(self) -> None:
+    With `marks_profiler`, each mark first waits for the device and then leaves a marker
+    in the running torch.profiler trace, so that `profile_step` can tell which phase every
+    kernel ran in (one synchronisation a mark: for profiled steps only)."""
+
+    def __init__(self, *, marks_profiler: bool = False) -> None:
         self.marks: list[tuple[str, object]] = []
+        self.marks_profiler = marks_profiler
 
     def mark(self, name: str) -> None:
+        if self.marks_profiler:
+            synchronize()
+            with torch.profiler.record_function(PHASE_MARKER + name):
+                pass
         if PLAN.device == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -323,8 +345,9 @@ class StepClock:
 
 
 def timed_optimizer(backend, clock: StepClock) -> None:
-    """Mark the optimizer step's start and end (Schedule.train calls `optimizer.step()`)."""
-    step = backend.optimizer.step
+    """Mark the optimizer step's start and end (Schedule.train calls `optimizer.step()`) on
+    `clock`, in place of the clock an earlier call marked."""
+    step = getattr(backend.optimizer.step, "unmarked", backend.optimizer.step)
 
     def marked_step(*args, **kwargs):
         clock.mark("train_forward_backward_s")
@@ -332,7 +355,105 @@ def timed_optimizer(backend, clock: StepClock) -> None:
         clock.mark("optimizer_s")
         return result
 
+    marked_step.unmarked = step
     backend.optimizer.step = marked_step
+
+
+# ---------------------------------------------------------------- kernel profile
+
+PHASE_MARKER = "streamrl.phase_end:"
+"""The name prefix of a profiled StepClock's markers (the phase's name follows)."""
+KERNEL_KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "sm80_xmma", "cublas", "wgrad", "dgrad")),
+    ("compiled", ("triton",)),
+    ("reduction_or_norm", ("reduce", "norm", "softmax", "cross_entropy", "scan", "sort")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind by its name (KERNEL_KINDS), or "other"."""
+    name = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel in a profile (on the CPU, one operator's own time stands in)."""
+
+    name: str
+    start_us: float
+    """On the profiler's clock: CPU markers and GPU kernels share it."""
+    duration_us: float
+
+
+def profile_step(step, *, top: int = 15) -> dict:
+    """Run `step()` once under torch.profiler and sum its kernel time (GPU kernels, copies
+    and memsets; on the CPU, operators' own time): the whole step's by kind, its `top`
+    kernels and their calls, how many ran, and the idle share (wall - kernel time) / wall;
+    with a `marks_profiler` StepClock marking the step, the same per phase (from a mark to
+    the next, named by the later one; `top` 10 each). Profiler annotations (torch.optim's,
+    torch.compile's ranges) are not kernels and are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = PLAN.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    synchronize()
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        step()
+        synchronize()
+        wall_s = time.perf_counter() - started
+    kernels, marks = [], []
+    for event in prof.events():
+        is_cpu = event.device_type == torch.autograd.DeviceType.CPU
+        if event.is_user_annotation:
+            if is_cpu and event.name.startswith(PHASE_MARKER):
+                marks.append((event.time_range.start, event.name.removeprefix(PHASE_MARKER)))
+            continue
+        if is_cpu == on_gpu:  # on the GPU its kernels only; on the CPU its operators
+            continue
+        duration_us = event.self_cpu_time_total if is_cpu else event.time_range.elapsed_us()
+        if duration_us > 0:
+            kernels.append(Kernel(event.name, event.time_range.start, duration_us))
+    result = kernel_summary(kernels, wall_s, top=top)
+    marks.sort()
+    result["phases"] = {
+        name.removesuffix("_s"): kernel_summary(
+            [k for k in kernels if begin_us <= k.start_us < end_us],
+            (end_us - begin_us) / 1e6,
+            top=10,
+        )
+        for (begin_us, _), (end_us, name) in itertools.pairwise(marks)
+    }
+    return result
+
+
+def kernel_summary(kernels: list[Kernel], wall_s: float, *, top: int) -> dict:
+    """`profile_step`'s figures for `kernels` run in `wall_s` seconds."""
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, tuple[int, float]] = {}
+    for kernel in kernels:
+        kind = kernel_kind(kernel.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + kernel.duration_us / 1e6
+        calls, seconds = by_name.get(kernel.name, (0, 0.0))
+        by_name[kernel.name] = (calls + 1, seconds + kernel.duration_us / 1e6)
+    kernel_s = sum(by_kind.values())
+    slowest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {
+        "wall_s": round(wall_s, 4),
+        "kernel_s": round(kernel_s, 4),
+        "idle_share": round(max(0.0, wall_s - kernel_s) / wall_s, 4) if wall_s > 0 else None,
+        "num_kernels": len(kernels),
+        "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": name[:160], "s": round(seconds, 4), "calls": calls}
+            for name, (calls, seconds) in slowest
+        ],
+    }
 
 
 def rl_step(backend, batch, clock: StepClock) -> None:
@@ -457,10 +578,11 @@ def measure(entry: dict, key: str, save, run, *args, **kwargs) -> None:
     save()
 
 
-def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, save) -> None:
+def throughput_shapes(small_dir: Path, work_dir: Path, out: dict, save):
+    """(out's entry, model directory, ModelShape) for each of the two shapes in turn; a
+    shape whose model cannot be made gets its traceback in its entry and is passed over."""
     from transformers import AutoConfig
 
-    from streamrl.backends import flash
     from streamrl.backends.megatron.model import shape_from_hf
 
     for shape_name in (PLAN.small_shape, PLAN.large_shape):
@@ -468,21 +590,28 @@ def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, 
         try:
             model_dir = shape_model(shape_name, small_dir, work_dir)
             shape = shape_from_hf(AutoConfig.from_pretrained(model_dir))
-            num_params = shape.num_parameters()
-            batch = micro_batches(
-                shape.vocab_size, rows=ROWS_PER_MICRO_BATCH, seq_len=PLAN.seq_len,
-                count=MICRO_BATCHES_PER_STEP, seed=2, padded=False,
-            )  # fmt: skip
-            flops = step_flops(shape, num_params, batch)
-            entry.update(
-                num_params=num_params, seq_len=PLAN.seq_len, flops=flops,
-                micro_batches=f"{MICRO_BATCHES_PER_STEP} x {ROWS_PER_MICRO_BATCH} x {PLAN.seq_len}",
-            )  # fmt: skip
         except Exception:
             entry["error"] = traceback.format_exc()
             save()
             continue
-        backend = state.pop("backend", None) if shape_name == PLAN.small_shape else None
+        yield entry, model_dir, shape
+
+
+def section_throughput(small_dir: Path, work_dir: Path, state: dict, out: dict, save) -> None:
+    from streamrl.backends import flash
+
+    for entry, model_dir, shape in throughput_shapes(small_dir, work_dir, out, save):
+        num_params = shape.num_parameters()
+        batch = micro_batches(
+            shape.vocab_size, rows=ROWS_PER_MICRO_BATCH, seq_len=PLAN.seq_len,
+            count=MICRO_BATCHES_PER_STEP, seed=2, padded=False,
+        )  # fmt: skip
+        flops = step_flops(shape, num_params, batch)
+        entry.update(
+            num_params=num_params, seq_len=PLAN.seq_len, flops=flops,
+            micro_batches=f"{MICRO_BATCHES_PER_STEP} x {ROWS_PER_MICRO_BATCH} x {PLAN.seq_len}",
+        )  # fmt: skip
+        backend = state.pop("backend", None) if model_dir == small_dir else None
         measure(entry, "megatron", save, throughput_megatron, model_dir, batch, flops, backend)
         backend = None
         if flash.fa4_problem(torch.device(PLAN.device)) is None:
@@ -519,25 +648,56 @@ def one_big_micro_batch(model_dir: Path, shape, *, recompute: bool) -> dict:
 
 
 def section_micro_batch_32k(small_dir: Path, work_dir: Path, out: dict, save) -> None:
-    from transformers import AutoConfig
-
-    from streamrl.backends.megatron.model import shape_from_hf
-
-    for shape_name in (PLAN.small_shape, PLAN.large_shape):
-        entry = out.setdefault(shape_name, {})
-        try:
-            model_dir = shape_model(shape_name, small_dir, work_dir)
-            shape = shape_from_hf(AutoConfig.from_pretrained(model_dir))
-        except Exception:
-            entry["error"] = traceback.format_exc()
-            save()
-            continue
+    for entry, model_dir, shape in throughput_shapes(small_dir, work_dir, out, save):
         measure(entry, "no_recompute", save, one_big_micro_batch, model_dir, shape, recompute=False)
         if entry["no_recompute"].get("out_of_memory"):
             measure(
                 entry, "full_recompute", save, one_big_micro_batch, model_dir, shape,
                 recompute=True,
             )  # fmt: skip
+
+
+PROFILE_LAYOUTS = {  # name: (rows per micro-batch, micro-batches per step, seed), as timed
+    "micro_batches_8k": (ROWS_PER_MICRO_BATCH, MICRO_BATCHES_PER_STEP, 2),  # by `throughput`
+    "micro_batch_32k": (MICRO_BATCH_32K_ROWS, 1, 3),  # by `micro_batch_32k`
+}
+
+
+def profile_layout(backend, shape, *, rows: int, count: int, seed: int) -> dict:
+    """A warm-up RL step and two timed ones (`time_rl_steps`), then one under torch.profiler
+    with its phases marked (`profile_step`)."""
+    batch = micro_batches(
+        shape.vocab_size, rows=rows, seq_len=PLAN.seq_len, count=count, seed=seed, padded=False
+    )
+    flops = step_flops(shape, shape.num_parameters(), batch)
+    reset_peak_memory()
+    result = {"micro_batches": f"{count} x {rows} x {PLAN.seq_len}"}
+    result.update(time_rl_steps(backend, batch, flops, steps=2))
+    clock = StepClock(marks_profiler=True)
+    timed_optimizer(backend, clock)
+    result["profile"] = profile_step(lambda: rl_step(backend, batch, clock))
+    return result
+
+
+def section_profile(small_dir: Path, work_dir: Path, out: dict, save) -> None:
+    for entry, model_dir, shape in throughput_shapes(small_dir, work_dir, out, save):
+        try:
+            backend = build_backend(model_dir)
+        except Exception:
+            entry["error"] = traceback.format_exc()
+            save()
+            continue
+        entry.update(
+            num_params=shape.num_parameters(), compiled=backend.compiled,
+            flash_attention=backend.flash_attention,
+        )  # fmt: skip
+        for layout, (rows, count, seed) in PROFILE_LAYOUTS.items():
+            measure(
+                entry, layout, save, profile_layout, backend, shape, rows=rows, count=count,
+                seed=seed,
+            )  # fmt: skip
+        del backend
+        free_cuda()
 
 
 def section_tp2(model_dir: Path, work_dir: Path, state: dict) -> dict:
@@ -615,6 +775,9 @@ def environment() -> dict:
 
 
 SECTIONS = ("logprobs_vs_hf", "round_trip", "throughput", "micro_batch_32k", "tp2_vs_tp1")
+"""The sections a run makes unless `--sections` names others, in this order."""
+EXTRA_SECTIONS = ("profile",)
+"""Sections run only when `--sections` names them."""
 
 
 def run(out_path: Path, sections: tuple[str, ...] = SECTIONS) -> dict:
@@ -650,6 +813,9 @@ def run(out_path: Path, sections: tuple[str, ...] = SECTIONS) -> dict:
                 small_dir, work_dir, report.setdefault("micro_batch_32k", {}), save
             ),
             "tp2_vs_tp1": lambda: section_tp2(small_dir, work_dir, state),
+            "profile": lambda: section_profile(
+                small_dir, work_dir, report.setdefault("profile", {}), save
+            ),
         }
         for name in sections:
             section_start = time.perf_counter()
@@ -689,13 +855,14 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help=f"comma-separated, run in this order (default: all of {','.join(SECTIONS)})",
+        help=f"comma-separated, run in this order (default: {','.join(SECTIONS)}; "
+        f"also: {','.join(EXTRA_SECTIONS)})",
     )
     args = parser.parse_args()
     sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
-    unknown = sorted(set(sections) - set(SECTIONS))
+    unknown = sorted(set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS))
     if unknown:
-        parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+        parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS + EXTRA_SECTIONS)}")
     if args.cpu_smoke:
         PLAN = SMOKE
     run(args.out, sections)

@@ -245,7 +245,9 @@ async def _over_http(name, url, counts, args, gpus: GpuMonitor) -> dict[str, Any
 def _engine_counters(before: dict, after: dict, wall_s: float) -> dict[str, Any]:
     """The embedded engine's own account of a round (`/get_load` before and after it): its
     busy share of the wall time, the tokens it generated, and its decode steps and prefills
-    (with the mean wall time per decode step, when it counts them)."""
+    (with the mean busy time per decode step, when it counts them). The busy clock adds a
+    step when it ends, and the step that answers a round's last request ends just after the
+    answer: it counts in the next round, so a share may pass 1 by about one step's time."""
     counters = {
         "engine_busy_share": (after["busy_s"] - before["busy_s"]) / wall_s,
         "engine_generated_tokens": after["generated_tokens"] - before["generated_tokens"],
@@ -258,6 +260,17 @@ def _engine_counters(before: dict, after: dict, wall_s: float) -> dict[str, Any]
             1e3 * (after["busy_s"] - before["busy_s"]) / counters["engine_decode_steps"]
         )
     return counters
+
+
+def _core_counters(core) -> dict[str, Any]:
+    """An in-process `EngineCore`'s counters, as `/get_load` reports the served engine's."""
+    stats = core.scheduler.stats
+    return {
+        "busy_s": core.busy_s,
+        "generated_tokens": stats["generated_tokens"],
+        "decode_steps": stats["decode_steps"],
+        "prefills": stats["prefills"],
+    }
 
 
 @contextlib.contextmanager
@@ -333,11 +346,13 @@ async def _in_process(model, counts, args, gpus: GpuMonitor, started: float) -> 
         progress(f"[in-process] ready after {row['start_s']} s")
 
         async def one_round(prompts: list[list[int]], probes: int, engine=core) -> dict[str, Any]:
+            before = _core_counters(engine)
             t0 = time.monotonic()
             measured = await measure_in_process(
                 engine, prompts, max_new_tokens=args.max_new_tokens, num_probes=probes
             )
             measured["gpu_busy"] = gpus.busy(t0, time.monotonic())
+            measured.update(_engine_counters(before, _core_counters(engine), measured["wall_s"]))
             return measured
 
         try:
