@@ -59,6 +59,8 @@ class EngineServer:
         self.is_ready = False
         self.is_closing = False
         self.generation = GenerateEndpoints(lambda: self.core)
+        self.bridge = None
+        """The `CoreBridge` to the HTTP processes of a split engine (set once loaded)."""
         self.weights = WeightEndpoints(
             lambda: self.core,
             abort_all=lambda: self.generation.abort(None),
@@ -187,7 +189,8 @@ class EngineServer:
             "num_running_reqs": self.core.num_running,
             "num_waiting_reqs": self.core.num_waiting,
             "num_paused_reqs": num_gated,
-            "num_finished_reqs": self.generation.num_finished_reqs,
+            "num_finished_reqs": self.generation.num_finished_reqs
+            + (self.bridge.num_finished if self.bridge is not None else 0),
             "is_receiving_weights": self.weights.is_receiving,
             "is_paused": self.core.is_paused,
             # streamrl additions: the memory handoff (memory_endpoints.py).
@@ -219,6 +222,7 @@ class EngineServer:
                 "device": str(self.core.device),
                 "weight_version": self.core.weight_version,
                 "version": f"streamrl-{getattr(streamrl, '__version__', '0')}",
+                "pid": os.getpid(),
                 "internal_states": [self._load()],
                 "memory": {
                     **torch_peaks(self.core.device),

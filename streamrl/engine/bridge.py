@@ -18,6 +18,13 @@ The engine thread sends a finished request's `Output` (and a streamed request's 
 tokens) itself, from `EngineCore.submit`'s callbacks: no cross-thread wake-up, no event
 loop work per output in the engine process. Frames on one socket arrive in order, so a
 request's tokens come before its output.
+
+With `--http-processes N` there are N HTTP processes on one port, each with its own pair
+of sockets (`addresses(directory, index)`) into the one engine process. What one of them
+is asked that concerns them all, the engine process passes on to the others: a pause or
+a resume (`Gate`: each closes or opens its own pause gate) and an abort (`Aborting`: each
+ends the calls it holds at its gate). An abort by rid reaches the requests of that rid (and
+its `rid-j` samples) whichever HTTP process sent them.
 """
 
 from __future__ import annotations
@@ -103,13 +110,25 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     error: str = ""
 
 
+class Gate(msgspec.Struct, tag="gate", array_like=True):
+    """Another HTTP process paused (``paused``) or resumed generation."""
+
+    paused: bool
+
+
+class Aborting(msgspec.Struct, tag="aborting", array_like=True):
+    """Another HTTP process was asked to abort ``rid`` (None: everything)."""
+
+    rid: str | None
+
+
 ToEngine = Submit | Abort | Pause | Resume
-ToFront = Finished | Tokens | Refused | Reply
+ToFront = Finished | Tokens | Refused | Reply | Gate | Aborting
 
 
-def addresses(directory: str) -> tuple[str, str]:
-    """The bridge's two sockets in ``directory``: (requests, outputs)."""
-    return f"ipc://{directory}/requests", f"ipc://{directory}/outputs"
+def addresses(directory: str, index: int = 0) -> tuple[str, str]:
+    """The sockets of HTTP process ``index`` in ``directory``: (requests, outputs)."""
+    return f"ipc://{directory}/requests-{index}", f"ipc://{directory}/outputs-{index}"
 
 
 def _finished(output: Output, weight_version: str) -> Finished:
@@ -181,96 +200,146 @@ async def _received(sock) -> list[bytes]:
 
 
 class CoreBridge:
-    """Serves `EngineCore` to the HTTP process at `requests_address` / `outputs_address`
-    (both bound by the HTTP process). Runs on the engine process's event loop; outputs and
-    tokens leave from the engine thread on a socket only it uses."""
+    """Serves `EngineCore` to the HTTP processes (``num_fronts``, their sockets in
+    ``directory``: `addresses`, bound by them). Runs on the engine process's event loop;
+    outputs and tokens leave from the engine thread on sockets only it uses."""
 
-    def __init__(self, core, requests_address: str, outputs_address: str) -> None:
+    def __init__(self, core, directory: str, num_fronts: int = 1) -> None:
         self.core = core
         self._context = zmq.asyncio.Context()
         self._sync_context = zmq.Context()
-        self._inbox = _socket(self._context, zmq.PULL, requests_address, bind=False)
-        self._replies = _socket(self._context, zmq.PUSH, outputs_address, bind=False)
-        # Used by the engine thread alone (a zmq socket belongs to one thread at a time).
-        self._outputs = _socket(self._sync_context, zmq.PUSH, outputs_address, bind=False)
-        self._encoder = msgspec.msgpack.Encoder()  # the engine thread's
-        self._reply_encoder = msgspec.msgpack.Encoder()  # the event loop's
-        self._decoder = msgspec.msgpack.Decoder(ToEngine)
-        self._task: asyncio.Task | None = None
+        self._fronts = [_FrontEnd(self, index, directory) for index in range(num_fronts)]
+        self._rids: dict[str, None] = {}
+        """The rids in the core, in submission order (an abort by rid finds its samples)."""
+        self.num_finished = 0  # outputs sent, for `/get_load`'s num_finished_reqs
+        self._tasks: list[asyncio.Task] = []
         self._pauses: set[asyncio.Task] = set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._serve(), name="core-bridge")
+        self._tasks = [
+            asyncio.create_task(front.serve(), name=f"core-bridge-{front.index}")
+            for front in self._fronts
+        ]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._inbox.close()
-        self._replies.close()
-        self._outputs.close()
+                await task
+        for front in self._fronts:
+            front.close()
         self._context.term()
         self._sync_context.term()
 
-    async def _serve(self) -> None:
-        while True:
-            for raw in await _received(self._inbox):
-                self._dispatch(raw)
-
-    def _dispatch(self, raw: bytes) -> None:
-        try:
-            frame = self._decoder.decode(raw)
-        except msgspec.DecodeError:  # never from our own HTTP process: say so, go on
-            logger.error("dropped an undecodable frame of %d bytes from the HTTP process", len(raw))
-            return
+    def dispatch(self, front: _FrontEnd, frame) -> None:
         if isinstance(frame, Submit):
-            self._submit(frame)
+            self._submit(front, frame)
         elif isinstance(frame, Abort):
-            self.core.abort(frame.rid)
+            self._abort(front, frame.rid)
         elif isinstance(frame, Resume):
             self.core.resume()
+            self._tell_others(front, Gate(paused=False))
         else:  # answered by a `Reply` when the core has paused
-            self._pauses.add(pause := asyncio.create_task(self._pause(frame)))
+            self._tell_others(front, Gate(paused=True))
+            self._pauses.add(pause := asyncio.create_task(self._pause(front, frame)))
             pause.add_done_callback(self._pauses.discard)
 
-    def _submit(self, frame: Submit) -> None:
+    def _submit(self, front: _FrontEnd, frame: Submit) -> None:
         requests = [
             Request(
                 rid=wire.rid,
                 input_ids=wire.input_ids,
                 params=wire.params,
                 return_routed_experts=wire.return_routed_experts,
-                on_tokens=self._tokens_sender(wire.rid) if wire.streams else None,
+                on_tokens=front.tokens_sender(wire.rid) if wire.streams else None,
                 stream_interval=wire.stream_interval,
             )
             for wire in frame.requests
         ]
+        rids = [r.rid for r in requests]
+        self._rids.update(dict.fromkeys(rids))  # before the engine thread can finish one
         try:
-            self.core.submit(requests, self._send_output)
+            self.core.submit(requests, front.send_output)
         except (ValueError, MemoryReleased) as error:
-            refused = Refused(
-                [r.rid for r in requests], str(error), isinstance(error, MemoryReleased)
-            )
-            self._replies.send(self._reply_encoder.encode(refused))
+            for rid in rids:
+                self._rids.pop(rid, None)
+            front.reply(Refused(rids, str(error), isinstance(error, MemoryReleased)))
 
-    def _send_output(self, output: Output) -> None:  # on the engine thread
-        frame = _finished(output, self.core.weight_version)
-        self._outputs.send(self._encoder.encode(frame))
+    def _abort(self, front: _FrontEnd, rid: str | None) -> None:
+        if rid is None:
+            self.core.abort(None)
+        else:  # the rid and its n-expansion samples, whichever HTTP process sent them
+            prefix = f"{rid}-"
+            for known in [r for r in list(self._rids) if r == rid or r.startswith(prefix)]:
+                self.core.abort(known)
+        self._tell_others(front, Aborting(rid))
 
-    def _tokens_sender(self, rid: str) -> Callable[[list[int], list[float], list[str]], None]:
-        def send(ids: list[int], logprobs: list[float], versions: list[str]) -> None:
-            self._outputs.send(self._encoder.encode(Tokens(rid, ids, logprobs, versions)))
+    def finished(self, rid: str) -> None:  # on the engine thread
+        self._rids.pop(rid, None)
+        self.num_finished += 1
 
-        return send
+    def _tell_others(self, front: _FrontEnd, frame) -> None:
+        for other in self._fronts:
+            if other is not front:
+                other.reply(frame)
 
-    async def _pause(self, frame: Pause) -> None:
+    async def _pause(self, front: _FrontEnd, frame: Pause) -> None:
         error = ""
         try:
             await self.core.pause(frame.mode)
         except Exception as exc:  # the caller raises it on its side
             error = f"{type(exc).__name__}: {exc}"
-        self._replies.send(self._reply_encoder.encode(Reply(frame.call, error)))
+        front.reply(Reply(frame.call, error))
+
+
+class _FrontEnd:
+    """`CoreBridge`'s sockets to one HTTP process: its requests in, replies out (event loop),
+    outputs and tokens out (engine thread)."""
+
+    def __init__(self, bridge: CoreBridge, index: int, directory: str) -> None:
+        self.bridge = bridge
+        self.index = index
+        requests_address, outputs_address = addresses(directory, index)
+        self._inbox = _socket(bridge._context, zmq.PULL, requests_address, bind=False)
+        self._replies = _socket(bridge._context, zmq.PUSH, outputs_address, bind=False)
+        # Used by the engine thread alone (a zmq socket belongs to one thread at a time).
+        self._outputs = _socket(bridge._sync_context, zmq.PUSH, outputs_address, bind=False)
+        self._encoder = msgspec.msgpack.Encoder()  # the engine thread's
+        self._reply_encoder = msgspec.msgpack.Encoder()  # the event loop's
+        self._decoder = msgspec.msgpack.Decoder(ToEngine)
+
+    def close(self) -> None:
+        self._inbox.close()
+        self._replies.close()
+        self._outputs.close()
+
+    async def serve(self) -> None:
+        while True:
+            for raw in await _received(self._inbox):
+                try:
+                    frame = self._decoder.decode(raw)
+                except msgspec.DecodeError:  # never from our own HTTP process: say so, go on
+                    logger.error(
+                        "dropped an undecodable frame of %d bytes from HTTP process %d",
+                        len(raw), self.index,
+                    )  # fmt: skip
+                    continue
+                self.bridge.dispatch(self, frame)
+
+    def reply(self, frame) -> None:  # on the event loop
+        self._replies.send(self._reply_encoder.encode(frame))
+
+    def send_output(self, output: Output) -> None:  # on the engine thread
+        self.bridge.finished(output.rid)
+        frame = _finished(output, self.bridge.core.weight_version)
+        self._outputs.send(self._encoder.encode(frame))
+
+    def tokens_sender(self, rid: str) -> Callable[[list[int], list[float], list[str]], None]:
+        def send(ids: list[int], logprobs: list[float], versions: list[str]) -> None:
+            self._outputs.send(self._encoder.encode(Tokens(rid, ids, logprobs, versions)))
+
+        return send
 
 
 # -- the HTTP process's end ----------------------------------------------------------------
@@ -302,6 +371,10 @@ class RemoteCore:
         self.model_info: dict = {}
         self.weight_version = ""
         self.memory_refusal = ""  # the engine process refuses (`Refused`): nothing known here
+        self.on_gate: Callable[[bool], None] = lambda paused: None
+        """Called when another HTTP process paused (True) or resumed (False) generation."""
+        self.on_aborting: Callable[[str | None], None] = lambda rid: None
+        """Called when another HTTP process was asked to abort a rid (None: everything)."""
 
     def attach(self, model_info: dict, tokenizer: Any) -> None:
         self.model_info = model_info
@@ -429,8 +502,12 @@ class RemoteCore:
             error_type = MemoryReleased if frame.memory_released else ValueError
             for rid in frame.rids:
                 self._resolve(self._outputs.get(rid), error=error_type(frame.message))
-        else:
+        elif isinstance(frame, Reply):
             self._resolve(self._replies.get(frame.call), result=frame.error)
+        elif isinstance(frame, Gate):
+            self.on_gate(frame.paused)
+        else:
+            self.on_aborting(frame.rid)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, *, result=None, error=None) -> None:

@@ -7,7 +7,9 @@
     /abort_request        abort one rid and its n-expansion samples (`rid-j`), or all
 
 While paused, new `/generate` calls wait at the gate until `/continue_generation`; an
-abort ends the wait with an empty abort result. Every call the server holds, at the gate
+abort ends the wait with an empty abort result. With several HTTP processes
+(`--http-processes`) each has its gate, closed and opened together: the engine process
+tells the others of a pause, a resume or an abort (`hold`, `abort_gated`). Every call the server holds, at the gate
 or in the core, is a flight until it is answered. While the engine's memory is released
 (`streamrl.engine.memory_endpoints`) a call that reaches the core is refused with 400.
 """
@@ -49,8 +51,10 @@ class _Flight:
 class GenerateEndpoints:
     """Generation, the pause gate and aborts over one `EngineCore` (`core()` once loaded)."""
 
-    def __init__(self, core: Callable[[], EngineCore | None]) -> None:
+    def __init__(self, core: Callable[[], EngineCore | None], *, is_shared: bool = False) -> None:
         self._core = core
+        self._is_shared = is_shared
+        """Whether other HTTP processes share the core (`--http-processes`)."""
         self._decode: TextDecoder | None = None
         self._gate = asyncio.Event()  # set while not paused
         self._gate.set()
@@ -230,8 +234,25 @@ class GenerateEndpoints:
                 flight.aborted.set()
                 if rid is not None and flight.is_in_core:
                     self._core().abort(flight_rid)
-        if rid is None:
-            self._core().abort(None)
+        if rid is None or self._is_shared:
+            # (with several HTTP processes the rid may be another's: the engine process
+            # finds its requests and tells the others, `streamrl.engine.bridge`)
+            self._core().abort(rid)
+
+    def abort_gated(self, rid: str | None) -> None:
+        """Another HTTP process was asked to abort ``rid`` (None: everything): end the calls
+        of it held at this one's gate (the engine process aborted those in it)."""
+        for flight_rid, flight in list(self._flights.items()):
+            matches = rid is None or flight_rid == rid or flight_rid.startswith(f"{rid}-")
+            if matches and not flight.is_in_core:
+                flight.aborted.set()
+
+    def hold(self, paused: bool) -> None:
+        """Another HTTP process paused (True) or resumed generation: close or open the gate."""
+        if paused:
+            self._gate.clear()
+        else:
+            self._gate.set()
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await read_json(request)

@@ -79,13 +79,38 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             "the engine thread's GIL (auto: on CUDA)"
         ),
     ] = "auto"
+    http_processes: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=64,
+            description="HTTP processes in front of the one model process, all on the one "
+            "port (SO_REUSEPORT); more than one implies --http-process on",
+        ),
+    ] = 1
     bridge: Annotated[
         str,
         Meta(
-            description="set by the HTTP process of --http-process for its engine process: "
-            "the directory of the ZeroMQ sockets to serve generation on (empty: none)"
+            description="set by the HTTP process of --http-process for its engine process "
+            "(and for the other HTTP processes of --http-processes): the directory of the "
+            "ZeroMQ sockets of generation (empty: none)"
         ),
     ] = ""
+    front_index: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="set by the first HTTP process of --http-processes for the others it "
+            "starts: this one's index (0: the first, or the only one)",
+        ),
+    ] = 0
+    engine_port: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="set with --front-index: the engine process's loopback port",
+        ),
+    ] = 0
 
     @property
     def compile_elementwise(self) -> bool | None:

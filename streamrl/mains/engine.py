@@ -50,7 +50,11 @@ def serve_command(args) -> int:
     # are installed, between removing them and ignoring the signal, after the loop closes)
     # when the default action kills the process with -15 in place of exit code 0.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    main = serve_split if _splits(options) else serve
+    if options.http_processes > 1 and options.http_process == "off" and not options.bridge:
+        print("error: --http-processes above 1 needs --http-process on or auto",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    main = serve_sibling if options.front_index else serve_split if _splits(options) else serve
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         return runner.run(main(options))
 
@@ -59,7 +63,7 @@ def _splits(options: EngineOptions) -> bool:
     """Whether this process answers HTTP only, with the model in a child (`--http-process`)."""
     if options.bridge or options.http_process == "off":
         return False
-    if options.http_process == "on":
+    if options.http_process == "on" or options.http_processes > 1:
         return True
     from streamrl.models import devices  # imports torch, which starts a thread
 
@@ -111,10 +115,11 @@ async def serve(options: EngineOptions) -> int:
         exit_code = 1
     elif load.done():
         if options.bridge:
-            from streamrl.engine.bridge import CoreBridge, addresses
+            from streamrl.engine.bridge import CoreBridge
 
-            bridge = CoreBridge(server.core, *addresses(options.bridge))
+            bridge = CoreBridge(server.core, options.bridge, options.http_processes)
             bridge.start()
+            server.bridge = bridge
         logger.info(
             "engine ready at http://%s:%d (model %s)", options.host, options.port, options.model
         )
@@ -139,7 +144,7 @@ async def serve_split(options: EngineOptions) -> int:
     logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
     runner = web.AppRunner(front.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, options.host, options.port)
+    site = web.TCPSite(runner, options.host, options.port, reuse_port=options.http_processes > 1)
     await site.start()
     stop = _stop_event()
     # Its output goes to this process's; started from the event loop's (main) thread, as
@@ -158,8 +163,10 @@ async def serve_split(options: EngineOptions) -> int:
         exit_code = 1
     elif start.done():
         logger.info(
-            "engine ready at http://%s:%d (model %s; HTTP in process %d, the model in %d)",
-            options.host, options.port, options.model, os.getpid(), front.engine.pid,
+            "engine ready at http://%s:%d (model %s; HTTP in process %s, the model in %d)",
+            options.host, options.port, options.model,
+            ", ".join(str(pid) for pid in [os.getpid(), *(p.pid for p in front.siblings)]),
+            front.engine.pid,
         )  # fmt: skip
         await asyncio.wait(ending, return_when=asyncio.FIRST_COMPLETED)
         if front.engine_exit.is_set() and not stop.is_set():
@@ -174,6 +181,47 @@ async def serve_split(options: EngineOptions) -> int:
     for task in ending:
         task.cancel()
     return exit_code
+
+
+async def serve_sibling(options: EngineOptions) -> int:
+    """One of the other HTTP processes of `--http-processes` (started by the first one, which
+    it dies with): attach to the engine process, say so, and bind the public port once the
+    first one says all are attached. Exit code 0 on SIGTERM/SIGINT, 1 if attaching fails."""
+    from streamrl.engine.front import FrontServer  # imports torch, which starts a thread
+
+    front = FrontServer(options, engine_port=options.engine_port)
+    stop = _stop_event()
+    attach = asyncio.create_task(_attach_sibling(front))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([attach, stopping], return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    runner = None
+    if attach.done() and attach.exception() is not None:
+        logger.error("HTTP process %d failed to attach: %s", front.index, attach.exception())
+        exit_code = 1
+    elif attach.done():
+        logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
+        runner = web.AppRunner(front.app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, options.host, options.port, reuse_port=True).start()
+        front.is_ready = True
+        await stopping
+    else:
+        attach.cancel()
+    await front.close()
+    if runner is not None:
+        await runner.cleanup()
+    stopping.cancel()
+    return exit_code
+
+
+async def _attach_sibling(front) -> None:
+    """Attach, tell the first HTTP process (a file in the bridge directory), and wait for its
+    word that every HTTP process is attached (another file) before serving."""
+    await front.attach()
+    (front.bridge_dir / f"attached-{front.index}").touch()
+    while not (front.bridge_dir / "serve").exists():
+        await asyncio.sleep(0.02)
 
 
 def _stop_event() -> asyncio.Event:

@@ -4,10 +4,12 @@ one-process engine's: test_engine_server.py and test_engine_memory.py run on bot
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
 import anyio
+import httpx
 import numpy as np
 import pytest
 from engine_helpers import engine_load, running_engines, wait_until
@@ -143,3 +145,110 @@ async def test_requests_of_one_loop_turn_leave_as_one_submit_and_an_abort_after_
         outbox.close()
         context.term()
         await remote.close()
+
+
+# -- several HTTP processes (--http-processes) ----------------------------------------------
+
+TWO_FRONTS = ["--http-processes", "2"]
+
+
+@contextlib.asynccontextmanager
+async def _clients_at(url: str, *indices: int):
+    """One client per index, whose one kept-alive connection the kernel gave that HTTP
+    process; closed at the end."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for index in indices:
+            for _ in range(200):
+                client = httpx.AsyncClient(
+                    base_url=url, timeout=60, limits=httpx.Limits(max_connections=1)
+                )
+                stack.push_async_callback(client.aclose)
+                info = (await client.get("/server_info")).json()
+                if info["front_process"]["index"] == index:
+                    clients.append(client)
+                    break
+            else:
+                raise AssertionError(f"no connection reached HTTP process {index} in 200 tries")
+        yield clients
+
+
+async def _load(client: httpx.AsyncClient) -> dict:
+    return (await client.get("/get_load")).json()[0]
+
+
+async def _until(check, what: str, timeout_s: float = 30.0) -> None:
+    """Poll the coroutine function `check` until it returns true (a readiness wait)."""
+    with anyio.fail_after(timeout_s):
+        delay = 0.01
+        while not await check():
+            await anyio.sleep(delay)
+            delay = min(2 * delay, 0.2)
+
+
+async def test_http_processes_share_the_port_and_stop_together(tiny_model_dir, tmp_path):
+    with running_engines(tiny_model_dir, tmp_path, extra_args=TWO_FRONTS) as (engine,):
+        async with _clients_at(engine.url, 0, 1) as (first, second):
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+            answers = [(await client.post("/generate", json=body)).json()
+                       for client in (first, second)]  # fmt: skip
+            info = (await second.get("/server_info")).json()
+            load = await _load(first)
+        sibling_pid = info["front_process"]["pid"]
+        assert sibling_pid != engine.process.pid and _is_running(sibling_pid)
+        assert [len(answer["output_ids"]) for answer in answers] == [3, 3]
+        assert load["num_finished_reqs"] == 2  # the engine's count, over both
+    # running_engines sent SIGTERM to the first HTTP process and checked its exit code (0).
+    wait_until(lambda: not _is_running(sibling_pid), what="the other HTTP process gone")
+    wait_until(lambda: not _is_running(info["engine_process"]["pid"]), what="the model gone")
+
+
+async def test_pause_abort_and_continue_at_one_http_process_act_on_the_others_calls(
+    tiny_model_dir, tmp_path
+):
+    """Asked of HTTP process 0, they act on the calls that HTTP process 1 holds: at its
+    pause gate (an abort by rid ends one, a continue runs another) or in the engine."""
+    with running_engines(tiny_model_dir, tmp_path, extra_args=TWO_FRONTS) as (engine,):
+        async with _clients_at(engine.url, 0, 1, 1) as (control, caller, watcher):
+            results = {}
+
+            async def generate(rid: str, params: dict) -> None:
+                body = {"input_ids": PROMPT, "sampling_params": params, "rid": rid}
+                results[rid] = (await caller.post("/generate", json=body)).json()
+
+            async def held() -> bool:
+                return (await _load(watcher))["num_paused_reqs"] == 1
+
+            async def running() -> bool:
+                return (await _load(watcher))["num_running_reqs"] == 1
+
+            await control.post("/pause_generation", json={"mode": "abort"})
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate, "first", {"max_new_tokens": 4})
+                await _until(held, "a call held at the other process's gate")
+                await control.post("/abort_request", json={"rid": "first"})
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate, "second", {"max_new_tokens": 4})
+                await _until(held, "a call held at the other process's gate")
+                assert "second" not in results
+                await control.post("/continue_generation", json={})
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate, "third", LONG)
+                await _until(running, "a call running in the engine")
+                await control.post("/abort_request", json={"rid": "third"})
+    first, second, third = (results[rid] for rid in ("first", "second", "third"))
+    assert first["meta_info"]["finish_reason"]["type"] == "abort" and first["output_ids"] == []
+    assert second["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(second["output_ids"]) == 4
+    assert third["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(third["output_ids"]) < LONG["max_new_tokens"]
+
+
+async def test_when_another_http_process_dies_the_server_exits_1(tiny_model_dir, tmp_path):
+    split = running_engines(tiny_model_dir, tmp_path, extra_args=TWO_FRONTS)
+    with pytest.raises(AssertionError, match=r"did not exit cleanly.*: 1\}"), split as (engine,):
+        async with _clients_at(engine.url, 1) as (second,):
+            info = (await second.get("/server_info")).json()
+        os.kill(info["front_process"]["pid"], signal.SIGKILL)
+        wait_until(lambda: not engine.process.is_alive(), what="the server exited")
+    wait_until(lambda: not _is_running(info["engine_process"]["pid"]), what="the model gone")
