@@ -99,7 +99,7 @@ engine)
   run timeout 570 python3 -m streamrl --log-level warning bench engine \
     --shape qwen2-0.5b-smolvocab --device cuda --dtype bfloat16 --requests 64,256,512 \
     --prompt-tokens 128 --max-new-tokens 256 --repeats 3 --warmup-rounds 1 --ttft-probes 8 \
-    --client-processes "${CLIENTS:-1}" --embedded-args "--http-process on" --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
+    --client-processes "${CLIENTS:-1}" --embedded-args "${EMBEDDED_ARGS:---http-process on}" --sglang-args "--attention-backend triton --sampling-backend pytorch --grammar-backend none \
 --cuda-graph-max-bs 512 --mem-fraction-static 0.8" \
     --work-dir /tmp/bench-engine --json "$OUT/engine_h200x1.json"
   for name in embedded sglang; do

@@ -57,6 +57,7 @@ from streamrl.backends.megatron import (
     parallel,
     routing,
     speed,
+    swiglu,
 )
 from streamrl.backends.megatron import lora as megatron_lora
 from streamrl.backends.megatron.cpu_shims import cpu_redirect
@@ -119,9 +120,11 @@ class MegatronBackend:
         self.dtype = dtype
         mcfg = cfg.megatron
         self.compiled = speed.use_compile(mcfg.compile, self.device)
-        """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`)."""
+        """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`);
+        on CUDA with Triton, SwiGLU by hand-written kernels (`swiglu.py`)."""
         speed.compiled_rope(self.compiled)
         speed.compiled_expert_bias(self.compiled)
+        swiglu.use(self.compiled and self.device.type == "cuda" and swiglu.available())
         self.flash_attention = flash.choose(cfg.flash_attention, self.device)
         """The attention kernels `learner.flash_attention` chose (`flash.kernel`)."""
         self.layout = parallel.initialize_parallel(

@@ -150,3 +150,79 @@ def test_without_compile_the_routers_expert_bias_counts_tokens_eagerly():
     assert router.local_tokens_per_expert.tolist() == [3, 4, 2, 1]
     assert counters["frames"]["total"] == traced
     assert TopKRouter._apply_expert_bias.__wrapped__ is speed._EXPERT_BIAS["eager"]
+
+
+def test_swiglu_dispatch_leaves_what_the_kernels_do_not_take_to_megatron():
+    """`swiglu.use(True)` puts the dispatcher in megatron-core's place; a CPU tensor (as an
+    fp8 input store or CPU offload would) still goes through Megatron's own function, with
+    its values and gradient, and `use(False)` keeps the dispatcher on Megatron's."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from streamrl.backends.megatron import swiglu
+
+    generator = torch.Generator().manual_seed(0)
+    y = torch.randn(5, 2 * 7, generator=generator)
+    upstream = torch.randn(5, 7, generator=generator)
+
+    def apply() -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = y.clone().requires_grad_(True)
+        out = fused_bias_swiglu.bias_swiglu_impl(leaf, None)
+        (out * upstream).sum().backward()
+        return out.detach(), leaf.grad
+
+    try:
+        swiglu.use(True)
+        assert fused_bias_swiglu.SwiGLUFunction is not swiglu._STATE["megatron"]
+        dispatched = apply()
+    finally:
+        swiglu.use(False)
+    assert not swiglu.in_use()
+    gate, up = y.chunk(2, -1)
+    sigmoid = torch.sigmoid(gate)
+    assert torch.allclose(dispatched[0], gate * sigmoid * up, atol=1e-6)
+    want_grad = torch.cat(
+        (upstream * sigmoid * (1 + gate * (1 - sigmoid)) * up, upstream * gate * sigmoid), -1
+    )
+    assert torch.allclose(dispatched[1], want_grad, atol=1e-5)
+    assert [torch.equal(a, b) for a, b in zip(dispatched, apply(), strict=True)] == [True, True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_swiglu_computes_megatrons_swiglu_and_its_gradient_on_cuda(dtype):
+    """The Triton kernels against the float32 formulas of megatron-core's `swiglu` and
+    `swiglu_back` on rows of a width that is not a multiple of the block. Both compute in
+    float32 (Triton's exp is the hardware's approximate exp2: a few ulps times |x|, |x| < 16
+    here) and round once to the dtype: the error bound is relative to the size of the terms
+    (1 + gate (1 - sigmoid) cancels near gate = -1.28): 32 float32 ulps of it for float32,
+    one bfloat16 ulp (of the value, which the terms bound) for bf16, whichever way the
+    conversion rounds (Triton's interpreter truncates)."""
+    from streamrl.backends.megatron import swiglu
+
+    if not swiglu.available():
+        pytest.skip("Triton is not installed")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows, width = 300, 1500
+    y = (3 * torch.randn(rows, 2 * width, device="cuda", generator=generator)).to(dtype)
+    upstream = torch.randn(rows, width, device="cuda", generator=generator).to(dtype)
+    leaf = y.clone().requires_grad_(True)
+    out = swiglu.TritonSwiGLU.apply(leaf, False, False)
+    out.backward(upstream)
+    gate, up = y.float().chunk(2, -1)
+    sigmoid = torch.sigmoid(gate)
+    want = gate * sigmoid * up
+    grad = upstream.float()
+    want_grad = torch.cat(
+        (grad * sigmoid * (1 + gate * (1 - sigmoid)) * up, grad * gate * sigmoid), -1
+    )
+    size = torch.cat(
+        (
+            (grad * sigmoid * up).abs() * (1 + (gate * (1 - sigmoid)).abs()),
+            (grad * gate * sigmoid).abs(),
+        ),
+        -1,
+    )
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18
+    assert out.dtype == leaf.grad.dtype == dtype and y.abs().max() < 16
+    assert ((out.float() - want).abs() <= step * want.abs() + 1e-30).all()
+    assert ((leaf.grad.float() - want_grad).abs() <= step * size + 1e-30).all()
