@@ -124,7 +124,12 @@ class MegatronBackend:
         on CUDA with Triton, SwiGLU by hand-written kernels (`swiglu.py`)."""
         speed.compiled_rope(self.compiled)
         speed.compiled_expert_bias(self.compiled)
-        swiglu.use(self.compiled and self.device.type == "cuda" and swiglu.available())
+        swiglu.use(
+            self.compiled
+            and self.device.type == "cuda"
+            and swiglu.available()
+            and swiglu.agrees(self.device)
+        )
         self.flash_attention = flash.choose(cfg.flash_attention, self.device)
         """The attention kernels `learner.flash_attention` chose (`flash.kernel`)."""
         self.layout = parallel.initialize_parallel(

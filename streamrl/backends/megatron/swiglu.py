@@ -13,14 +13,17 @@ rounded once to the tensor's dtype. `use(on)` routes megatron-core's SwiGLU thro
 (`SwiGLUFunction` is looked up by name at each call) while `on`, for the learner built
 last in the process, as `speed.compiled_rope` does for RoPE; Megatron's own function
 serves whatever these kernels do not take (fp8 input store, CPU offload, a tensor off
-CUDA).
+CUDA), and all of it where a start-up check (`agrees`) finds them wrong on the device.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 1024  # columns per program
 
@@ -140,3 +143,38 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def agrees(device: torch.device) -> bool:
+    """Whether the kernels compute megatron-core's SwiGLU and its gradient on ``device``
+    (checked once per process on bf16 rows against the float32 formulas, within a bf16 ulp
+    of the size of their terms). The learner uses them only where they do: a wrong gradient
+    would train on without an error."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    y = (3 * torch.randn(64, 2 * 1500, device=device, generator=generator)).bfloat16()
+    grad = torch.randn(64, 1500, device=device, generator=generator).bfloat16()
+    try:
+        out, dy = swiglu(y), swiglu_back(grad, y)
+    except Exception as error:  # a Triton that cannot build them here: Megatron's serve
+        logger.warning("the Triton SwiGLU failed on %s (%r): using megatron-core's", device, error)
+        return False
+    gate, up = y.float().chunk(2, -1)
+    g = grad.float()
+    sigmoid = torch.sigmoid(gate)
+    want = gate * sigmoid * up
+    want_dy = torch.cat((g * sigmoid * (1 + gate * (1 - sigmoid)) * up, g * gate * sigmoid), -1)
+    size = torch.cat(
+        ((g * sigmoid * up).abs() * (1 + (gate * (1 - sigmoid)).abs()), (g * gate * sigmoid).abs()),
+        -1,
+    )
+    ulp = 2.0**-7
+    good = bool(
+        ((out.float() - want).abs() <= ulp * want.abs()).all()
+        and ((dy.float() - want_dy).abs() <= ulp * size).all()
+    )
+    if good:
+        logger.info("the Triton SwiGLU agrees with megatron-core's formulas on %s", device)
+    else:
+        logger.warning("the Triton SwiGLU disagrees on %s: using megatron-core's", device)
+    return good

@@ -226,3 +226,4 @@ def test_triton_swiglu_computes_megatrons_swiglu_and_its_gradient_on_cuda(dtype)
     assert out.dtype == leaf.grad.dtype == dtype and y.abs().max() < 16
     assert ((out.float() - want).abs() <= step * want.abs() + 1e-30).all()
     assert ((leaf.grad.float() - want_grad).abs() <= step * size + 1e-30).all()
+    assert swiglu.agrees(torch.device("cuda", torch.cuda.current_device()))  # the start-up check
