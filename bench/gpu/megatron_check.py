@@ -787,6 +787,9 @@ def run(out_path: Path, sections: tuple[str, ...] = SECTIONS) -> dict:
     report: dict = {
         "environment": environment(), "plan": repr(PLAN), "sections": list(sections),
         "sections_s": {},
+        # The caller's commit (a device copy's git HEAD is the copy's, not the code's).
+        "commit": os.environ.get("STREAMRL_COMMIT", ""),
+        "command": " ".join(["python3", *sys.argv]),
     }  # fmt: skip
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
