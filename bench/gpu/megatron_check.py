@@ -68,6 +68,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import sys
 import tempfile
 import time
