@@ -26,6 +26,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -37,7 +38,6 @@ from streamrl.engine.bridge import EngineGone, RemoteCore, addresses
 from streamrl.engine.generate_endpoints import GenerateEndpoints
 from streamrl.engine.options import EngineOptions
 from streamrl.engine.protocol import BadRequest, error_response, json_response
-from streamrl.process import die_with_parent, streamrl_argv
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +97,23 @@ class FrontServer:
             bridge=str(self.bridge_dir),
         )  # fmt: skip
 
-    async def start(self, engine: subprocess.Popen, start_timeout_s: float = 1800.0) -> None:
+    async def start(
+        self,
+        engine: subprocess.Popen,
+        start_timeout_s: float = 1800.0,
+        start_sibling: Callable[[EngineOptions], subprocess.Popen] | None = None,
+    ) -> None:
         """Wait for the engine process (started with `engine_options`) to serve, attach the
-        bridge, then start the other HTTP processes and wait for them; /health turns 200
+        bridge, then start the other HTTP processes (`start_sibling` with each one's
+        `sibling_options`, on this event loop's thread) and wait for them; /health turns 200
         after. RuntimeError if any of them exits first."""
         self.engine = engine
         asyncio.get_running_loop().create_task(self._watch(engine, "the engine process"))
         await self.attach(start_timeout_s)
         for index in range(1, self.options.http_processes):
-            sibling = subprocess.Popen(
-                streamrl_argv("engine", "serve", *self.sibling_options(index).to_argv()),
-                stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )  # from the event loop's (main) thread: PDEATHSIG follows the forking thread
+            if start_sibling is None:
+                raise ValueError("several HTTP processes need start_sibling")
+            sibling = start_sibling(self.sibling_options(index))
             self.siblings.append(sibling)
             asyncio.get_running_loop().create_task(self._watch(sibling, f"HTTP process {index}"))
         await self._wait_for_siblings(start_timeout_s)

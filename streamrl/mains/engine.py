@@ -154,7 +154,15 @@ async def serve_split(options: EngineOptions) -> int:
         stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent,
     )
-    start = asyncio.create_task(front.start(engine))
+
+    def start_sibling(sibling_options: EngineOptions) -> subprocess.Popen:
+        return subprocess.Popen(
+            streamrl_argv("engine", "serve", *sibling_options.to_argv()),
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )  # on the event loop's (main) thread, as the engine's: PDEATHSIG follows it
+
+    start = asyncio.create_task(front.start(engine, start_sibling=start_sibling))
     ending = [asyncio.create_task(stop.wait()), asyncio.create_task(front.engine_exit.wait())]
     await asyncio.wait([start, *ending], return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0
