@@ -176,6 +176,7 @@ SHARED_WITH_CONFIG = (
     "cuda_graphs",
     "compile",
     "num_threads",
+    "http_processes",
 )
 """Options copied by name from the run config's `[engine]` section."""
 
