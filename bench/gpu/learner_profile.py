@@ -33,7 +33,7 @@ Per variant: a warm-up step, `--steps` (2) timed ones with CUDA events around th
 optimizer step, the allocator's peak, and one more step under torch.profiler whose CUDA
 kernel time is summed by kind (matmul, attention, compiled elementwise, other elementwise,
 reductions and norms, optimizer, copies) with the top kernels by time, the GPU's idle share,
-and the same per phase (`megatron_check.profile_step`). MFU against the 989e12 dense bf16
+and the same per phase (`step_profile.profile_step`). MFU against the 989e12 dense bf16
 peak, trained tokens only:
 
     mfu_6n        6 N tokens / step time (the issue's formula and the run's report)
@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_check as base  # (it also puts the repository on sys.path)
 import packing_check as packing
+from step_profile import StepClock, profile_step, timed_optimizer
 
 VARIANTS = ("full", "half", "none")
 ATTENTIONS = ("torch", "fa4")
@@ -114,8 +115,8 @@ def measure_variant(backend, batches, flops: dict, variant: str, steps: int) -> 
     recompute, attention, rope = parse_variant(variant)
     kernels = set_kernels(backend, attention, rope)
     result = set_recompute(backend.model, recompute) | kernels
-    clock = base.StepClock()
-    base.timed_optimizer(backend, clock)  # marks the optimizer step's start and end
+    clock = StepClock(base.PLAN.device)
+    timed_optimizer(backend, clock)  # marks the optimizer step's start and end
 
     def step() -> None:
         clock.mark("between_steps_s")
@@ -148,7 +149,7 @@ def measure_variant(backend, batches, flops: dict, variant: str, steps: int) -> 
         peak_memory_gib=base.peak_memory_gib(),
     )  # fmt: skip
     clock.marks_profiler = True  # the profile's phases
-    result["profile"] = base.profile_step(step, top=25)
+    result["profile"] = profile_step(step, base.PLAN.device, top=25)
     clock.phases_s()
     return result
 
