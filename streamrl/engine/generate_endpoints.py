@@ -232,11 +232,11 @@ class GenerateEndpoints:
         for flight_rid, flight in list(self._flights.items()):
             if rid is None or flight_rid == rid or flight_rid.startswith(f"{rid}-"):
                 flight.aborted.set()
-                if rid is not None and flight.is_in_core:
+                if rid is not None and flight.is_in_core and not self._is_shared:
                     self._core().abort(flight_rid)
         if rid is None or self._is_shared:
             # (with several HTTP processes the rid may be another's: the engine process
-            # finds its requests and tells the others, `streamrl.engine.bridge`)
+            # finds its requests and their samples, and tells the others, `engine.bridge`)
             self._core().abort(rid)
 
     def abort_gated(self, rid: str | None) -> None:
