@@ -127,6 +127,7 @@ class ClientProcesses:
         self._barrier = context.Barrier(count)
         self._pipes = []
         self._processes = []
+        self._round = 0  # the rounds sent, which each reply names
         for index in range(count):
             ours, theirs = context.Pipe()
             process = context.Process(
@@ -162,23 +163,39 @@ class ClientProcesses:
         """One round, as `measure_http` measures it, sent from every process at once."""
         probes = probe_indices(len(prompts), num_probes)
         count = len(self._pipes)
+        self._round += 1
         for offset, pipe in enumerate(self._pipes):
             indices = range(offset, len(prompts), count)
             dealt = [prompts[i] for i in indices]
             dealt_probes = {j for j, i in enumerate(indices) if i in probes}
-            pipe.send((url, dealt, dealt_probes, max_new_tokens))
-        replies = await asyncio.gather(*(asyncio.to_thread(self._reply, p) for p in self._pipes))
+            pipe.send((self._round, url, dealt, dealt_probes, max_new_tokens))
+        # Every process's reply is read before anything is raised: none is left on its pipe
+        # for the next round to take as its own.
+        replies = await asyncio.gather(
+            *(asyncio.to_thread(self._reply, pipe, self._round) for pipe in self._pipes),
+            return_exceptions=True,
+        )
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
         answers: list[dict] = [{}] * len(prompts)
         for offset, (dealt_answers, _) in enumerate(replies):
             answers[offset::count] = dealt_answers
         return figures(answers, max(wall for _, wall in replies), max_new_tokens)
 
     @staticmethod
-    def _reply(pipe) -> tuple[list[dict], float]:
-        try:
-            reply = pipe.recv()
-        except EOFError:
-            raise RuntimeError("a bench client process exited in the middle of a round") from None
+    def _reply(pipe, round_id: int) -> tuple[list[dict], float]:
+        """Round ``round_id``'s reply on ``pipe`` (a reply to an earlier round, one that was
+        interrupted before it read it, is dropped)."""
+        while True:
+            try:
+                replied_round, reply = pipe.recv()
+            except EOFError:
+                raise RuntimeError(
+                    "a bench client process exited in the middle of a round"
+                ) from None
+            if replied_round == round_id:
+                break
         if isinstance(reply, BaseException):
             raise RuntimeError(f"a bench client process failed: {reply!r}") from reply
         return reply
@@ -194,13 +211,13 @@ def _client_process(pipe, barrier) -> None:
 async def _client_rounds(pipe, barrier) -> None:
     async with http_session() as session:
         while (job := await asyncio.to_thread(pipe.recv)) is not None:
-            url, prompts, probes, max_new_tokens = job
+            round_id, url, prompts, probes, max_new_tokens = job
             await asyncio.to_thread(barrier.wait)
             try:
                 reply = await _send_all(session, url, prompts, probes, max_new_tokens)
             except Exception as error:  # the round fails in the bench, with this
                 reply = error
-            pipe.send(reply)
+            pipe.send((round_id, reply))
 
 
 async def _one(session, url: str, prompt, max_new_tokens: int, started: float) -> dict:

@@ -60,7 +60,8 @@ def test_get_load_reports_a_busy_clock_and_the_tokens_the_engine_generated(
 def test_client_processes_deal_a_round_out_and_gather_every_answer(tiny_engine):
     """Five requests from two client processes (three and two of them), two streamed: every
     answer comes back and the wall time covers them all; a round that fails in a process
-    fails in the bench, and the processes serve the next round."""
+    fails in the bench, and one given up on leaves nothing behind: the next round gets its
+    own answers."""
     prompts = prompts_for(5, 8, seed=0, vocab_size=100)
     with ClientProcesses(2) as clients:
         measured = asyncio.run(
@@ -73,10 +74,27 @@ def test_client_processes_deal_a_round_out_and_gather_every_answer(tiny_engine):
         with pytest.raises(RuntimeError, match="client process failed"):  # nothing listens
             asyncio.run(clients.measure(f"http://127.0.0.1:{free_port()}", prompts[:2],
                                         max_new_tokens=4, num_probes=0))  # fmt: skip
+        with pytest.raises(TimeoutError):  # a round given up on: its answers come later
+            asyncio.run(asyncio.wait_for(clients.measure(tiny_engine.url, prompts,
+                                         max_new_tokens=64, num_probes=0), 0.05))  # fmt: skip
         again = asyncio.run(
             clients.measure(tiny_engine.url, prompts[:3], max_new_tokens=2, num_probes=0)
         )
     assert again["generated_tokens"] == 6 and again["num_errors"] == 0
+
+
+def test_a_client_process_reply_to_an_earlier_round_is_not_taken_for_this_ones():
+    """A reply left on a pipe by a round the bench gave up on (its reading thread never ran)
+    is dropped by the next round, which reads on to its own."""
+    import multiprocessing
+
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send((1, RuntimeError("round 1 failed")))
+    theirs.send((2, ([{"tokens": 3}], 0.25)))
+    assert ClientProcesses._reply(ours, 2) == ([{"tokens": 3}], 0.25)
+    theirs.send((3, ValueError("refused")))
+    with pytest.raises(RuntimeError, match="client process failed: ValueError"):
+        ClientProcesses._reply(ours, 3)
 
 
 # ---------------------------------------------------------------- window arithmetic
