@@ -331,7 +331,50 @@ def build_gpt_model(
             dtype=dtype,
             device=device,
         )
+    elif pp_rank == pp_size - 1:
+        batch_major_logits(model.output_layer)
     return model
+
+
+def batch_major_logits(output_layer: torch.nn.Module) -> None:
+    """Have the output layer compute its logits batch-major ([B, S, V] in memory) and return
+    them as the [S, B, V] view it always returned, so that GPTModel's
+    `logits.transpose(0, 1).contiguous()` (its [B, S, V] result when no labels are given)
+    is a view rather than a copy.
+
+    That copy, and the backward's copy of the logits' gradient the other way, move the
+    whole [tokens, vocabulary] tensor: 10 GB each at 32,768 tokens of Qwen2's 151,936 words,
+    among a learner step's largest memory-bound kernels. Here the hidden states [S, B, H]
+    (H of the order of a thousand, not V's hundred thousand) are made batch-major before
+    the layer instead, which without sequence parallelism treats its input as rows whatever
+    their order (a matmul; the backward's data and weight gradients alike). Values and the
+    returned shape are unchanged; only strides differ. Under sequence parallelism the layer
+    gathers its input along the sequence dimension, so it is left as it is then (checked
+    at every call: Megatron's inference switches it). `output_layer.batch_major_logits =
+    False` turns it off."""
+
+    def before(module, args, kwargs):
+        hidden = args[0] if args else None
+        module.batch_major_now = (
+            module.batch_major_logits
+            and hidden is not None
+            and hidden.dim() == 3
+            and hidden.shape[1] > 1
+            and not getattr(module, "sequence_parallel", False)
+        )
+        if not module.batch_major_now:
+            return None
+        return (hidden.transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def after(module, args, kwargs, output):
+        if not module.batch_major_now:
+            return None
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    output_layer.batch_major_logits = True
+    output_layer.register_forward_pre_hook(before, with_kwargs=True)
+    output_layer.register_forward_hook(after, with_kwargs=True)
 
 
 def padded_for_sequence_parallel(input_ids: torch.Tensor, config: Any) -> torch.Tensor:

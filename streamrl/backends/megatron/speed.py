@@ -100,27 +100,35 @@ def install_foreach_grad_norm() -> bool:
     return clip_grads.l2_norm_impl is _foreach_l2_norm
 
 
-_ROPE: dict[str, object] = {"on": False}
+_ROPE: dict[str, object] = {"on": False, "kernels": False}
 
 
-def compiled_rope(on: bool) -> None:
+def compiled_rope(on: bool, *, kernels: bool = False) -> None:
     """Megatron's unfused RoPE (`rope_utils._apply_rotary_pos_emb_bshd`, which its attention
     calls for every query and key: a cos, a sin, a rotate-half `cat`, two products and a sum,
     each its own kernel, and as many in the backward) run torch.compile'd, as one kernel each
-    way, while `on`; Transformer Engine's fused RoPE does the same work. The function is
-    module-wide in megatron-core, so the replacement dispatches on the latest learner built in
-    this process: each backend calls this with its own `learner.megatron.compile`."""
+    way, while `on`; with `kernels` too, the calls that `rope.takes` go to its hand-written
+    Triton kernels instead (Transformer Engine's fused RoPE does the same work). The function
+    is module-wide in megatron-core, so the replacement dispatches on the latest learner built
+    in this process: each backend calls this with its own `learner.megatron.compile`."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    _ROPE["on"] = on
+    from streamrl.backends.megatron import rope
+
+    _ROPE["on"], _ROPE["kernels"] = on, on and kernels
     if "eager" in _ROPE:
         return
     eager = rope_utils._apply_rotary_pos_emb_bshd
     compiled = torch.compile(eager, dynamic=True)
 
     @functools.wraps(eager)
-    def apply(*args, **kwargs):
-        return (compiled if _ROPE["on"] else eager)(*args, **kwargs)
+    def apply(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if _ROPE["kernels"] and rope.takes(
+            t, freqs, interleaved=rotary_interleaved, mla=multi_latent_attention
+        ):
+            return rope.apply(t, freqs, mscale)
+        function = compiled if _ROPE["on"] else eager
+        return function(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
 
     _ROPE["eager"] = eager
     rope_utils._apply_rotary_pos_emb_bshd = apply
@@ -129,6 +137,11 @@ def compiled_rope(on: bool) -> None:
 def rope_compiled() -> bool:
     """Whether Megatron's RoPE runs compiled now (`compiled_rope`)."""
     return bool(_ROPE["on"])
+
+
+def rope_kernels() -> bool:
+    """Whether Megatron's RoPE runs on the Triton kernels where they take it (`compiled_rope`)."""
+    return bool(_ROPE["kernels"])
 
 
 _EXPERT_BIAS: dict[str, object] = {"on": False}

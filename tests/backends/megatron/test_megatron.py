@@ -121,9 +121,45 @@ def _worker_single(out: Path, dirs_json: str) -> None:
                 "recompute": {"gradient_checkpointing": True},
                 "partial_recompute": {"gradient_checkpointing": True, "recompute_layers": 1},
                 "compiled": {"compile": "on"},
+                "sequence_major_logits": {"batch_major_logits": False},
             }.items()
         }
+        results["logits_view"] = _logits_are_the_output_layers(backend, micro_batches[0])
     torch.save(results, out)
+
+
+def _logits_are_the_output_layers(backend, micro_batch) -> dict[str, bool]:
+    """The model's [B, S, V] logits (B > 1) against the output layer's own result: the same
+    memory (GPTModel's transpose-and-copy made no copy), and the same values as the layer
+    applied to the sequence-major hidden states it was given."""
+    layer = backend.model.output_layer
+    seen: dict[str, torch.Tensor] = {}
+
+    def hidden_in(module, args, kwargs):
+        seen["hidden"] = args[0]
+
+    def logits_out(module, args, kwargs, output):
+        seen["logits"] = output[0]
+
+    handles = (
+        layer.register_forward_pre_hook(hidden_in, with_kwargs=True, prepend=True),
+        layer.register_forward_hook(logits_out, with_kwargs=True),
+    )
+    ids = micro_batch.input_ids
+    try:
+        with torch.no_grad(), backend.megatron_context():
+            logits = backend.model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    weight = backend.model.shared_embedding_or_output_weight()
+    expected = (seen["hidden"] @ weight.t()).transpose(0, 1)
+    return {
+        "batch": ids.shape[0] > 1,
+        "contiguous": logits.is_contiguous() and logits.shape == expected.shape,
+        "same_memory": logits.data_ptr() == seen["logits"].data_ptr(),
+        "values": bool(torch.allclose(logits, expected, atol=1e-5)),
+    }
 
 
 def _background_checkpoint(backend, micro_batches, directory: Path):
@@ -150,11 +186,12 @@ def _background_checkpoint(backend, micro_batches, directory: Path):
 
 def _first_steps(
     path: str, micro_batches, *, attention="sdpa", gradient_checkpointing=False,
-    recompute_layers=0, compile="off",
+    recompute_layers=0, compile="off", batch_major_logits=True,
 ):  # fmt: skip
     """Two training steps with Megatron's unfused attention, activation recompute (every
-    layer, or the first of the model's two) or the torch.compile'd kernels (CUDA's default:
-    log-softmax and SwiGLU)."""
+    layer, or the first of the model's two), the torch.compile'd kernels (CUDA's default:
+    log-softmax and SwiGLU) or the output layer's logits laid out as Megatron lays them
+    (sequence-major, then copied batch-major: `model.batch_major_logits`)."""
     from streamrl.backends.megatron.backend import MegatronBackend
     from streamrl.config import LearnerConfig, MegatronConfig
 
@@ -165,6 +202,7 @@ def _first_steps(
         ),
     )  # fmt: skip
     backend = MegatronBackend(path, config, device="cpu", dtype=torch.float32, seed=0)
+    backend.model.output_layer.batch_major_logits = batch_major_logits
     if recompute_layers:  # the first layer recomputed alone, the second keeping its activations
         assert (backend.model.config.recompute_method, backend.model.config.recompute_num_layers) \
             == ("block", recompute_layers)  # fmt: skip
@@ -366,8 +404,20 @@ def test_reference_model_stays_frozen_while_the_policy_trains(runs):
         assert (trained - initial).abs().max() > 1e-3
 
 
+def test_the_logits_are_the_output_layers_own_memory_batch_major(runs):
+    """GPTModel's [S, B, V] -> [B, S, V] transpose-and-copy of the logits is a view: the
+    output layer computes them batch-major (`model.batch_major_logits`)."""
+    assert runs("single")["logits_view"] == {
+        "batch": True,
+        "contiguous": True,
+        "same_memory": True,
+        "values": True,
+    }
+
+
 @pytest.mark.parametrize(
-    "variant", ["local_attention", "recompute", "partial_recompute", "compiled"]
+    "variant",
+    ["local_attention", "recompute", "partial_recompute", "compiled", "sequence_major_logits"],
 )
 def test_unfused_attention_recompute_and_compiled_kernels_train_like_the_default(runs, variant):
     result = runs("single")

@@ -227,3 +227,137 @@ def test_triton_swiglu_computes_megatrons_swiglu_and_its_gradient_on_cuda(dtype)
     assert ((out.float() - want).abs() <= step * want.abs() + 1e-30).all()
     assert ((leaf.grad.float() - want_grad).abs() <= step * size + 1e-30).all()
     assert swiglu.agrees(torch.device("cuda", torch.cuda.current_device()))  # the start-up check
+
+
+def test_rope_dispatch_leaves_what_the_kernels_do_not_take_to_the_compiled_function():
+    """With the Triton kernels on, a call they do not take (a CPU tensor; an interleaved
+    layout, MLA's, or a partial rotary dimension likewise) still gets Megatron's rotation."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from streamrl.backends.megatron import rope
+
+    generator = torch.Generator().manual_seed(1)
+    queries = torch.randn(6, 2, 3, 8, generator=generator)
+    freqs = torch.randn(6, 1, 1, 8, generator=generator)
+    assert not rope.takes(queries, freqs, interleaved=False, mla=False)  # on the CPU
+    try:
+        speed.compiled_rope(False, kernels=True)
+        assert not speed.rope_kernels()  # the kernels come with compile only
+        eager = rope_utils._apply_rotary_pos_emb_bshd(queries, freqs)
+        speed.compiled_rope(True, kernels=True)
+        assert speed.rope_kernels()
+        dispatched = rope_utils._apply_rotary_pos_emb_bshd(queries, freqs)
+    finally:
+        speed.compiled_rope(False)
+    assert not speed.rope_kernels()
+    torch.testing.assert_close(dispatched, eager, rtol=0, atol=8 * U * 4)
+    assert torch.equal(eager, rope.reference(queries, freqs))  # float32: the same products
+
+
+_ROPE_UNDER_INTERPRETER = """
+import torch
+from streamrl.backends.megatron import rope
+
+generator = torch.Generator().manual_seed(2)
+fused = torch.randn(9, 3, 5, 2 * 96, generator=generator)
+positions = torch.arange(9).float()[:, None].expand(9, 3) * 13  # packed rows: [S, B] angles
+inverse = 1.0 / 10000 ** (torch.arange(0, 96, 2).float() / 96)
+angles = positions[..., None] * inverse
+freqs = torch.cat((angles, angles), -1)[:, :, None, :]
+x = fused[..., :96]  # strided, as Megatron's queries are
+leaf = x.clone().requires_grad_(True)
+out = rope.apply(leaf, freqs, 0.5)
+upstream = torch.randn(9, 3, 5, 96, generator=generator)
+out.backward(upstream)
+want = rope.reference(x, freqs, 0.5)
+cos, sin = (t.unsqueeze(2) for t in rope.tables(freqs, torch.float32, 0.5))
+g1, g2 = upstream.chunk(2, -1)
+want_grad = torch.cat((g1 * cos[..., :48] + g2 * sin[..., 48:], g2 * cos[..., 48:] - g1 * sin[..., :48]), -1)
+print((out - want).abs().max().item(), (leaf.grad - want_grad).abs().max().item())
+print(rope.agrees(torch.device("cpu")))
+transposed = rope._rotate
+rope._rotate = lambda x, cos, sin, sign: transposed(x, cos, sin, -sign)
+rope.agrees.cache_clear()
+print(rope.agrees(torch.device("cpu")))
+"""
+
+
+def test_triton_rope_rotates_and_its_check_catches_a_wrong_kernel_under_the_interpreter():
+    """Triton's interpreter runs the RoPE kernels on the CPU (where Triton is installed):
+    float32 packed rows and a strided input, rotated and back-propagated as the float32
+    formulas do (only the fused multiply-adds' rounding differs); the start-up check passes
+    them, and fails a kernel that rotates the wrong way."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _ROPE_UNDER_INTERPRETER], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors, first, broken = done.stdout.split("\n")[:3]
+    assert all(float(error) <= 4e-6 for error in errors.split()), errors
+    assert (first, broken) == ("True", "False")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_rope_rotates_megatrons_queries_and_their_gradients_on_cuda(dtype, packed):
+    """Megatron's RoPE through the dispatcher with the kernels on, against its eager function:
+    a query view of a fused QKV projection ([S, B, heads, 128] of a wider tensor), angles
+    shared by the rows or each row's own (packed rows). float32: the same products, up to
+    fused multiply-adds; bf16: within one bf16 ulp of the terms (eager rounds each of its
+    products and the sum, the kernel once)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from streamrl.backends.megatron import rope
+
+    if not rope.available():
+        pytest.skip("Triton is not installed")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    seq, batch, heads, dim = 300, 3, 12, 128
+    fused = torch.randn(seq, batch, heads, 3 * dim, device="cuda", generator=generator)
+    x = fused.to(dtype)[..., dim : 2 * dim]
+    rows = batch if packed else 1
+    positions = torch.randint(0, 4096, (seq, rows), device="cuda", generator=generator).float()
+    inverse = 1.0 / 1e6 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
+    angles = positions[..., None] * inverse
+    freqs = torch.cat((angles, angles), -1)[:, :, None, :]
+    upstream = torch.randn(seq, batch, heads, dim, device="cuda", generator=generator).to(dtype)
+
+    def rotated(kernels: bool):
+        speed.compiled_rope(kernels, kernels=kernels)
+        leaf = x.detach().clone().requires_grad_(True)
+        out = rope_utils._apply_rotary_pos_emb_bshd(leaf, freqs)
+        out.backward(upstream)
+        return out.detach(), leaf.grad
+
+    try:
+        eager_out, eager_grad = rotated(False)
+        out, grad = rotated(True)
+    finally:
+        speed.compiled_rope(False)
+    assert out.is_contiguous() and out.dtype == grad.dtype == dtype
+    cos, sin = (t.float().unsqueeze(2) for t in rope.tables(freqs, dtype))
+    half = dim // 2
+    x1, x2 = x.float().chunk(2, -1)
+    g1, g2 = upstream.float().chunk(2, -1)
+    size = torch.cat(
+        ((x1 * cos[..., :half]).abs() + (x2 * sin[..., :half]).abs(),
+         (x2 * cos[..., half:]).abs() + (x1 * sin[..., half:]).abs()), -1,
+    )  # fmt: skip
+    size_grad = torch.cat(
+        ((g1 * cos[..., :half]).abs() + (g2 * sin[..., half:]).abs(),
+         (g2 * cos[..., half:]).abs() + (g1 * sin[..., :half]).abs()), -1,
+    )  # fmt: skip
+    step = 2.0**-7 if dtype == torch.bfloat16 else 4 * U
+    assert ((out.float() - eager_out.float()).abs() <= 2 * step * size + 1e-30).all()
+    assert ((grad.float() - eager_grad.float()).abs() <= 2 * step * size_grad + 1e-30).all()
+    assert not torch.equal(out, x)  # it rotated
+    assert rope.agrees(torch.device("cuda", torch.cuda.current_device()))  # the start-up check
