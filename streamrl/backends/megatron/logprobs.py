@@ -18,12 +18,15 @@ same loss from the same reduced values, so each rank's share of the gradient
 flows into its own logits (the output layer's column-parallel backward then
 all-reduces the hidden-state gradient).
 
-On CUDA the per-row work is torch.compile'd (`compiled`, the backend's
-`megatron.compile` switch): the forward is one fused reduction over the bf16
-logits and the backward one pass that reads them and writes their gradient,
-where the plain path makes about ten fp32 passes over each chunk. Both paths
-compute the same formulas; they differ by float32 rounding only (the sums run
-in another order).
+With `compiled` (the backend's `megatron.compile` switch) the forward is one
+reduction over the bf16 logits and the backward one pass that reads them and
+writes their gradient, where the plain path makes about ten fp32 passes over
+each chunk. On CUDA those passes are hand-written Triton kernels
+(`logprob_kernels`): torch.compile'd with dynamic shapes they ran at about 1 TB/s
+on an H200 (the module says what was measured); the torch.compile'd functions
+serve where Triton does not (no Triton, a tensor off CUDA, a device where the
+start-up check `logprob_kernels.agrees` fails). All paths compute the same
+formulas; they differ by float32 rounding only (the sums run in another order).
 
 Alignment (see streamrl.backends.base): position t holds the value for token
 t, predicted by the logits at t - 1; position 0 holds 0.
@@ -34,13 +37,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from streamrl.backends.megatron import logprob_kernels
+
 CHUNK_BYTES = 256 * 2**20
 """The fp32 working set of one chunk of rows: [rows, V_local] temporaries never exceed it."""
 
 
 def _chunks(num_rows: int, width: int, *, compiled: bool) -> list[slice]:
-    """Row slices of [rows, V_local]. Compiled kernels keep no [rows, V_local] fp32 temporary,
-    so they take every row at once."""
+    """Row slices of [rows, V_local]. Compiled and Triton kernels keep no [rows, V_local] fp32
+    temporary, so they take every row at once."""
     step = num_rows if compiled else max(1, CHUNK_BYTES // (4 * width))
     return [slice(start, start + step) for start in range(0, num_rows, max(step, 1))]
 
@@ -85,11 +90,14 @@ def _row_grads(logits, index, log_norm, grad_logprobs, target_grad, entropy, gra
 _COMPILED: dict[str, object] = {}
 
 
-def _kernels(compiled: bool):
-    """(row statistics, row gradients): plain torch, or torch.compile'd (one fused pass over
-    the logits each, instead of one fp32 temporary per operation)."""
+def _kernels(compiled: bool, device: torch.device):
+    """(row statistics, row gradients) for logits on ``device``: plain torch, or one pass over
+    the logits each instead of one fp32 temporary per operation: the Triton kernels on CUDA
+    where they agree with these formulas there, torch.compile'd functions elsewhere."""
     if not compiled:
         return _row_stats, _row_grads
+    if device.type == "cuda" and logprob_kernels.available() and logprob_kernels.agrees(device):
+        return logprob_kernels.row_stats, logprob_kernels.row_grads
     if not _COMPILED:
         _COMPILED["stats"] = torch.compile(_row_stats, dynamic=True)
         _COMPILED["grads"] = torch.compile(_row_grads, dynamic=True)
@@ -114,7 +122,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, scale, group, need_entropy, compiled):
         ctx.set_materialize_grads(False)
         batch, seq, width = logits.shape
-        row_stats, _ = _kernels(compiled)
+        row_stats, _ = _kernels(compiled, logits.device)
         rows_of = logits.reshape(batch * seq, width)  # a view: the model's logits are contiguous
         stats = logits.new_zeros((4, batch * seq), dtype=torch.float32)
         local = targets - vocab_start
@@ -150,7 +158,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, index, owned, log_norm, entropy = ctx.saved_tensors
         batch, seq, width = logits.shape
-        _, row_grads = _kernels(ctx.compiled)
+        _, row_grads = _kernels(ctx.compiled, logits.device)
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(log_norm)
         if not ctx.need_entropy:
@@ -193,8 +201,9 @@ def vocab_parallel_logprobs_and_entropy(
     logits: [B, T, V_local] (any float dtype; computed in fp32, a chunk of rows at a time)
     for vocabulary ids `[vocab_start, vocab_start + V_local)`; targets: [B, T] global ids.
     Returns [B, T] tensors, differentiable with respect to `logits`. `compiled` runs the
-    per-row work through torch.compile (all rows at once: nothing [rows, V_local] is kept
-    in fp32); the values agree with the plain path to float32 rounding."""
+    per-row work as one pass over the logits each way (Triton kernels on CUDA, torch.compile
+    elsewhere; all rows at once: nothing [rows, V_local] is kept in fp32); the values agree
+    with the plain path to float32 rounding."""
     scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
     logprobs, entropy = _LogprobsAndEntropy.apply(
         logits, targets, vocab_start, scale, group, need_entropy, compiled
