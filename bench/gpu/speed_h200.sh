@@ -14,9 +14,10 @@
 #                                          qwen2-1.5b with 32), then 12 steps of
 #                                          bench/configs/gpu_1gpu.toml with the torch learner
 #                                          (the publish metrics of a run) (~5 min)
-#   bench/gpu/speed_h200.sh megatron OUT   (wheels installed by an earlier call):
-#                                          bench/gpu/megatron_check.py's throughput and 32k
-#                                          micro-batch sections (~5 min)
+#   bench/gpu/speed_h200.sh megatron OUT   carry .whl: bench/gpu/megatron_check.py (its
+#                                          default sections, or MEGATRON_ARGS; MEGATRON_TIMEOUT
+#                                          seconds, 560 by default); MEGATRON_TESTS=1 runs the
+#                                          learner kernels' CUDA tests first (~5 min)
 #   bench/gpu/speed_h200.sh engine OUT     carry .sgl: `streamrl bench engine`, the embedded
 #                                          engine over HTTP (in two processes), SGLang and
 #                                          in-process, 64/256/512
@@ -81,7 +82,13 @@ kept)
   tail -5 "$OUT/run_kept.log.txt"
   ;;
 megatron)
-  run timeout 560 python3 bench/gpu/megatron_check.py ${MEGATRON_ARGS:-} \
+  if [ -n "${MEGATRON_TESTS:-}" ]; then  # the learner kernels' CUDA tests first
+    run timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs \
+      tests/backends/megatron/test_megatron_speed.py tests/backends/megatron/test_logprob_kernels.py \
+      -k cuda >"$OUT/megatron_cuda_tests_h200x1.txt" 2>&1
+    tail -3 "$OUT/megatron_cuda_tests_h200x1.txt"
+  fi
+  run timeout "${MEGATRON_TIMEOUT:-560}" python3 bench/gpu/megatron_check.py ${MEGATRON_ARGS:-} \
     --out "$OUT/megatron_check_h200x1.json"
   ;;
 engine)
