@@ -11,7 +11,8 @@ shape of the throughput sections), and printed at the end:
 
 (a) `logprobs_vs_hf`: per-token log-probabilities of the Megatron model and the
     HF model (SDPA) with the same random Qwen2-0.5B-shaped weights, bf16;
-    mean and max |diff| over real tokens (target: mean <= 1e-2).
+    mean and max |diff| over real tokens (target: mean <= 1e-2); and each bf16
+    computation (Megatron's also with its plain kernels) against HF in float32.
 (b) `round_trip`: HF -> Megatron -> HF in bf16, bit-exact: pure conversion at
     TP=1, TP=2, TP=2 x PP=2, and through the live model (load, then `hf_weights`).
 (c) `throughput`: one full RL learner step (`rl_step`: the old policy's
@@ -211,26 +212,26 @@ def init_single_rank() -> None:
 
 
 def section_logprobs(model_dir: Path, state: dict) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from streamrl.algorithms import logprobs_from_logits
+    """Megatron's bf16 log-probabilities against HF's bf16 ones (the figure with the target),
+    and both, with Megatron's plain kernels (`learner.megatron.compile = "off"`) too, against
+    HF in float32: which of the two bf16 computations is nearer the exact values."""
     from streamrl.backends.megatron.backend import MegatronBackend
 
     batch = micro_batches(
         vocab_size(model_dir), rows=4, seq_len=PLAN.logprob_seq_len, count=2, seed=1, padded=True
     )
     state["batch"] = batch
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=PLAN.dtype, attn_implementation="sdpa"
-    )
-    hf = hf.to(PLAN.device).eval()
-    reference = []
-    with torch.no_grad():
-        for mb in batch:
-            input_ids = mb.input_ids.to(PLAN.device)
-            logits = hf(input_ids, attention_mask=mb.attention_mask.to(PLAN.device)).logits
-            reference.append(logprobs_from_logits(logits, input_ids)[:, 1:].cpu())
-    del hf, logits
+    masks = [mb.attention_mask for mb in batch]
+    reference = hf_logprobs(model_dir, batch, PLAN.dtype)
+    exact = hf_logprobs(model_dir, batch, torch.float32)
+    # The plain kernels' learner first: each backend built switches the module-wide kernels
+    # (RoPE, SwiGLU) to its own setting, and the later sections use the default one's.
+    plain = MegatronBackend(
+        str(model_dir), learner_config(compile="off"), device=PLAN.device, dtype=PLAN.dtype,
+        seed=0,
+    )  # fmt: skip
+    plain_logprobs = [lp[:, 1:] for lp in plain.compute_logprobs(batch, temperature=1.0)]
+    del plain
     free_cuda()
     backend = MegatronBackend(
         str(model_dir), learner_config(), device=PLAN.device, dtype=PLAN.dtype, seed=0
@@ -238,7 +239,34 @@ def section_logprobs(model_dir: Path, state: dict) -> dict:
     state["backend"] = backend
     ours = [lp[:, 1:] for lp in backend.compute_logprobs(batch, temperature=1.0)]
     state["tp1_logprobs"] = ours
-    return diff_stats(ours, reference, [mb.attention_mask for mb in batch])
+    return {
+        **diff_stats(ours, reference, masks),
+        "against_float32_hf": {
+            "megatron_bf16": diff_stats(ours, exact, masks),
+            "megatron_bf16_plain_kernels": diff_stats(plain_logprobs, exact, masks),
+            "hf_bf16": diff_stats(reference, exact, masks),
+        },
+        "megatron_bf16_against_its_plain_kernels": diff_stats(ours, plain_logprobs, masks),
+    }
+
+
+def hf_logprobs(model_dir: Path, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The HF model's (SDPA) per-token log-probabilities of `batch` in `dtype`, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.algorithms import logprobs_from_logits
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    hf = hf.to(PLAN.device).eval()
+    result = []
+    with torch.no_grad():
+        for mb in batch:
+            input_ids = mb.input_ids.to(PLAN.device)
+            logits = hf(input_ids, attention_mask=mb.attention_mask.to(PLAN.device)).logits
+            result.append(logprobs_from_logits(logits, input_ids)[:, 1:].cpu())
+    del hf, logits
+    free_cuda()
+    return result
 
 
 def section_round_trip(model_dir: Path, state: dict) -> dict:
