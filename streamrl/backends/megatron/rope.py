@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -80,12 +81,25 @@ def _kernels():
     return rotate
 
 
+_LAST_TABLES: dict[str, tuple] = {}
+
+
 def tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0):
     """Megatron's cos and sin of [S, 1 or B, 1, D] float32 angles, times `mscale`, in `dtype`:
-    two contiguous [S, 1 or B, D] tensors."""
+    two contiguous [S, 1 or B, D] tensors.
+
+    Every layer's queries and keys of one forward are rotated by the same angles tensor, so
+    the last tables are kept for as long as that tensor lives unchanged: made once per
+    forward instead of twice per layer (five small kernels each, which a learner whose step
+    is bound by kernel launches notices)."""
+    key = (freqs.data_ptr(), freqs._version, freqs.shape, freqs.stride(), dtype, mscale)
+    last = _LAST_TABLES.get("last")
+    if last is not None and last[0] == key and last[1]() is freqs:
+        return last[2]
     angles = freqs.squeeze(2)
     cos = (torch.cos(angles) * mscale).to(dtype).contiguous()
     sin = (torch.sin(angles) * mscale).to(dtype).contiguous()
+    _LAST_TABLES["last"] = (key, weakref.ref(freqs), (cos, sin))
     return cos, sin
 
 

@@ -254,6 +254,26 @@ def test_rope_dispatch_leaves_what_the_kernels_do_not_take_to_the_compiled_funct
     assert torch.equal(eager, rope.reference(queries, freqs))  # float32: the same products
 
 
+def test_rope_tables_are_made_once_per_angles_tensor():
+    """The cos/sin tables of one angles tensor are reused by every later call (each layer's
+    queries and keys), made anew for another tensor or another dtype, or after the angles
+    change in place, and equal Megatron's rounding of cos and sin either way."""
+    from streamrl.backends.megatron import rope
+
+    freqs = torch.randn(7, 1, 1, 8, generator=torch.Generator().manual_seed(3))
+    cos, sin = rope.tables(freqs, torch.bfloat16)
+    assert torch.equal(cos, torch.cos(freqs).to(torch.bfloat16).squeeze(2))
+    assert torch.equal(sin, torch.sin(freqs).to(torch.bfloat16).squeeze(2))
+    again = rope.tables(freqs, torch.bfloat16)
+    assert again[0] is cos and again[1] is sin
+    assert rope.tables(freqs, torch.float32)[0].dtype == torch.float32
+    other = freqs.clone()
+    assert rope.tables(other, torch.bfloat16)[0] is not cos
+    other.mul_(2)  # changed in place: the kept tables are stale
+    doubled = rope.tables(other, torch.bfloat16)[0]
+    assert torch.equal(doubled, torch.cos(other).to(torch.bfloat16).squeeze(2))
+
+
 _ROPE_UNDER_INTERPRETER = """
 import torch
 from streamrl.backends.megatron import rope
