@@ -54,13 +54,16 @@ def train_step(
     group_size = len(groups[0].samples)
     all_indices = list(range(len(samples)))
 
-    def micro_batches_of(indices: list[int]):
+    def micro_batches_of(indices: list[int], budget: int = cfg.learner.micro_batch_tokens):
         return make_micro_batches(
-            samples, indices, token_budget=cfg.learner.micro_batch_tokens, pad_id=pad_id,
+            samples, indices, token_budget=budget, pad_id=pad_id,
             packed=cfg.learner.pack_sequences,
         )  # fmt: skip
 
-    step_batches = micro_batches_of(all_indices)
+    # The forward-only passes' micro-batches (proximal, reference, values): their own budget.
+    step_batches = micro_batches_of(
+        all_indices, cfg.learner.logprob_micro_batch_tokens or cfg.learner.micro_batch_tokens
+    )
     phases = _Phases()
 
     proximal_by_sample = None

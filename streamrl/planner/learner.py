@@ -274,3 +274,10 @@ def logits(shape: ModelShape, setup: LearnerSetup) -> int:
         return int(setup.tokens * vocab * (2 * setup.compute_bytes + FP32))
     per_token = 2 * setup.compute_bytes * vocab / setup.layout.tp
     return int(setup.tokens * per_token + MEGATRON_LOGPROB_CHUNK_BYTES)
+
+
+def forward_logits(shape: ModelShape, setup: LearnerSetup) -> int:
+    """A forward-only pass's logits (the proximal and reference log-probabilities), with no
+    gradient: the logits themselves and a float32 chunk of rows."""
+    per_token = setup.compute_bytes * shape.vocab_size / setup.layout.tp
+    return int(setup.tokens * per_token + MEGATRON_LOGPROB_CHUNK_BYTES)

@@ -38,6 +38,7 @@ KEYS_FOR_TERM = {
     ),
     "activation_gradients": ("learner.micro_batch_tokens",),
     "logits": ("learner.micro_batch_tokens",),
+    "forward_logits": ("learner.logprob_micro_batch_tokens",),
     "autocast_weight_copies": ("learner.backend",),
     "weights": ("learner.megatron.tensor_parallel_size", "learner.lora.rank"),
     "gradients": ("learner.megatron.tensor_parallel_size", "learner.lora.rank"),
@@ -211,6 +212,11 @@ def learner_usage(shape: ModelShape, cfg: Any, critic: ModelShape | None) -> Usa
         "optimizer step": (*state, "optimizer_step_temporaries"),
         "weight push": (*state, "weight_push_bucket"),
     }
+    forward_tokens = max(cfg.learner.logprob_micro_batch_tokens, longest_sequence(cfg))
+    if forward_tokens > tokens:  # larger forward-only micro-batches: their logits may peak
+        forward_setup = learner_setup(shape, cfg, tokens=forward_tokens)
+        terms["forward_logits"] = learner_terms.forward_logits(shape, forward_setup)
+        phases["log-probabilities"] = (*state, "forward_logits")
     if cfg.cluster.colocate:  # the weights are on the device for the push after a resume
         kept = ("weights", "reference_weights", "critic_state", "weight_staging", "cuda_context")
         phases[SERVING] = (

@@ -297,6 +297,62 @@ def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_p
     assert efficiency[True] == 1.0
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_forward_only_passes_take_their_own_token_budget(tiny_model_dir, packed):
+    """`learner.logprob_micro_batch_tokens`: the proximal pass (two optimizer steps a step
+    need one) runs on micro-batches of that budget, training on micro_batch_tokens', and each
+    sample's proximal log-probabilities are those of the training budget's micro-batches."""
+    from streamrl.backends.step import train_step
+    from streamrl.config import config_from_dict
+    from streamrl.types import Group
+
+    class Recording(TorchBackend):
+        def compute_logprobs(self, micro_batches, **kwargs):
+            out = super().compute_logprobs(micro_batches, **kwargs)
+            self.recorded_forward.append((micro_batches, out))
+            return out
+
+        def train_mini_batch(self, micro_batches, *args, **kwargs):
+            self.recorded_training.extend(micro_batches)
+            return super().train_mini_batch(micro_batches, *args, **kwargs)
+
+    samples = _samples()
+    groups = [
+        Group(group_id=f"g{i}", prompt_seq=i, prompt_index=i, samples=samples[i : i + 2])
+        for i in range(0, len(samples), 2)
+    ]
+    for sample in samples:
+        sample.reward = float(len(sample.response_ids) % 2)
+    proximal, widths = {}, {}
+    for budget in (0, 200):
+        cfg = config_from_dict(
+            {
+                "data": {"path": "x"},
+                "model": {"path": tiny_model_dir},
+                "rollout": {"batch_size": len(groups), "n_samples_per_prompt": 2},
+                "learner": {
+                    "micro_batch_tokens": 40, "logprob_micro_batch_tokens": budget,
+                    "pack_sequences": packed, "global_batch_size": len(samples) // 2,
+                },
+            }
+        )  # fmt: skip
+        backend = Recording(
+            tiny_model_dir, cfg.learner, device=torch.device("cpu"), dtype=torch.float32
+        )
+        backend.recorded_forward, backend.recorded_training = [], []
+        train_step(backend, groups, cfg, pad_id=0)
+        (batches, logprobs), *others = backend.recorded_forward
+        assert not others  # the proximal pass only (no KL reference, no critic)
+        proximal[budget] = gather_responses(samples, batches, logprobs)
+        widths[budget] = (
+            [b.input_ids.numel() for b in batches], [b.input_ids.numel() for b in backend.recorded_training]
+        )  # fmt: skip
+    assert max(widths[200][0]) > 40 and len(widths[200][0]) < len(widths[0][0])
+    assert max(widths[0][0]) <= 40 or not packed
+    assert widths[200][1] == widths[0][1]  # training's micro-batches are untouched
+    assert torch.allclose(proximal[200], proximal[0], atol=1e-5)
+
+
 def test_a_model_with_a_sliding_window_is_refused_rather_than_packed_without_it():
     from streamrl.backends.documents import document_attention
 

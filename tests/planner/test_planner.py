@@ -324,6 +324,37 @@ def test_a_packed_micro_batch_is_planned_at_the_token_budget_as_a_padded_one():
     assert activations(True, 4000, "torch") == activations(False, 4000, "torch")
 
 
+def test_a_larger_forward_only_budget_is_planned_as_its_own_phase():
+    """`learner.logprob_micro_batch_tokens` above the training budget adds a log-probability
+    phase holding that many tokens' logits (no gradient: half the training logits' bytes per
+    token at Megatron's bf16); at or below it, nothing is added. A budget large enough makes
+    it the learner's peak, and the key is what a refusal over it names."""
+    from streamrl.planner.plan import KEYS_FOR_TERM, learner_usage
+
+    def usage(forward_tokens: int):
+        cfg = _config(
+            model={"path": "random:qwen3-4b"},
+            engine={"max_seq_len": 1000},
+            rollout={"sampling": {"max_new_tokens": 500}},
+            data={"max_prompt_tokens": 100},
+            learner={
+                "backend": "megatron", "micro_batch_tokens": 4096,
+                "logprob_micro_batch_tokens": forward_tokens,
+            },
+        )  # fmt: skip
+        return learner_usage(shape_of(cfg.model.path), cfg, None)
+
+    same, larger, huge = usage(0), usage(16384), usage(1_000_000)
+    assert "forward_logits" not in same.terms and "log-probabilities" not in same.phases
+    assert "forward_logits" not in usage(4096).terms
+    chunk = terms.MEGATRON_LOGPROB_CHUNK_BYTES
+    assert larger.terms["forward_logits"] - chunk == pytest.approx(
+        4 * (larger.terms["logits"] - chunk) / 2, rel=1e-6
+    )  # 4x the tokens, half the bytes per token
+    assert larger.peak_phase == "train" and huge.peak_phase == "log-probabilities"
+    assert KEYS_FOR_TERM["forward_logits"] == ("learner.logprob_micro_batch_tokens",)
+
+
 def test_recomputing_some_layers_plans_activations_between_none_and_every_layer():
     """learner.megatron.recompute_layers = k of a stage's L: k layers keep their input, the
     other L - k their whole activations; k = L is full recompute, and the key changes the plan

@@ -166,14 +166,14 @@ def available() -> bool:
     return True
 
 
-def disagreement(device: torch.device | str) -> str | None:
-    """What the kernels get wrong on ``device`` against `logprobs`' plain float32 functions
-    on bf16 rows (a width that is no multiple of either block, rows at a stride wider than
-    the row, scale != 1, targets at both ends), or None where they agree: the statistics to
-    float32 rounding of the size of their terms (sums of 5,000 in another order, the
-    hardware's exp), the gradient within a bf16 ulp of the size of its terms."""
-    from streamrl.backends.megatron import logprobs
-
+def disagreement(device: torch.device | str, stats, grads) -> str | None:
+    """What the kernels get wrong on ``device`` against the plain float32 functions ``stats``
+    and ``grads`` (`logprobs._row_stats` and `_row_grads`, handed in because `logprobs`
+    imports this module) on bf16 rows (a width that is no multiple of either block, rows at
+    a stride wider than the row, scale != 1, targets at both ends), or None where they
+    agree: the statistics to float32 rounding of the size of their terms (sums of 5,000 in
+    another order, the hardware's exp), the gradient within a bf16 ulp of the size of its
+    terms."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
     rows, width, scale = 16, 5000, 1 / 0.7
@@ -184,7 +184,7 @@ def disagreement(device: torch.device | str) -> str | None:
     per_row = torch.randn(4, rows, device=device, generator=generator)
     for need_entropy in (False, True):
         got = row_stats(logits, index, scale, need_entropy)
-        want = logprobs._row_stats(logits, index, scale, need_entropy)
+        want = stats(logits, index, scale, need_entropy)
         shifted = logits.float() * scale - want[0][:, None]
         spread = (shifted.exp() * shifted.abs()).sum(-1)
         sizes = (want[0].abs(), want[0].abs() + want[1].abs(), want[2], spread)
@@ -201,7 +201,7 @@ def disagreement(device: torch.device | str) -> str | None:
         x = logits.float() * scale
         logp = x - log_norm[:, None]
         p = logp.exp()
-        want = logprobs._row_grads(
+        want = grads(
             logits.float(), index, log_norm, grad_logprobs, target_grad, entropy, gH, scale
         )
         size = p * grad_logprobs.abs()[:, None]
@@ -217,12 +217,12 @@ def disagreement(device: torch.device | str) -> str | None:
 
 
 @functools.cache
-def agrees(device: torch.device) -> bool:
-    """Whether the kernels compute `logprobs`' row statistics and gradients on ``device``
-    (`disagreement`, checked once per process). `logprobs` uses them only where they do: a
-    wrong gradient would train on without an error."""
+def agrees(device: torch.device, stats, grads) -> bool:
+    """Whether the kernels compute the row statistics and gradients of ``stats`` and
+    ``grads`` on ``device`` (`disagreement`, checked once per process). `logprobs` uses
+    them only where they do: a wrong gradient would train on without an error."""
     try:
-        wrong = disagreement(device)
+        wrong = disagreement(device, stats, grads)
     except Exception as error:  # a Triton that cannot build them here: torch.compile serves
         logger.warning("the Triton logprob kernels failed on %s (%r): compiling", device, error)
         return False

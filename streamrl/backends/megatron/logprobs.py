@@ -96,7 +96,11 @@ def _kernels(compiled: bool, device: torch.device):
     where they agree with these formulas there, torch.compile'd functions elsewhere."""
     if not compiled:
         return _row_stats, _row_grads
-    if device.type == "cuda" and logprob_kernels.available() and logprob_kernels.agrees(device):
+    if (
+        device.type == "cuda"
+        and logprob_kernels.available()
+        and logprob_kernels.agrees(device, _row_stats, _row_grads)
+    ):
         return logprob_kernels.row_stats, logprob_kernels.row_grads
     if not _COMPILED:
         _COMPILED["stats"] = torch.compile(_row_stats, dynamic=True)

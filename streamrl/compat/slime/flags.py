@@ -82,6 +82,7 @@ KEYS: dict[str, Key] = {
     "--num-rollout": Key("train.steps", integer),
     "--global-batch-size": Key("learner.global_batch_size", integer),
     "--max-tokens-per-gpu": Key("learner.micro_batch_tokens", integer),
+    "--log-probs-max-tokens-per-gpu": Key("learner.logprob_micro_batch_tokens", integer),
     "--save": Key("train.output_dir"),
     "--save-interval": Key("train.save_interval", integer),
     "--seed": Key("train.seed", integer),

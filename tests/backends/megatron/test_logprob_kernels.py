@@ -75,7 +75,8 @@ def test_triton_logprob_kernels_compute_the_plain_functions_on_cuda(dtype):
         pytest.skip("Triton is not installed")
     device = torch.device("cuda", torch.cuda.current_device())
     _assert_kernels_compute_the_plain_functions("cuda", dtype)
-    assert logprob_kernels.agrees(device)  # the start-up check
+    plain = (megatron_logprobs._row_stats, megatron_logprobs._row_grads)
+    assert logprob_kernels.agrees(device, *plain)  # the start-up check
     assert megatron_logprobs._kernels(True, device) == (
         logprob_kernels.row_stats,
         logprob_kernels.row_grads,
@@ -127,7 +128,8 @@ def test_triton_logprob_kernels_compute_the_plain_functions_under_the_interprete
         "import torch, test_logprob_kernels as t\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    t._assert_kernels_compute_the_plain_functions('cpu', dtype)\n"
-        "assert t.logprob_kernels.disagreement('cpu') is None\n"
+        "plain = (t.megatron_logprobs._row_stats, t.megatron_logprobs._row_grads)\n"
+        "assert t.logprob_kernels.disagreement('cpu', *plain) is None\n"
     )
     paths = [str(here), *(path for path in sys.path if path)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
@@ -145,7 +147,7 @@ def test_logprobs_take_the_triton_kernels_for_cuda_logits_only(monkeypatch):
     the torch.compile'd functions where it fails; not compiled, the plain ones everywhere."""
     agrees = {"cuda": True}
     monkeypatch.setattr(logprob_kernels, "available", lambda: True)
-    monkeypatch.setattr(logprob_kernels, "agrees", lambda device: agrees[device.type])
+    monkeypatch.setattr(logprob_kernels, "agrees", lambda device, *plain: agrees[device.type])
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     plain = (megatron_logprobs._row_stats, megatron_logprobs._row_grads)
     triton = (logprob_kernels.row_stats, logprob_kernels.row_grads)
