@@ -339,29 +339,32 @@ def mfu_figures(flops: dict, step_s: float, train_s: float) -> dict:
     }
 
 
-def rl_step(backend, batch, clock: StepClock) -> None:
+def rl_step(backend, batch, clock: StepClock, logprob_batch=None) -> None:
     """One learner step as `streamrl.backends.step.train_step` runs it with a proximal pass:
     old-policy log-probabilities, then one optimizer step over the same micro-batches (with
-    entropy, as the learner always asks; here it feeds metrics only)."""
+    entropy, as the learner always asks; here it feeds metrics only). `logprob_batch`: the
+    proximal pass's own micro-batches (`learner.logprob_micro_batch_tokens`)."""
     clock.mark("between_steps_s")
-    backend.compute_logprobs(batch, temperature=1.0)
+    backend.compute_logprobs(logprob_batch or batch, temperature=1.0)
     clock.mark("old_logprob_forward_s")
     backend.train_mini_batch(batch, nll_loss, temperature=1.0, need_entropy=True)
     clock.mark("metrics_s")
 
 
-def time_rl_steps(backend, batch, flops: dict, *, steps: int = TIMED_STEPS) -> dict:
+def time_rl_steps(
+    backend, batch, flops: dict, *, steps: int = TIMED_STEPS, logprob_batch=None
+) -> dict:
     """A warm-up step (compilation, allocations), then `steps` timed ones."""
     clock = StepClock(PLAN.device)
     timed_optimizer(backend, clock)
     started = time.perf_counter()
-    rl_step(backend, batch, clock)
+    rl_step(backend, batch, clock, logprob_batch)
     clock.phases_s()
     first_step_s = time.perf_counter() - started
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        rl_step(backend, batch, clock)
+        rl_step(backend, batch, clock, logprob_batch)
     synchronize()
     step_s = (time.perf_counter() - start) / steps
     phases = {name: seconds / steps for name, seconds in clock.phases_s().items()}
@@ -540,25 +543,40 @@ def section_micro_batch_32k(small_dir: Path, work_dir: Path, out: dict, save) ->
             )  # fmt: skip
 
 
-PROFILE_LAYOUTS = {  # name: (rows per micro-batch, micro-batches per step, seed), as timed
-    "micro_batches_8k": (ROWS_PER_MICRO_BATCH, MICRO_BATCHES_PER_STEP, 2),  # by `throughput`
-    "micro_batch_32k": (MICRO_BATCH_32K_ROWS, 1, 3),  # by `micro_batch_32k`
+PROFILE_LAYOUTS = {  # name: (rows per micro-batch, micro-batches per step, seed, rows per
+    # micro-batch of the proximal pass: all rows in one, or None for training's), as timed
+    "micro_batches_8k": (ROWS_PER_MICRO_BATCH, MICRO_BATCHES_PER_STEP, 2, None),  # `throughput`
+    "micro_batch_32k": (MICRO_BATCH_32K_ROWS, 1, 3, None),  # by `micro_batch_32k`
+    # learner.micro_batch_tokens = 8192 with learner.logprob_micro_batch_tokens = 32768
+    "micro_batches_8k_logprobs_32k": (ROWS_PER_MICRO_BATCH, MICRO_BATCHES_PER_STEP, 2, True),
 }
 
 
-def profile_layout(backend, shape, *, rows: int, count: int, seed: int) -> dict:
-    """A warm-up RL step and two timed ones (`time_rl_steps`), then one under torch.profiler
-    with its phases marked (`profile_step`)."""
+def profile_layout(backend, shape, *, rows: int, count: int, seed: int, merged) -> dict:
+    """A warm-up RL step and four timed ones (`time_rl_steps`), then one under torch.profiler
+    with its phases marked (`profile_step`). `merged`: the proximal pass takes all the step's
+    rows as one micro-batch (of the same shape as the step's rows together; its tokens are
+    drawn anew, which a forward's time does not depend on)."""
     batch = micro_batches(
         shape.vocab_size, rows=rows, seq_len=PLAN.seq_len, count=count, seed=seed, padded=False
     )
+    logprob_batch = None
+    if merged:
+        logprob_batch = micro_batches(
+            shape.vocab_size, rows=rows * count, seq_len=PLAN.seq_len, count=1, seed=seed,
+            padded=False,
+        )  # fmt: skip
     flops = step_flops(shape, shape.num_parameters(), batch)
     reset_peak_memory()
     result = {"micro_batches": f"{count} x {rows} x {PLAN.seq_len}"}
-    result.update(time_rl_steps(backend, batch, flops, steps=2))
+    if merged:
+        result["logprob_micro_batches"] = f"1 x {rows * count} x {PLAN.seq_len}"
+    result.update(time_rl_steps(backend, batch, flops, steps=4, logprob_batch=logprob_batch))
     clock = StepClock(PLAN.device, marks_profiler=True)
     timed_optimizer(backend, clock)
-    result["profile"] = profile_step(lambda: rl_step(backend, batch, clock), PLAN.device)
+    result["profile"] = profile_step(
+        lambda: rl_step(backend, batch, clock, logprob_batch), PLAN.device
+    )
     return result
 
 
@@ -574,10 +592,10 @@ def section_profile(small_dir: Path, work_dir: Path, out: dict, save) -> None:
             num_params=shape.num_parameters(), compiled=backend.compiled,
             flash_attention=backend.flash_attention,
         )  # fmt: skip
-        for layout, (rows, count, seed) in PROFILE_LAYOUTS.items():
+        for layout, (rows, count, seed, merged) in PROFILE_LAYOUTS.items():
             measure(
                 entry, layout, save, profile_layout, backend, shape, rows=rows, count=count,
-                seed=seed,
+                seed=seed, merged=merged,
             )  # fmt: skip
         del backend
         free_cuda()
