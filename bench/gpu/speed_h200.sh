@@ -18,6 +18,8 @@
 #                                          default sections, or MEGATRON_ARGS; MEGATRON_TIMEOUT
 #                                          seconds, 560 by default); MEGATRON_TESTS=1 runs the
 #                                          learner kernels' CUDA tests first (~5 min)
+#   bench/gpu/speed_h200.sh kernels OUT    carry .whl: bench/gpu/kernel_check.py, the learner's
+#                                          Triton kernels against what they replace (~2 min)
 #   bench/gpu/speed_h200.sh engine OUT     carry .sgl: `streamrl bench engine`, the embedded
 #                                          engine over HTTP (in two processes), SGLang and
 #                                          in-process, 64/256/512
@@ -41,7 +43,7 @@
 # Run from the repository root on the GPU machine. Every figure lands in OUT (at most 8 files
 # come back per call). Pass STREAMRL_COMMIT=$(git rev-parse --short HEAD) from this machine.
 set -uo pipefail
-PART=${1:?usage: speed_h200.sh weights|kept|megatron|engine|http|decode OUT}
+PART=${1:?usage: speed_h200.sh weights|kept|megatron|kernels|engine|http|decode OUT}
 OUT=$(mkdir -p "${2:?usage: speed_h200.sh PART OUT}" && cd "$2" && pwd)
 cd "$(dirname "$0")/../.."
 export STREAMRL_COMMIT=${STREAMRL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -90,6 +92,9 @@ megatron)
   fi
   run timeout "${MEGATRON_TIMEOUT:-560}" python3 bench/gpu/megatron_check.py ${MEGATRON_ARGS:-} \
     --out "$OUT/megatron_check_h200x1.json"
+  ;;
+kernels)
+  run timeout 300 python3 bench/gpu/kernel_check.py --out "$OUT/kernel_check_h200x1.json"
   ;;
 engine)
   if [ -n "${ENGINE_CHECKS:-}" ]; then  # the engine's CUDA tests and step profile first
