@@ -12,7 +12,9 @@ At Qwen2-1.5B's shapes with one 32,768-token micro-batch (8 rows of 4,096 tokens
   forward and forward + backward, against megatron-core's `_apply_rotary_pos_emb_bshd`
   torch.compile'd with dynamic shapes (`speed.compiled_rope`);
 - SwiGLU (`swiglu`): [32,768, 2 x 8,960] forward and backward, against megatron-core's
-  torch.compile'd `swiglu` / `swiglu_back`.
+  torch.compile'd `swiglu` / `swiglu_back` as compiled for this one shape (`compiled`),
+  and as compiled for any shape (`compiled_dynamic`), which is what torch.compile switches
+  to once a second shape arrives, as a learner's micro-batches bring them.
 
 Each figure is `triton.testing.do_bench`'s median in milliseconds, with the bytes the
 operation must read and write over that time (TB/s). Needs CUDA and Triton (about a
@@ -117,9 +119,20 @@ def swiglu_figures(generator: torch.Generator) -> dict:
     grad = torch.randn(ROWS, FFN, device="cuda", generator=generator).bfloat16()
     size_in, size_out = y.numel() * 2, grad.numel() * 2
     result = {"shape": [ROWS, 2 * FFN]}
+
+    def dynamic(function):  # megatron-core's torch.compile'd function, compiled for any shape
+        return torch.compile(
+            getattr(function, "_torchdynamo_orig_callable", function), dynamic=True
+        )
+
     pairs = (
         ("triton", swiglu.swiglu, swiglu.swiglu_back),
         ("compiled", fused_bias_swiglu.swiglu, fused_bias_swiglu.swiglu_back),
+        (
+            "compiled_dynamic",
+            dynamic(fused_bias_swiglu.swiglu),
+            dynamic(fused_bias_swiglu.swiglu_back),
+        ),
     )
     for name, forward, backward in pairs:
         result[name] = {
