@@ -123,12 +123,10 @@ class MegatronBackend:
         self.compiled = speed.use_compile(mcfg.compile, self.device)
         """torch.compile'd log-softmax, SwiGLU and RoPE kernels (`learner.megatron.compile`);
         on CUDA with Triton, SwiGLU and RoPE by hand-written kernels (`swiglu.py`, `rope.py`)."""
-        on_triton = self.compiled and self.device.type == "cuda"
-        speed.compiled_rope(
-            self.compiled, kernels=on_triton and rope.available() and rope.agrees(self.device)
-        )
+        on_triton = self.compiled and self.device.type == "cuda" and speed.triton_available()
+        speed.compiled_rope(self.compiled, kernels=on_triton and rope.agrees(self.device))
         speed.compiled_expert_bias(self.compiled)
-        swiglu.use(on_triton and swiglu.available() and swiglu.agrees(self.device))
+        swiglu.use(on_triton and swiglu.agrees(self.device))
         self.flash_attention = flash.choose(cfg.flash_attention, self.device)
         """The attention kernels `learner.flash_attention` chose (`flash.kernel`)."""
         self.layout = parallel.initialize_parallel(

@@ -157,15 +157,6 @@ def row_grads(
     return grad
 
 
-def available() -> bool:
-    """Whether Triton imports (the kernels also need a CUDA device)."""
-    try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
-
-
 def disagreement(device: torch.device | str, stats, grads) -> str | None:
     """What the kernels get wrong on ``device`` against the plain float32 functions ``stats``
     and ``grads`` (`logprobs._row_stats` and `_row_grads`, handed in because `logprobs`

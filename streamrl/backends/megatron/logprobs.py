@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from streamrl.backends.megatron import logprob_kernels
+from streamrl.backends.megatron import logprob_kernels, speed
 
 CHUNK_BYTES = 256 * 2**20
 """The fp32 working set of one chunk of rows: [rows, V_local] temporaries never exceed it."""
@@ -98,7 +98,7 @@ def _kernels(compiled: bool, device: torch.device):
         return _row_stats, _row_grads
     if (
         device.type == "cuda"
-        and logprob_kernels.available()
+        and speed.triton_available()
         and logprob_kernels.agrees(device, _row_stats, _row_grads)
     ):
         return logprob_kernels.row_stats, logprob_kernels.row_grads

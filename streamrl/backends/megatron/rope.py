@@ -160,15 +160,6 @@ def apply(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Te
     return TritonRope.apply(t, cos, sin)
 
 
-def available() -> bool:
-    """Whether Triton imports (the kernels also need a CUDA device)."""
-    try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
-
-
 def reference(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """The rotation in float32 from Megatron's dtype-rounded tables (what `apply` rounds once)."""
     cos, sin = (table.float().unsqueeze(2) for table in tables(freqs, t.dtype, mscale))

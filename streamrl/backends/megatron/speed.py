@@ -29,6 +29,18 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports: the learner's hand-written kernels (`swiglu`, `rope`,
+    `logprob_kernels`) also need a CUDA device, and each its start-up check there."""
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
 def compile_works(device_type: str) -> bool:
     """Whether a small torch.compile'd function runs on `device_type` (a C compiler and,
     on CUDA, Triton are needed); a failure is logged once."""

@@ -136,15 +136,6 @@ def in_use() -> bool:
     return bool(_STATE["on"])
 
 
-def available() -> bool:
-    """Whether Triton imports (the kernels also need a CUDA device)."""
-    try:
-        _kernels()
-    except ImportError:
-        return False
-    return True
-
-
 @functools.cache
 def agrees(device: torch.device) -> bool:
     """Whether the kernels compute megatron-core's SwiGLU and its gradient on ``device``

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.backends.megatron import logprob_kernels
+from streamrl.backends.megatron import logprob_kernels, speed
 from streamrl.backends.megatron import logprobs as megatron_logprobs
 
 
@@ -71,7 +71,7 @@ def _assert_kernels_compute_the_plain_functions(device: str, dtype: torch.dtype)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_logprob_kernels_compute_the_plain_functions_on_cuda(dtype):
-    if not logprob_kernels.available():
+    if not speed.triton_available():
         pytest.skip("Triton is not installed")
     device = torch.device("cuda", torch.cuda.current_device())
     _assert_kernels_compute_the_plain_functions("cuda", dtype)
@@ -90,7 +90,7 @@ def test_triton_logprob_kernels_compute_the_plain_functions_on_cuda(dtype):
 def test_compiled_logprobs_on_cuda_equal_the_plain_path_with_their_gradients(dtype, need_entropy):
     """`vocab_parallel_logprobs_and_entropy` forward and backward through the Triton kernels
     (compiled=True on CUDA) against the plain path's (chunked: a chunk of 5 rows)."""
-    if not logprob_kernels.available():
+    if not speed.triton_available():
         pytest.skip("Triton is not installed")
     generator = torch.Generator(device="cuda").manual_seed(1)
     batch, seq, vocab = 3, 50, 10_007
@@ -146,7 +146,7 @@ def test_logprobs_take_the_triton_kernels_for_cuda_logits_only(monkeypatch):
     (it has no CPU path); CUDA logits get the Triton kernels where the start-up check passes,
     the torch.compile'd functions where it fails; not compiled, the plain ones everywhere."""
     agrees = {"cuda": True}
-    monkeypatch.setattr(logprob_kernels, "available", lambda: True)
+    monkeypatch.setattr(speed, "triton_available", lambda: True)
     monkeypatch.setattr(logprob_kernels, "agrees", lambda device, *plain: agrees[device.type])
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     plain = (megatron_logprobs._row_stats, megatron_logprobs._row_grads)
