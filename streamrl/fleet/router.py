@@ -19,6 +19,7 @@ synchronous (launch-time code); wrap them in a thread from async code.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -28,7 +29,12 @@ import httpx
 
 from streamrl.process import ChildProcess, ProcessDied, free_port, spawn, wait_http_ready
 
+log = logging.getLogger(__name__)
+
 POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "Address already in use"
+"""What sglang-router prints when a port it was given is bound by another process."""
 
 
 class RouterError(RuntimeError):
@@ -61,11 +67,42 @@ class Router:
         extra_args: Sequence[str] = (),
         timeout_s: float = 120.0,
     ) -> Router:
-        """Start the router and return once it answers and every worker is registered and healthy."""
+        """Start the router and return once it answers and every worker is registered and
+        healthy. Ports left to it are picked free (`free_port`), and picked again, up to
+        `PORT_ATTEMPTS` times, when the router exits because one was taken before it bound
+        it (another process can bind a port between the pick and the router's start)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-        port = port or free_port(host)
-        prometheus_port = prometheus_port or free_port("127.0.0.1")
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            logged = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                return cls._start_once(
+                    worker_urls, log_path=log_path, host=host,
+                    port=port or free_port(host),
+                    prometheus_port=prometheus_port or free_port("127.0.0.1"),
+                    policy=policy, extra_args=extra_args, timeout_s=timeout_s,
+                )  # fmt: skip
+            except ProcessDied:
+                chosen_here = port is None or prometheus_port is None
+                this_start = log_path.read_bytes()[logged:].decode(errors="replace")
+                if not (chosen_here and PORT_TAKEN in this_start) or attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("sglang-router found its port taken; starting it on other ports")
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(
+        cls,
+        worker_urls: Sequence[str],
+        *,
+        log_path: Path,
+        host: str,
+        port: int,
+        prometheus_port: int,
+        policy: str,
+        extra_args: Sequence[str],
+        timeout_s: float,
+    ) -> Router:
         argv = [
             sys.executable,
             "-m",

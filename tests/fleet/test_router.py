@@ -175,3 +175,36 @@ async def test_sessions_stick_to_one_engine_and_only_a_down_engines_sessions_mov
         ]
         engine_set.mark_up(urls[0])
         assert {key: engine_set.session(key).url for key in keys} == chosen
+
+
+def test_a_router_whose_picked_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    """Another process binds the port picked for the router before the router does: the
+    router exits with sglang-router's "Address already in use", and `Router.start` picks
+    again and starts it (no workers: it serves at once). A port the caller gave is not
+    replaced: the same exit is raised."""
+    import socket
+
+    from streamrl.fleet import router as router_module
+    from streamrl.process import ProcessDied, free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port])
+    monkeypatch.setattr(
+        router_module, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host)
+    )
+    log_path = tmp_path / "router.log"
+    try:
+        router = Router.start([], log_path=log_path, timeout_s=60)
+        try:
+            assert router.url != f"http://127.0.0.1:{taken_port}"
+            assert router.workers() == []
+        finally:
+            router.stop()
+        assert router_module.PORT_TAKEN in log_path.read_text()  # the first start
+        with pytest.raises(ProcessDied, match=router_module.PORT_TAKEN):
+            Router.start([], log_path=tmp_path / "given.log", port=taken_port, timeout_s=60)
+    finally:
+        taken.close()
