@@ -73,7 +73,8 @@ class Router:
         it (another process can bind a port between the pick and the router's start)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             logged = log_path.stat().st_size if log_path.exists() else 0
             try:
                 return cls._start_once(
@@ -88,7 +89,7 @@ class Router:
                 if not (chosen_here and PORT_TAKEN in this_start) or attempt == PORT_ATTEMPTS:
                     raise
                 log.warning("sglang-router found its port taken; starting it on other ports")
-        raise AssertionError("unreachable")
+            attempt += 1
 
     @classmethod
     def _start_once(
