@@ -263,11 +263,8 @@ def test_without_the_document_mask_a_packed_sample_would_see_the_one_before_it(t
     assert (leaking - masked).abs().max() > 1e-2
 
 
-def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_padding(
-    tiny_model_dir,
-):
-    from streamrl.backends.step import train_step
-    from streamrl.config import config_from_dict
+def _rewarded_groups():
+    """`_samples()` in groups of two, each rewarded by its response length's parity."""
     from streamrl.types import Group
 
     samples = _samples()
@@ -277,6 +274,16 @@ def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_p
     ]
     for sample in samples:
         sample.reward = float(len(sample.response_ids) % 2)
+    return samples, groups
+
+
+def test_a_training_step_reports_the_share_of_its_computed_tokens_that_are_not_padding(
+    tiny_model_dir,
+):
+    from streamrl.backends.step import train_step
+    from streamrl.config import config_from_dict
+
+    samples, groups = _rewarded_groups()
     efficiency = {}
     for packed in (False, True):
         cfg = config_from_dict(
@@ -304,7 +311,6 @@ def test_the_forward_only_passes_take_their_own_token_budget(tiny_model_dir, pac
     sample's proximal log-probabilities are those of the training budget's micro-batches."""
     from streamrl.backends.step import train_step
     from streamrl.config import config_from_dict
-    from streamrl.types import Group
 
     class Recording(TorchBackend):
         def compute_logprobs(self, micro_batches, **kwargs):
@@ -316,13 +322,7 @@ def test_the_forward_only_passes_take_their_own_token_budget(tiny_model_dir, pac
             self.recorded_training.extend(micro_batches)
             return super().train_mini_batch(micro_batches, *args, **kwargs)
 
-    samples = _samples()
-    groups = [
-        Group(group_id=f"g{i}", prompt_seq=i, prompt_index=i, samples=samples[i : i + 2])
-        for i in range(0, len(samples), 2)
-    ]
-    for sample in samples:
-        sample.reward = float(len(sample.response_ids) % 2)
+    samples, groups = _rewarded_groups()
     proximal, widths = {}, {}
     for budget in (0, 200):
         cfg = config_from_dict(
